@@ -1,0 +1,70 @@
+"""The public entry point: ``convert``."""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Optional, Union
+
+import torch
+
+from .capture import capture, normalize_inputs
+from .op_table import OpTable
+from .pass_infra import run_passes
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """torch.float16 / torch.bfloat16, or one of their names; anything else is a ValueError."""
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    if dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (or one of "
+                     f"{sorted(_DTYPES)}), got {dtype!r}")
+
+
+def _needs_inputs(model: torch.nn.Module) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.default is inspect.Parameter.empty and
+               p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               for p in params)
+
+
+def convert(model: torch.nn.Module, example_inputs: Any = None, *,
+            dtype: Union[str, torch.dtype] = torch.float16,
+            example_kwargs: Optional[dict] = None, keep_io_types: bool = True,
+            op_table: Optional[Union[OpTable, dict]] = None,
+            overrides: Optional[dict] = None, check: bool = True) -> torch.fx.GraphModule:
+    """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
+
+    The example inputs are run once to learn every value's shape and dtype (and once more to
+    check the result when ``check``). ``op_table`` extends the built-in op classes (a dict from
+    module type / function / method name / ATen op to a class name or OpEntry); ``overrides``
+    maps node names or module-path globs to "fp32" or the low dtype. The caller's model is never
+    modified.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
+    low = resolve_dtype(dtype)
+    if example_inputs is None and example_kwargs is None and _needs_inputs(model):
+        raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
+                         "arguments) to learn which values are float32 and their shapes")
+    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    table = op_table if isinstance(op_table, OpTable) else OpTable.default(op_table)
+    gm = capture(model, args, kwargs)
+
+    from .pipeline import default_pipeline
+    passes = default_pipeline(low, args, kwargs, keep_io_types=keep_io_types, op_table=table,
+                              overrides=overrides, check=check)
+    gm = run_passes(passes, gm)
+    gm.plan = Plan.from_graph(gm, low, keep_io_types)
+    log.info("%s", gm.plan.summary())
+    return gm

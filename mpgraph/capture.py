@@ -1,0 +1,113 @@
+"""Capture a model's graph: torch.fx.symbolic_trace first, torch.export (non-strict) as fallback.
+
+The user's model is never touched: we trace a deep copy, so the converted module owns its own
+parameters and the caller's parameters, buffers, training flag and hooks stay as they were.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from .errors import CaptureError
+from .meta import CAPTURE
+
+log = logging.getLogger(__name__)
+
+SYMBOLIC = "torch.fx.symbolic_trace"
+EXPORT = "torch.export"
+
+
+def normalize_inputs(example_inputs: Any, example_kwargs: Optional[dict]) -> tuple[tuple, dict]:
+    """Example inputs as (args tuple, kwargs dict): a tensor, a tuple/list, or a dict of kwargs."""
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is None:
+        return (), kwargs
+    if isinstance(example_inputs, dict):
+        return (), {**example_inputs, **kwargs}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), kwargs
+    return (example_inputs,), kwargs
+
+
+def _brief(exc: BaseException, lines: int = 4) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    parts = [p for p in text.splitlines() if p.strip()]
+    out = "\n    ".join(parts[:lines])
+    return out + (" ..." if len(parts) > lines else "")
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict):
+    """Dim.AUTO on every tensor dimension, so the exported graph is not tied to one shape."""
+    auto = torch.export.Dim.AUTO
+
+    def spec(x):
+        return {i: auto for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
+
+    return pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    ep = torch.export.export(model, args, kwargs, strict=False,
+                             dynamic_shapes=_as_dynamic_spec(model, args, kwargs))
+    return ep.module()
+
+
+def _as_dynamic_spec(model, args, kwargs):
+    """torch.export wants one spec per forward parameter; with kwargs, a dict by name."""
+    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
+    if not kwargs:
+        return dyn_args
+    names = list(inspect.signature(model.forward).parameters)
+    spec = {names[i]: d for i, d in enumerate(dyn_args)}
+    spec.update(dyn_kwargs)
+    return spec
+
+
+def capture(model: torch.nn.Module, example_inputs: Any = None,
+            example_kwargs: Optional[dict] = None) -> torch.fx.GraphModule:
+    """Return a GraphModule computing ``model``, traced from a copy of it.
+
+    With example inputs, every node's output shape and dtype is recorded in
+    ``node.meta["mpgraph.tensor"]``, and a symbolic trace that fails to run on them falls back to
+    torch.export. Raises CaptureError naming what each tracer reported when none works.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
+
+    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    has_inputs = example_inputs is not None or example_kwargs is not None
+    try:
+        work = copy.deepcopy(model)
+    except Exception as e:
+        raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
+                                             "modified: " + _brief(e)}) from e
+    reports: dict[str, str] = {}
+    attempts = [(SYMBOLIC, lambda: torch.fx.symbolic_trace(work))]
+    if has_inputs:
+        attempts.append((EXPORT, lambda: _export(work, args, kwargs)))
+    for name, trace in attempts:
+        try:
+            gm = trace()
+        except Exception as e:
+            reports[name] = _brief(e)
+            log.info("%s failed: %s", name, reports[name])
+            continue
+        if has_inputs:
+            try:
+                PropagateTensorInfo(args, kwargs)(gm)
+            except Exception as e:
+                reports[name] = "traced, but the traced graph failed on the example inputs: " + _brief(e)
+                log.info("%s", reports[name])
+                continue
+        gm.meta[CAPTURE] = name
+        if reports:
+            log.info("captured with %s after: %s", name, "; ".join(reports))
+        return gm
+    raise CaptureError(reports)

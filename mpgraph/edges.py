@@ -1,0 +1,36 @@
+"""What dtype a consumer needs each of its inputs in: the one rule both rewrite passes share."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.fx
+
+from .graph_utils import is_inplace
+from .meta import PRECISION, TENSOR, Decision, is_float32_tensor
+
+DecisionOf = Callable[[torch.fx.Node], Optional[Decision]]
+
+
+def _from_meta(node: torch.fx.Node) -> Optional[Decision]:
+    return node.meta.get(PRECISION)
+
+
+def required_dtype(consumer: torch.fx.Node, producer: torch.fx.Node, root: torch.nn.Module,
+                   keep_io_types: bool = True,
+                   decision_of: DecisionOf = _from_meta) -> Optional[torch.dtype]:
+    """The dtype ``consumer`` must read ``producer``'s value in, or None to take it as it is.
+
+    Only values that were float32 in the captured model are ever converted; everything else
+    (integers, bools, float64, tensors already in low precision) is read unchanged.
+    """
+    if not is_float32_tensor(producer.meta.get(TENSOR)) or isinstance(producer.meta.get(TENSOR), tuple):
+        return None
+    if consumer.op == "output":
+        return torch.float32 if keep_io_types else None
+    decision = decision_of(consumer)
+    if decision is None or decision.dtype is None or decision.reads_any:
+        return None
+    if consumer.args and consumer.args[0] is producer and is_inplace(consumer, root):
+        return None  # an in-place op writes into this very value: it cannot read a copy
+    return decision.dtype

@@ -1,0 +1,149 @@
+"""Small helpers over torch.fx graphs shared by several passes."""
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+from torch.fx.graph import _PyTreeCodeGen
+from torch.utils import _pytree as pytree
+
+# Ops whose output aliases their first input (a view), so mutating the output mutates the input.
+_VIEW_METHODS = {"view", "view_as", "reshape", "permute", "transpose", "t", "expand", "expand_as",
+                 "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "split",
+                 "chunk", "unbind", "__getitem__", "detach", "diagonal", "movedim", "contiguous"}
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every node read by ``node``, in argument order, each once."""
+    return list(dict.fromkeys(node.all_input_nodes))
+
+
+def is_inplace(node: torch.fx.Node, root: torch.nn.Module) -> bool:
+    """True when ``node`` writes into its first argument."""
+    if node.op == "call_method":
+        name = node.target
+        return name.endswith("_") and not name.startswith("__")
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return True
+        if isinstance(node.target, torch._ops.OpOverload):
+            schema = node.target._schema
+            return bool(schema.arguments) and schema.arguments[0].alias_info is not None \
+                and schema.arguments[0].alias_info.is_write
+        return bool(node.kwargs.get("inplace", False))
+    if node.op == "call_module":
+        return bool(getattr(root.get_submodule(node.target), "inplace", False))
+    return False
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        if node.target is operator.getitem:
+            return True
+        if isinstance(node.target, torch._ops.OpOverload):
+            return node.target.is_view
+    return False
+
+
+def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.Node]:
+    """Values written in place somewhere in the graph, including the bases of mutated views."""
+    out: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, root):
+            target = node.args[0]
+            while True:
+                out.add(target)
+                if _is_view(target) and target.args and isinstance(target.args[0], torch.fx.Node):
+                    target = target.args[0]
+                else:
+                    break
+    return out
+
+
+def flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
+    """The values of gm's placeholders, in order, for a call ``gm(*args, **kwargs)``."""
+    codegen = gm.graph._codegen
+    if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info is not None \
+            and codegen.pytree_info.in_spec is not None:
+        spec = codegen.pytree_info.in_spec
+        leaves, call_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if call_spec != spec:
+            # kwargs may arrive in another order than at capture: reorder them by the spec.
+            ordered = dict(sorted(kwargs.items(), key=lambda kv: _spec_key_index(spec, kv[0])))
+            leaves, call_spec = pytree.tree_flatten((tuple(args), ordered))
+            if call_spec != spec:
+                raise ValueError(f"inputs do not match the captured signature: {call_spec} vs {spec}")
+        return leaves
+    sig = inspect.signature(gm.forward)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = []
+    for name, param in sig.parameters.items():
+        value = bound.arguments.get(name)
+        if param.kind == inspect.Parameter.VAR_POSITIONAL:
+            values.extend(value or ())
+        elif param.kind == inspect.Parameter.VAR_KEYWORD:
+            values.extend((value or {}).values())
+        else:
+            values.append(value)
+    return values
+
+
+def _spec_key_index(spec, key: str) -> int:
+    try:
+        kw_spec = spec.children_specs[1]
+        return list(kw_spec.context).index(key)
+    except (AttributeError, IndexError, ValueError):
+        return 0
+
+
+class RecordingInterpreter(torch.fx.Interpreter):
+    """Runs a graph node by node and hands every node's output to ``on_node``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, on_node):
+        super().__init__(gm)
+        self._on_node = on_node
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        self._on_node(n, result)
+        return result
+
+
+def run_recording(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node) -> Any:
+    """Run ``gm`` on (args, kwargs) under no_grad, calling ``on_node(node, value)`` for each node."""
+    flat = flat_inputs(gm, args, kwargs)
+    with torch.no_grad():
+        return RecordingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
+
+
+def iter_tensors(value) -> Iterator[torch.Tensor]:
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the module that produced this node, or '' at the top level."""
+    if node.op in ("call_module", "get_attr"):
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return str(path)
+    return ""
+
+
+def target_name(node: torch.fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(t)
+    return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)

@@ -1,0 +1,88 @@
+"""Namespaced node.meta keys and the frozen values stored under them.
+
+Analysis passes write these; nothing here reuses torch's own keys (``val``, ``tensor_meta``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+TENSOR = "mpgraph.tensor"            # TensorInfo, a tuple of them (multi-output ops) or None
+OP_CLASS = "mpgraph.op_class"        # OpInfo
+PRECISION = "mpgraph.precision"      # Decision
+INSERTED_BY = "mpgraph.inserted_by"  # name of the pass that created the node
+WEIGHTS = "mpgraph.weights"          # on gm.meta: WeightRecord list written by StoreWeights
+CAPTURE = "mpgraph.capture"          # on gm.meta: which tracer produced the graph
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one tensor value, recorded from a run on the example inputs."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @classmethod
+    def of(cls, value) -> "TensorInfo":
+        return cls(tuple(int(d) for d in value.shape), value.dtype)
+
+
+ValueInfo = Union[TensorInfo, tuple, None]
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """The op class of a node and why (one line from the op table)."""
+
+    op_class: str
+    reason: str
+    key: str  # the table key that matched, e.g. "nn.Linear" or "aten.linear"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The dtype a node computes in, with the rule that decided it.
+
+    ``dtype`` is None for nodes that touch no float32 tensor, and for parameters, whose stored
+    dtype follows their readers.
+    """
+
+    dtype: Optional[torch.dtype]
+    reason: str
+    pinned: bool = False    # a hard rule decided it; refinements may not move it
+    stored: bool = False    # a parameter, or computed from parameters only: materialised at
+                            # conversion time in the dtype its readers need, never cast at run time
+    reads_any: bool = False  # takes its inputs in whatever dtype they come (explicit casts)
+
+
+def tensor_info(node) -> ValueInfo:
+    return node.meta.get(TENSOR)
+
+
+def is_float32_tensor(info: ValueInfo) -> bool:
+    """True when the value is a float32 tensor, or a tuple holding one (these are what we may lower)."""
+    if isinstance(info, TensorInfo):
+        return info.dtype == torch.float32
+    if isinstance(info, tuple):
+        return any(is_float32_tensor(i) for i in info)
+    return False
+
+
+@dataclass(frozen=True)
+class WeightRecord:
+    """A parameter or buffer stored in low precision at conversion time."""
+
+    name: str       # attribute path in the converted module
+    source: str     # attribute path it was converted from
+    dtype: torch.dtype
+    numel: int
+    shared: bool    # True when the float32 original is kept too (some readers stay float32)

@@ -1,0 +1,129 @@
+"""The Plan: the record of every precision decision, every cast and every stored weight.
+
+It is what ``convert(...).plan`` carries, what reports show and what the ONNX export must
+reproduce. Built from the converted graph's meta, so it cannot drift from what runs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx
+
+from .graph_utils import module_path, target_name
+from .meta import (CAPTURE, INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, TensorInfo,
+                   WeightRecord)
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    name: str
+    op: str
+    target: str
+    module: str
+    op_class: str
+    dtype: Optional[str]
+    reason: str
+
+
+@dataclass(frozen=True)
+class CastRecord:
+    name: str
+    value: str
+    src: str
+    dst: str
+    consumers: tuple[str, ...]
+    numel: int
+    inserted_by: str
+
+
+@dataclass
+class Plan:
+    dtype: torch.dtype
+    capture: str
+    keep_io_types: bool
+    nodes: list[NodeRecord] = field(default_factory=list)
+    casts: list[CastRecord] = field(default_factory=list)
+    weights: list[WeightRecord] = field(default_factory=list)
+
+    @classmethod
+    def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype,
+                   keep_io_types: bool = True) -> "Plan":
+        plan = cls(dtype=dtype, capture=gm.meta.get(CAPTURE, "unknown"), keep_io_types=keep_io_types,
+                   weights=list(gm.meta.get(WEIGHTS, [])))
+        for node in gm.graph.nodes:
+            decision = node.meta.get(PRECISION)
+            if node.meta.get(INSERTED_BY) == "InsertCasts":
+                info = node.args[0].meta.get(TENSOR)
+                plan.casts.append(CastRecord(
+                    name=node.name, value=node.args[0].name,
+                    src=dtype_name(node.args[0].meta[PRECISION].dtype),
+                    dst=dtype_name(decision.dtype),
+                    consumers=tuple(u.name for u in node.users),
+                    numel=info.numel if isinstance(info, TensorInfo) else 0,
+                    inserted_by=node.meta[INSERTED_BY]))
+                continue
+            if node.meta.get(INSERTED_BY):
+                continue  # low-precision weight copies: listed under weights
+            op_info = node.meta.get(OP_CLASS)
+            plan.nodes.append(NodeRecord(
+                name=node.name, op=node.op, target=target_name(node), module=module_path(node),
+                op_class=op_info.op_class if op_info else "unknown",
+                dtype=dtype_name(decision.dtype) if decision else None,
+                reason=decision.reason if decision else ""))
+        return plan
+
+    # -- queries ---------------------------------------------------------------------------
+    def node(self, name: str) -> NodeRecord:
+        for record in self.nodes:
+            if record.name == name:
+                return record
+        raise KeyError(f"no node {name!r} in the plan")
+
+    @property
+    def compute_nodes(self) -> list[NodeRecord]:
+        """Call nodes that touch float32 values: the ones a precision was chosen for."""
+        return [r for r in self.nodes if r.op.startswith("call_") and r.dtype is not None]
+
+    @property
+    def low_nodes(self) -> list[NodeRecord]:
+        low = dtype_name(self.dtype)
+        return [r for r in self.compute_nodes if r.dtype == low]
+
+    @property
+    def unknown_nodes(self) -> list[NodeRecord]:
+        return [r for r in self.compute_nodes if r.op_class == "unknown"]
+
+    def summary(self) -> str:
+        low = dtype_name(self.dtype)
+        stored = sum(w.numel for w in self.weights)
+        text = (f"converted {len(self.low_nodes)}/{len(self.compute_nodes)} nodes to {low} "
+                f"with {len(self.casts)} casts; {len(self.weights)} weights "
+                f"({stored / 1e6:.2f}M values) stored as {low}; captured with {self.capture}")
+        if self.unknown_nodes:
+            names = ", ".join(sorted({r.target for r in self.unknown_nodes}))
+            text += f"; {len(self.unknown_nodes)} nodes of unknown ops kept in float32 ({names})"
+        return text
+
+    def format_casts(self) -> str:
+        if not self.casts:
+            return "no casts"
+        rows = [f"{'cast':<32} {'value':<28} {'from->to':<20} {'elements':>10}  readers"]
+        for c in self.casts:
+            rows.append(f"{c.name:<32} {c.value:<28} {c.src + '->' + c.dst:<20} {c.numel:>10}  "
+                        f"{', '.join(c.consumers)}")
+        return "\n".join(rows)
+
+    def to_dict(self) -> dict:
+        return {
+            "dtype": dtype_name(self.dtype), "capture": self.capture,
+            "keep_io_types": self.keep_io_types, "summary": self.summary(),
+            "nodes": [asdict(r) for r in self.nodes],
+            "casts": [{**asdict(c), "consumers": list(c.consumers)} for c in self.casts],
+            "weights": [{**asdict(w), "dtype": dtype_name(w.dtype)} for w in self.weights],
+        }

@@ -1,0 +1,14 @@
+"""mpgraph's passes, one file each, named for what they do.
+
+Installed as ``mpgraph.passes``. The default pipeline is built by ``mpgraph.pipeline.default_pipeline``.
+"""
+from .assign_precision import AssignPrecision
+from .check_dtypes import CheckDtypes
+from .classify_ops import ClassifyOps
+from .insert_casts import InsertCasts
+from .propagate_tensor_info import PropagateTensorInfo
+from .retarget_dtype_asserts import RetargetDtypeAsserts
+from .store_weights import StoreWeights
+
+__all__ = ["AssignPrecision", "CheckDtypes", "ClassifyOps", "InsertCasts", "PropagateTensorInfo",
+           "RetargetDtypeAsserts", "StoreWeights"]

@@ -1,0 +1,256 @@
+"""Decide the dtype every node computes in: rule-based propagation, first version.
+
+Hard rules first (Tensor-Core ops go low, fp32 classes stay fp32, user overrides, constants and
+weights that overflow the low dtype, in-place writes), then ``follow`` ops take their inputs'
+precision in one forward sweep (low only when every runtime float input is low, so a chain of
+follow ops between two matmuls stays low and a low value never meets a float32 one unconverted).
+A backward refinement then moves a low follow op to float32 when all its readers are float32 and
+its inputs already have float32 casts: one cast fewer, none added. Parameters and values computed
+from parameters alone are not decided here: they take the dtype their readers need, at
+conversion time, so no weight is ever cast at run time.
+
+The cost-model issue replaces this pass behind the same contract (reads ``mpgraph.op_class`` and
+``mpgraph.tensor``, writes ``mpgraph.precision``).
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import numbers
+import operator
+from typing import Optional
+
+import torch
+import torch.fx
+
+from mpgraph.edges import required_dtype
+from mpgraph.graph_utils import input_nodes, is_inplace, module_path, mutated_nodes
+from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, Decision, is_float32_tensor
+from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE, UNKNOWN
+from mpgraph.pass_infra import Pass, PassResult
+
+log = logging.getLogger(__name__)
+FP32 = torch.float32
+_CALLS = ("call_function", "call_method", "call_module")
+_METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+                  "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
+                  "bool": torch.bool}
+
+
+def _short(dtype: Optional[torch.dtype]) -> str:
+    return str(dtype).replace("torch.", "") if dtype is not None else "-"
+
+
+def explicit_dtype(node: torch.fx.Node):
+    """The dtype the node's own code asks for: a torch.dtype, ('like', node) for ``x.dtype``, or None."""
+    if node.op == "call_method" and node.target in _METHOD_DTYPES:
+        return _METHOD_DTYPES[node.target]
+    for a in list(node.args[1:]) + list(node.kwargs.values()):
+        if isinstance(a, torch.dtype):
+            return a
+        if isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target is getattr \
+                and len(a.args) == 2 and a.args[1] == "dtype":
+            return ("like", a.args[0])
+    return None
+
+
+def _tensor_absmax(t: torch.Tensor) -> float:
+    if t.device.type == "meta" or t.numel() == 0:
+        return 0.0
+    return float(t.detach().abs().max())
+
+
+class AssignPrecision(Pass):
+    """Decision pass: writes ``mpgraph.precision`` on every node; never edits the graph.
+
+    ``overrides`` maps a node name or a module-path glob to a dtype (or "fp32"/"low").
+    """
+
+    def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
+                 overrides: Optional[dict] = None):
+        self.low = low_dtype
+        self.keep_io_types = keep_io_types
+        self.overrides = dict(overrides or {})
+        self.low_max = torch.finfo(low_dtype).max
+
+    def requires(self, gm):
+        for node in gm.graph.nodes:
+            if TENSOR not in node.meta or OP_CLASS not in node.meta:
+                raise self.fail("run PropagateTensorInfo and ClassifyOps first", node)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _override(self, node) -> Optional[torch.dtype]:
+        path = module_path(node)
+        for key, value in self.overrides.items():
+            if key == node.name or (path and (key == path or fnmatch.fnmatchcase(path, key))):
+                if value in ("low", self.low):
+                    return self.low
+                if value in ("fp32", "float32", FP32):
+                    return FP32
+                raise ValueError(f"override {key!r}: dtype must be float32 or {self.low}, got {value!r}")
+        return None
+
+    def _weights_of(self, node, gm, stored) -> list[tuple[str, torch.Tensor]]:
+        """The parameters a node reads: its module's, or the stored get_attr values it takes."""
+        out = []
+        if node.op == "call_module":
+            out += list(gm.get_submodule(node.target).named_parameters())
+        for a in input_nodes(node):
+            if a in stored and a.op == "get_attr":
+                value = _fetch_attr(gm, a.target)
+                if isinstance(value, torch.Tensor):
+                    out.append((a.target, value))
+        return out
+
+    def _overflow_reason(self, node, gm, stored) -> Optional[str]:
+        """Why running this node in low precision would overflow, from what is known statically."""
+        if self.low == torch.bfloat16:
+            return None  # bf16 has fp32's exponent range
+        for a in list(node.args) + list(node.kwargs.values()):
+            if isinstance(a, numbers.Real) and not isinstance(a, bool) and abs(a) > self.low_max \
+                    and abs(a) != float("inf"):
+                return f"constant {a:g} overflows {_short(self.low)} (max {self.low_max:g})"
+        for name, t in self._weights_of(node, gm, stored):
+            if t.is_floating_point():
+                m = _tensor_absmax(t)
+                if m > self.low_max:
+                    return f"weight {name} absmax {m:.3g} overflows {_short(self.low)}"
+        return None
+
+    # -- the decision ----------------------------------------------------------------------
+    def call(self, gm):
+        graph = gm.graph
+        order = list(graph.nodes)
+        mutated = mutated_nodes(graph, gm)
+        dec: dict[torch.fx.Node, Decision] = {}
+        stored: set[torch.fx.Node] = set()
+        convertible = (FP32, self.low)
+
+        for node in order:
+            info = node.meta[TENSOR]
+            if node.op == "placeholder":
+                dec[node] = Decision(FP32, "graph input keeps its dtype", pinned=True) \
+                    if is_float32_tensor(info) else Decision(None, "not a float32 tensor")
+                continue
+            if node.op == "get_attr":
+                if is_float32_tensor(info) and node in mutated:
+                    dec[node] = Decision(FP32, "buffer written in place: keeps its dtype", pinned=True)
+                elif is_float32_tensor(info):
+                    stored.add(node)
+                    dec[node] = Decision(None, "parameter: stored in the dtype its readers need",
+                                         stored=True)
+                else:
+                    dec[node] = Decision(None, "not a float32 tensor")
+                continue
+            if node.op == "output":
+                dec[node] = Decision(None, "graph output")
+                continue
+            dec[node] = self._decide(node, gm, dec, stored, convertible)
+
+        self._refine(order, gm, dec, stored)
+        self._decide_stored(order, gm, dec, stored)
+        for node in order:
+            node.meta[PRECISION] = dec[node]
+        return PassResult(gm, False)
+
+    def _decide(self, node, gm, dec, stored, convertible) -> Decision:
+        op_info = node.meta[OP_CLASS]
+        cls = op_info.op_class
+        inputs = input_nodes(node)
+        runtime = [a for a in inputs if a not in stored and is_float32_tensor(a.meta[TENSOR])
+                   and dec[a].dtype in convertible]
+        touches = is_float32_tensor(node.meta[TENSOR]) or runtime \
+            or any(a in stored for a in inputs)
+        if not touches:
+            return Decision(None, "no float32 tensors")
+
+        forced = self._override(node)
+        if forced is not None:
+            return Decision(forced, "user override", pinned=True)
+
+        if node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, gm):
+            self_dtype = dec[node.args[0]].dtype
+            if self_dtype in convertible:
+                reason = f"in place on a {_short(self_dtype)} value"
+                if cls != FOLLOW and self_dtype != FP32:
+                    reason += f" (its class {cls} asks for float32, but it writes into a low value)"
+                    log.warning("%s: %s", node.name, reason)
+                return Decision(self_dtype, reason, pinned=True)
+
+        asked = explicit_dtype(node) if cls in (CAST, FOLLOW) else None
+        if cls == CAST or (cls == FOLLOW and isinstance(asked, torch.dtype) and "dtype" in node.kwargs):
+            if isinstance(asked, torch.dtype):
+                out = FP32 if is_float32_tensor(node.meta[TENSOR]) else None
+                return Decision(out, f"explicit cast to {_short(asked)} in the model", pinned=True,
+                                reads_any=True)
+            if isinstance(asked, tuple):
+                like = dec[asked[1]].dtype
+                return Decision(like, f"casts to the dtype of {asked[1].name}", pinned=True,
+                                reads_any=True)
+            first = dec[inputs[0]].dtype if inputs else None
+            return Decision(first, "dtype-preserving conversion (device/layout)", pinned=True,
+                            reads_any=True)
+
+        if cls == TENSOR_CORE:
+            why = self._overflow_reason(node, gm, stored)
+            if why:
+                return Decision(FP32, why, pinned=True)
+            return Decision(self.low, op_info.reason, pinned=True)
+        if cls == UNKNOWN:
+            return Decision(FP32, op_info.reason, pinned=True)
+        if cls != FOLLOW:
+            return Decision(FP32, op_info.reason, pinned=True)
+
+        # follow
+        if inputs and all(a in stored for a in inputs):
+            stored.add(node)
+            return Decision(None, "computed from parameters only: takes its readers' dtype",
+                            stored=True)
+        if not runtime:
+            return Decision(FP32, "no low-precision input: stays float32")
+        kinds = {dec[a].dtype for a in runtime}
+        if kinds != {self.low}:
+            return Decision(FP32, "reads a float32 input: stays float32")
+        why = self._overflow_reason(node, gm, stored)
+        if why:
+            return Decision(FP32, why, pinned=True)
+        return Decision(self.low, f"all float inputs are {_short(self.low)}")
+
+    def _refine(self, order, gm, dec, stored) -> None:
+        """Move low follow ops to float32 where that removes a cast and adds none."""
+        def need(consumer, producer):
+            return required_dtype(consumer, producer, gm, self.keep_io_types, dec.get)
+
+        changed = True
+        while changed:
+            changed = False
+            for node in reversed(order):
+                d = dec[node]
+                if node.op not in _CALLS or d.pinned or d.stored or d.dtype != self.low:
+                    continue
+                needs = [need(u, node) for u in node.users]
+                if FP32 not in needs or self.low in needs:
+                    continue
+                low_inputs = [a for a in input_nodes(node) if a not in stored
+                              and is_float32_tensor(a.meta[TENSOR]) and dec[a].dtype == self.low]
+                if all(any(need(u, a) == FP32 for u in a.users if u is not node) for a in low_inputs):
+                    dec[node] = Decision(FP32, "readers are float32 and its inputs already have "
+                                               "float32 casts: one cast fewer in float32")
+                    changed = True
+
+    def _decide_stored(self, order, gm, dec, stored) -> None:
+        """Values computed from parameters alone take the dtype their readers need."""
+        for node in reversed(order):
+            if node not in stored or node.op == "get_attr":
+                continue
+            needs = {required_dtype(u, node, gm, self.keep_io_types, dec.get) for u in node.users}
+            dtype = self.low if self.low in needs else FP32
+            dec[node] = Decision(dtype, f"computed from parameters only: {_short(dtype)} for its "
+                                        "readers", stored=True)
+
+
+def _fetch_attr(root: torch.nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

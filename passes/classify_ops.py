@@ -1,0 +1,36 @@
+"""Look every node up in the op table and record its class and the reason."""
+from __future__ import annotations
+
+import torch
+
+from mpgraph.meta import OP_CLASS, OpInfo
+from mpgraph.op_table import UNKNOWN, OpTable
+from mpgraph.pass_infra import Pass, PassResult
+
+_NON_CALL = {
+    "placeholder": OpInfo("input", "graph input: keeps its dtype", "placeholder"),
+    "get_attr": OpInfo("parameter", "parameter or buffer: stored in the dtype its readers need",
+                       "get_attr"),
+    "output": OpInfo("output", "graph output: keeps its dtype by default", "output"),
+}
+
+
+class ClassifyOps(Pass):
+    """Analysis: writes ``mpgraph.op_class``. The class may depend on the low dtype (bf16 vs fp16)."""
+
+    def __init__(self, low_dtype: torch.dtype, table: OpTable | None = None):
+        self.low_dtype = low_dtype
+        self.table = table or OpTable.default()
+
+    def call(self, gm):
+        for node in gm.graph.nodes:
+            if node.op in _NON_CALL:
+                node.meta[OP_CLASS] = _NON_CALL[node.op]
+                continue
+            key, entry = self.table.lookup(node, gm)
+            if entry is None:
+                info = OpInfo(UNKNOWN, f"{key} is not in the op table: kept in float32", key)
+            else:
+                info = OpInfo(entry.class_for(self.low_dtype), entry.reason, key)
+            node.meta[OP_CLASS] = info
+        return PassResult(gm, False)

@@ -1,0 +1,82 @@
+"""Insert the casts the plan needs: one per (value, dtype), shared by all readers.
+
+A cast is placed just before its first reader, so a value is converted once however many nodes
+read it, and never earlier than needed. A value that is written in place somewhere gets a fresh
+cast before each reader instead, so no reader sees a stale copy. Casts are ordinary
+``Tensor.to`` call_method nodes: they run eagerly, under torch.compile and through torch.export.
+"""
+from __future__ import annotations
+
+import torch
+
+from mpgraph.edges import required_dtype
+from mpgraph.graph_utils import input_nodes, mutated_nodes
+from mpgraph.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, Decision, OpInfo, TensorInfo
+from mpgraph.op_table import CAST
+from mpgraph.pass_infra import Pass, PassResult
+
+_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class InsertCasts(Pass):
+    def __init__(self, keep_io_types: bool = True):
+        self.keep_io_types = keep_io_types
+
+    def requires(self, gm):
+        for node in gm.graph.nodes:
+            if PRECISION not in node.meta:
+                raise self.fail("run AssignPrecision first", node)
+
+    def call(self, gm):
+        graph = gm.graph
+        mutated = mutated_nodes(graph, gm)
+        cache: dict[tuple, torch.fx.Node] = {}
+        for node in list(graph.nodes):
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            for arg in input_nodes(node):
+                have_decision = arg.meta.get(PRECISION)
+                if have_decision is None or have_decision.dtype is None:
+                    continue
+                if have_decision.stored and arg.op == "get_attr":
+                    continue  # StoreWeights materialises parameters in the right dtype
+                need = required_dtype(node, arg, gm, self.keep_io_types)
+                have = have_decision.dtype
+                if need is None or need == have:
+                    continue
+                key = (arg, need, node) if arg in mutated else (arg, need)
+                cast = cache.get(key)
+                if cast is None:
+                    cast = self._make_cast(graph, arg, need, have, before=node)
+                    cache[key] = cast
+                node.replace_input_with(arg, cast)
+        graph.lint()
+        gm.recompile()
+        return PassResult(gm, bool(cache))
+
+    def _make_cast(self, graph, value, dtype, have, before):
+        with graph.inserting_before(before):
+            cast = graph.create_node("call_method", "to", (value, dtype), {},
+                                     name=f"{value.name}_to_{_SHORT.get(dtype, 'x')}")
+        info = value.meta.get(TENSOR)
+        cast.meta[TENSOR] = TensorInfo(info.shape, dtype)
+        cast.meta[OP_CLASS] = OpInfo(CAST, "inserted by mpgraph", "Tensor.to")
+        cast.meta[PRECISION] = Decision(dtype, f"cast {_SHORT.get(have)}->{_SHORT.get(dtype)} of "
+                                               f"{value.name}", pinned=True, reads_any=True)
+        cast.meta[INSERTED_BY] = self.name
+        return cast
+
+    def ensures(self, gm):
+        for node in gm.graph.nodes:
+            if node.meta.get(INSERTED_BY) == self.name:
+                src = node.args[0]
+                if src.meta.get(INSERTED_BY) == self.name:
+                    raise self.fail("a cast reads another cast (round trip)", node)
+            for arg in input_nodes(node):
+                if node.op in ("placeholder", "get_attr"):
+                    continue
+                need = required_dtype(node, arg, gm, self.keep_io_types)
+                have = arg.meta.get(PRECISION)
+                if need is not None and have is not None and have.dtype is not None \
+                        and have.dtype != need:
+                    raise self.fail(f"reads {arg.name} as {have.dtype}, needs {need}", node)

@@ -1,0 +1,171 @@
+"""Store parameters and buffers in the dtype their readers compute in, once, at conversion time.
+
+autocast re-casts every weight on every call (its cache holds only leaf tensors that require grad,
+and is cleared when the outermost autocast exits); at small batch that dominates. Here a weight
+read only by low-precision nodes is replaced by its low-precision copy; one read by both
+precisions keeps the float32 original and gets a low-precision sibling attribute. Buffers written
+in place (batch-norm statistics in training) are never touched.
+"""
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import torch
+import torch.fx
+
+from mpgraph.edges import required_dtype
+from mpgraph.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo, WeightRecord
+from mpgraph.pass_infra import Pass, PassResult
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _owner(root: torch.nn.Module, target: str):
+    path, _, leaf = target.rpartition(".")
+    return (root.get_submodule(path) if path else root), leaf
+
+
+def _converted(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    data = value.detach().to(dtype)
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(data, requires_grad=value.requires_grad)
+    return data
+
+
+def _set_attr(root: torch.nn.Module, target: str, value) -> None:
+    owner, leaf = _owner(root, target)
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = value
+    elif leaf in owner._buffers:
+        owner._buffers[leaf] = value
+    else:
+        setattr(owner, leaf, value)
+
+
+def _add_attr(root: torch.nn.Module, target: str, value, like: str) -> None:
+    owner, leaf = _owner(root, target)
+    _, old_leaf = _owner(root, like)
+    if isinstance(value, torch.nn.Parameter):
+        owner.register_parameter(leaf, value)
+    elif old_leaf in owner._buffers:
+        owner.register_buffer(leaf, value, persistent=old_leaf not in owner._non_persistent_buffers_set)
+    else:
+        setattr(owner, leaf, value)
+
+
+def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
+    base = f"{target}_{_short(dtype)}"
+    name, i = base, 1
+    while True:
+        owner, leaf = _owner(root, name)
+        if not hasattr(owner, leaf):
+            return name
+        name, i = f"{base}_{i}", i + 1
+
+
+class StoreWeights(Pass):
+    def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True):
+        self.low = low_dtype
+        self.keep_io_types = keep_io_types
+
+    def call(self, gm):
+        records: list[WeightRecord] = list(gm.meta.get(WEIGHTS, []))
+        edits = self._get_attrs(gm, records) + self._modules(gm, records)
+        gm.meta[WEIGHTS] = records
+        if edits:
+            gm.graph.lint()
+            gm.recompile()
+        return PassResult(gm, edits > 0)
+
+    def _get_attrs(self, gm, records) -> int:
+        by_target = defaultdict(list)
+        for node in gm.graph.nodes:
+            d = node.meta.get(PRECISION)
+            if node.op == "get_attr" and d is not None and d.stored and d.dtype is None:
+                by_target[node.target].append(node)
+        edits = 0
+        for target, nodes in by_target.items():
+            low_users, other = [], False
+            for node in nodes:
+                for user in node.users:
+                    need = required_dtype(user, node, gm, self.keep_io_types)
+                    if need == self.low:
+                        low_users.append((node, user))
+                    else:
+                        other = True
+            original = _fetch(gm, target)
+            if not low_users:
+                for node in nodes:
+                    node.meta[PRECISION] = Decision(torch.float32, "parameter read in float32",
+                                                    stored=True)
+                continue
+            low_value = _converted(original, self.low)
+            if not other:
+                _set_attr(gm, target, low_value)
+                for node in nodes:
+                    node.meta[TENSOR] = TensorInfo(node.meta[TENSOR].shape, self.low)
+                    node.meta[PRECISION] = Decision(self.low, f"stored as {_short(self.low)}",
+                                                    stored=True)
+                records.append(WeightRecord(target, target, self.low, original.numel(), False))
+                edits += 1
+                continue
+            new_target = _free_name(gm, target, self.low)
+            _add_attr(gm, new_target, low_value, like=target)
+            records.append(WeightRecord(new_target, target, self.low, original.numel(), True))
+            for node in nodes:
+                node.meta[PRECISION] = Decision(torch.float32, "parameter read in float32 "
+                                                f"(a {_short(self.low)} copy serves low readers)",
+                                                stored=True)
+            copies = {}
+            for node, user in low_users:
+                if node not in copies:
+                    with gm.graph.inserting_after(node):
+                        new = gm.graph.get_attr(new_target)
+                    new.meta.update({TENSOR: TensorInfo(node.meta[TENSOR].shape, self.low),
+                                     PRECISION: Decision(self.low, f"{_short(self.low)} copy of "
+                                                         f"{target}", stored=True),
+                                     OP_CLASS: node.meta[OP_CLASS], INSERTED_BY: self.name})
+                    copies[node] = new
+                user.replace_input_with(node, copies[node])
+                edits += 1
+        return edits
+
+    def _modules(self, gm, records) -> int:
+        calls = defaultdict(list)
+        for node in gm.graph.nodes:
+            if node.op == "call_module":
+                calls[node.target].append(node)
+        edits = 0
+        for target, nodes in calls.items():
+            low = [n for n in nodes if n.meta[PRECISION].dtype == self.low]
+            if not low:
+                continue
+            module = gm.get_submodule(target)
+            tensors = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers())
+                       if t.dtype == torch.float32]
+            if not tensors:
+                continue
+            shared = len(low) < len(nodes)
+            if shared:  # some calls stay float32: a converted copy serves the low ones
+                new_target = _free_name(gm, target, self.low)
+                module = copy.deepcopy(module)
+                gm.add_submodule(new_target, module)
+                for n in low:
+                    n.target = new_target
+                target = new_target
+            for name, t in tensors:
+                _set_attr(module, name, _converted(t, self.low))
+                records.append(WeightRecord(f"{target}.{name}", f"{target}.{name}", self.low,
+                                            t.numel(), shared))
+            edits += 1
+        return edits
+
+
+def _fetch(root, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
