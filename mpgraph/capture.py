@@ -43,11 +43,16 @@ def _brief(exc: BaseException, lines: int = 4) -> str:
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
-    """Dim.AUTO on every tensor dimension, so the exported graph is not tied to one shape."""
+    """Dim.AUTO on every tensor dimension, so the exported graph is not tied to one shape.
+
+    Dimensions of size 0 or 1 stay static: torch.export specialises them anyway.
+    """
     auto = torch.export.Dim.AUTO
 
     def spec(x):
-        return {i: auto for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
+        if not isinstance(x, torch.Tensor):
+            return None
+        return {i: auto for i in range(x.dim()) if x.shape[i] > 1}
 
     return pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
 

@@ -1,0 +1,131 @@
+"""Shared models and helpers for the tests. Everything is built locally; nothing downloads."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mpgraph.meta import INSERTED_BY
+
+# Relative L2 error allowed against float32, per low dtype (bf16 keeps 8 mantissa bits, fp16 11).
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LOW_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.detach().float() - ref.detach().float()).norm() / ref.detach().float().norm())
+
+
+def casts(gm) -> list:
+    """The cast nodes mpgraph inserted."""
+    return [n for n in gm.graph.nodes if n.meta.get(INSERTED_BY) == "InsertCasts"]
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class ConvBnReluPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(16 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.relu(self.bn(self.conv(x)))), 1))
+
+
+class SharedInput(nn.Module):
+    """One float32 value read by three matmuls: needs exactly one shared cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.q(x) + self.k(x) + self.v(x)
+
+
+class SoftmaxAttention(nn.Module):
+    """Written-out attention: matmul -> scale -> softmax -> matmul, plus a sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        probs = F.softmax(q @ k.transpose(-2, -1) / math.sqrt(16), dim=-1)
+        out = probs @ v
+        return out, out.sum(dim=-1)
+
+
+@pytest.fixture
+def bert():
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, vocab_size=100, max_position_embeddings=64)
+    return BertModel(cfg).eval()
+
+
+@pytest.fixture
+def gpt2():
+    from transformers import GPT2Config, GPT2Model
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=64,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    return GPT2Model(cfg).eval()
+
+
+@pytest.fixture
+def token_ids():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    return ids, mask
+
+
+def round_trips(gm) -> list[str]:
+    """Casts that undo an earlier cast through dtype-transparent ops only (a defect).
+
+    From each inserted cast A->B, walk forward through unpinned follow ops with a single float
+    input; reaching a cast B->A there means the value went down and came back for nothing.
+    """
+    from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, is_float32_tensor
+    found = []
+    for c in casts(gm):
+        src = c.args[0].meta[PRECISION].dtype
+        todo = list(c.users)
+        seen = set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in casts(gm):
+                if n.args[1] == src:
+                    found.append(f"{c.name} ... {n.name}")
+                continue
+            info, d = n.meta.get(OP_CLASS), n.meta.get(PRECISION)
+            float_inputs = [a for a in n.all_input_nodes
+                            if a.op != "get_attr" and is_float32_tensor(a.meta.get(TENSOR))
+                            or a in casts(gm)]
+            if info and info.op_class == "follow" and d is not None and not d.pinned \
+                    and len(float_inputs) == 1:
+                todo.extend(n.users)
+    return found

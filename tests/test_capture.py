@@ -1,0 +1,78 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import mpgraph
+from mpgraph.meta import CAPTURE, TENSOR, TensorInfo
+
+from conftest import MLP
+
+
+def test_symbolic_trace_route_records_shapes_and_dtypes():
+    gm = mpgraph.capture(MLP(), torch.randn(4, 16))
+    assert gm.meta[CAPTURE] == "torch.fx.symbolic_trace"
+    infos = {n.name: n.meta[TENSOR] for n in gm.graph.nodes}
+    assert infos["fc1"] == TensorInfo((4, 32), torch.float32)
+    assert infos["fc2"] == TensorInfo((4, 8), torch.float32)
+
+
+def test_capture_without_inputs_traces_but_records_nothing():
+    gm = mpgraph.capture(MLP())
+    assert all(TENSOR not in n.meta for n in gm.graph.nodes)
+
+
+def test_bert_falls_back_to_torch_export(bert, token_ids):
+    ids, mask = token_ids
+    gm = mpgraph.capture(bert, (ids,), {"attention_mask": mask})
+    assert gm.meta[CAPTURE] == "torch.export"
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "aten.linear.default" in targets and "aten.layer_norm.default" in targets
+    out = gm(ids, attention_mask=mask)
+    ref = bert(ids, attention_mask=mask)
+    assert type(out) is type(ref)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state)
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: neither tracer can capture it
+            return x * 2
+        return x - 1
+
+
+def test_capture_error_names_what_each_tracer_said():
+    with pytest.raises(mpgraph.CaptureError) as info:
+        mpgraph.capture(DataDependent(), torch.randn(3))
+    text = str(info.value)
+    assert "torch.fx.symbolic_trace" in text and "torch.export" in text
+    assert "control flow" in text  # fx names the construct
+    assert set(info.value.reports) == {"torch.fx.symbolic_trace", "torch.export"}
+
+
+def test_capture_error_without_inputs_suggests_them():
+    with pytest.raises(mpgraph.CaptureError, match="pass example_inputs"):
+        mpgraph.capture(DataDependent())
+
+
+def test_capture_rejects_non_modules():
+    with pytest.raises(TypeError, match="nn.Module"):
+        mpgraph.capture(lambda x: x, torch.randn(2))
+
+
+def test_model_is_untouched_by_capture_and_convert(bert, token_ids):
+    ids, mask = token_ids
+    bert.train()  # a flag we must not flip
+    calls = []
+    handle = bert.encoder.register_forward_hook(lambda *a: calls.append(1))
+    before = {k: v.clone() for k, v in bert.state_dict().items()}
+    hooks_before = dict(bert.encoder._forward_hooks)
+    mpgraph.convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype=torch.bfloat16)
+    after = bert.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].dtype == after[k].dtype, k
+        assert torch.equal(before[k], after[k]), k
+    assert bert.training is True
+    assert dict(bert.encoder._forward_hooks) == hooks_before
+    assert all(p.dtype == torch.float32 for p in bert.parameters())
+    handle.remove()

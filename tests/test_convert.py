@@ -1,0 +1,180 @@
+"""End to end: convert real and hand-written architectures, check numbers, dtypes, structure."""
+import pytest
+import torch
+import torch.nn as nn
+
+import mpgraph
+from mpgraph.meta import PRECISION, TENSOR
+
+from conftest import (LOW_DTYPES, TOL, ConvBnReluPool, MLP, SoftmaxAttention, casts, rel_err,
+                      round_trips)
+
+
+def _tel():
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
+
+
+SMALL = {
+    "mlp": (lambda: MLP().eval(), lambda: (torch.randn(4, 16),)),
+    "cnn": (lambda: ConvBnReluPool().eval(), lambda: (torch.randn(2, 3, 16, 16),)),
+    "attention": (lambda: SoftmaxAttention().eval(), lambda: (torch.randn(2, 6, 16),)),
+    "transformer_encoder_layer": (_tel, lambda: (torch.randn(2, 10, 32),)),
+}
+FP32_CLASSES = ("fp32_compute", "fp32_only", "unknown")
+
+
+def _outputs(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _outputs(v)]
+    if hasattr(value, "to_tuple"):
+        return _outputs(value.to_tuple())
+    return []
+
+
+def _check_invariants(gm, low):
+    gm.graph.lint()
+    assert round_trips(gm) == []
+    for record in gm.plan.compute_nodes:
+        if record.op_class in FP32_CLASSES:
+            assert record.dtype == "float32", record
+        for word in ("softmax", "layer_norm", "sum", "mean"):
+            if word in record.target and record.op_class != "cast":
+                assert record.dtype == "float32", record
+    # at most one cast per (value, dtype): none of these graphs writes in place
+    keys = [(c.args[0].name, c.args[1]) for c in casts(gm)]
+    assert len(keys) == len(set(keys))
+
+
+def _check_every_edge(gm, args, kwargs=None):
+    """Run the converted graph and compare each node's real dtype with its plan entry."""
+    real = {}
+
+    class Rec(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            real[n] = out
+            return out
+
+    from mpgraph.graph_utils import flat_inputs
+    with torch.no_grad():
+        Rec(gm).run(*flat_inputs(gm, args, kwargs or {}), enable_io_processing=False)
+    checked = 0
+    for n, out in real.items():
+        d, info = n.meta[PRECISION], n.meta[TENSOR]
+        if isinstance(out, torch.Tensor) and getattr(info, "dtype", None) in (torch.float32, d.dtype) \
+                and d.dtype is not None:
+            assert out.dtype == d.dtype, n.format_node()
+            checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(SMALL))
+def test_small_models(name, low):
+    build, inputs = SMALL[name]
+    model, args = build(), inputs()
+    gm = mpgraph.convert(model, args, dtype=low)
+    with torch.no_grad():
+        ref, out = model(*args), gm(*args)
+    for r, o in zip(_outputs(ref), _outputs(out)):
+        assert o.dtype == r.dtype  # keep_io_types
+        assert rel_err(o, r) < TOL[low]
+    assert gm.plan.low_nodes, "something must run in low precision"
+    _check_invariants(gm, low)
+    _check_every_edge(gm, args)
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_huggingface_models(arch, low, request, token_ids):
+    model = request.getfixturevalue(arch)
+    ids, mask = token_ids
+    gm = mpgraph.convert(model, (ids,), example_kwargs={"attention_mask": mask}, dtype=low)
+    assert gm.plan.capture == "torch.export"
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask)
+        out = gm(ids, attention_mask=mask)
+    assert type(out) is type(ref)
+    assert out.last_hidden_state.dtype == torch.float32
+    assert rel_err(out.last_hidden_state, ref.last_hidden_state) < TOL[low]
+    _check_invariants(gm, low)
+    _check_every_edge(gm, (ids,), {"attention_mask": mask})
+    # an fp32 residual stream costs 4 casts per layer (LayerNorm out down, residual branch up,
+    # twice); BERT's pooler adds 2; in fp16 GPT-2's written-out GELU (pow) is fp32: 2 more a layer
+    layers = model.config.num_hidden_layers
+    expected = {("bert", torch.bfloat16): 4 * layers + 2, ("bert", torch.float16): 4 * layers + 2,
+                ("gpt2", torch.bfloat16): 4 * layers, ("gpt2", torch.float16): 6 * layers}
+    assert len(gm.plan.casts) == expected[arch, low], gm.plan.format_casts()
+    # the shapes were not frozen at capture
+    ids2 = torch.randint(0, 100, (3, 7))
+    with torch.no_grad():
+        out2 = gm(ids2, attention_mask=torch.ones(3, 7, dtype=torch.long))
+        ref2 = model(ids2, attention_mask=torch.ones(3, 7, dtype=torch.long))
+    assert rel_err(out2.last_hidden_state, ref2.last_hidden_state) < TOL[low]
+
+
+def test_state_dict_of_every_small_model_is_bit_identical_afterwards():
+    for name, (build, inputs) in SMALL.items():
+        model = build()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        mpgraph.convert(model, inputs(), dtype=torch.float16)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype
+                   for k in before), name
+
+
+def test_result_runs_under_torch_compile():
+    model, x = MLP().eval(), torch.randn(4, 16)
+    gm = mpgraph.convert(model, x, dtype=torch.bfloat16)
+    compiled = torch.compile(gm, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), gm(x))
+
+
+def test_summary_reads_like_the_spec():
+    gm = mpgraph.convert(SoftmaxAttention(), torch.randn(2, 6, 16), dtype=torch.bfloat16)
+    s = gm.plan.summary()
+    assert s.startswith(f"converted {len(gm.plan.low_nodes)}/{len(gm.plan.compute_nodes)} nodes "
+                        f"to bfloat16 with {len(gm.plan.casts)} casts")
+    d = gm.plan.to_dict()
+    assert d["dtype"] == "bfloat16" and len(d["nodes"]) == len(gm.plan.nodes)
+    assert {r["name"] for r in d["nodes"]} >= {"softmax", "qkv"}
+
+
+@pytest.mark.parametrize("bad", [torch.int8, torch.float32, "fp8", torch.float64])
+def test_bad_dtype_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
+        mpgraph.convert(MLP(), torch.randn(2, 16), dtype=bad)
+
+
+def test_non_module_is_a_type_error():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        mpgraph.convert(lambda x: x * 2, torch.randn(2))
+
+
+def test_missing_example_inputs_is_a_value_error():
+    with pytest.raises(ValueError, match="needs example_inputs"):
+        mpgraph.convert(MLP())
+
+
+def test_inputs_that_do_not_fit_the_model_are_a_capture_error():
+    with pytest.raises(mpgraph.CaptureError, match="mat1 and mat2|shapes cannot be multiplied"):
+        mpgraph.convert(MLP(), torch.randn(2, 5))
+
+
+def test_unknown_ops_stay_fp32_and_are_listed():
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.special.erfcx(self.lin(x))
+
+    gm = mpgraph.convert(Custom(), torch.randn(2, 4), dtype=torch.float16)
+    rec = gm.plan.node("erfcx" if any(r.name == "erfcx" for r in gm.plan.nodes) else "special_erfcx")
+    assert rec.op_class == "unknown" and rec.dtype == "float32"
+    assert "unknown ops kept in float32" in gm.plan.summary()
