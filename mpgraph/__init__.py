@@ -6,12 +6,26 @@ checks the result by running it, and returns a GraphModule carrying ``.plan``.
 """
 from .api import convert, resolve_dtype
 from .capture import capture
-from .errors import CaptureError, ConversionError, MpgraphError, PassError
+from .errors import CaptureError, ConversionError, ExportError, MpgraphError, PassError
 from .op_table import OpEntry, OpTable
 from .pass_infra import Pass, PassResult, run_passes
 from .plan import CastRecord, NodeRecord, Plan
 
+
+
+def export_onnx(*args, **kwargs):
+    """Export to ONNX with the plan's types and validate the file (see mpgraph.onnx_export)."""
+    from .onnx_export import export_onnx as _export
+    return _export(*args, **kwargs)
+
+
+def ort_session(*args, **kwargs):
+    """onnxruntime session on CUDA when usable, else CPU (see mpgraph.onnx_export)."""
+    from .onnx_export import ort_session as _session
+    return _session(*args, **kwargs)
+
+
 __version__ = "0.1.0"
 __all__ = ["convert", "capture", "resolve_dtype", "Plan", "NodeRecord", "CastRecord", "OpTable",
            "OpEntry", "Pass", "PassResult", "run_passes", "CaptureError", "ConversionError",
-           "PassError", "MpgraphError"]
+           "PassError", "MpgraphError", "ExportError", "export_onnx", "ort_session"]

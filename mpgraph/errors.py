@@ -43,3 +43,7 @@ class PassError(MpgraphError):
 
 class ConversionError(MpgraphError):
     """The converted graph does not match its plan (a bug in mpgraph, or an op we mis-classified)."""
+
+
+class ExportError(MpgraphError):
+    """ONNX export failed, or the exported file does not match the plan or its numbers."""

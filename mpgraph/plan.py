@@ -50,12 +50,17 @@ class Plan:
     nodes: list[NodeRecord] = field(default_factory=list)
     casts: list[CastRecord] = field(default_factory=list)
     weights: list[WeightRecord] = field(default_factory=list)
+    # the model's own dtype conversions (``x.float()``, ``.to(dtype)``) that change a float dtype
+    # in the converted graph: not ours, but an exported file contains them too
+    model_casts: list[CastRecord] = field(default_factory=list)
+    _order: list[str] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype,
                    keep_io_types: bool = True) -> "Plan":
         plan = cls(dtype=dtype, capture=gm.meta.get(CAPTURE, "unknown"), keep_io_types=keep_io_types,
                    weights=list(gm.meta.get(WEIGHTS, [])))
+        plan._order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
             if node.meta.get(INSERTED_BY) == "InsertCasts":
@@ -71,12 +76,21 @@ class Plan:
             if node.meta.get(INSERTED_BY):
                 continue  # low-precision weight copies: listed under weights
             op_info = node.meta.get(OP_CLASS)
+            model_cast = _model_cast(node)
+            if model_cast is not None:
+                plan.model_casts.append(model_cast)
             plan.nodes.append(NodeRecord(
                 name=node.name, op=node.op, target=target_name(node), module=module_path(node),
                 op_class=op_info.op_class if op_info else "unknown",
                 dtype=dtype_name(decision.dtype) if decision else None,
                 reason=decision.reason if decision else ""))
         return plan
+
+    def cast_sequence(self) -> list[CastRecord]:
+        """Every float-to-float conversion of the converted graph, ours and the model's, in
+        graph order: what an exported file must contain, one Cast each."""
+        order = {name: i for i, name in enumerate(self._order)}
+        return sorted(self.casts + self.model_casts, key=lambda c: order.get(c.name, 0))
 
     # -- queries ---------------------------------------------------------------------------
     def node(self, name: str) -> NodeRecord:
@@ -127,3 +141,29 @@ class Plan:
             "casts": [{**asdict(c), "consumers": list(c.consumers)} for c in self.casts],
             "weights": [{**asdict(w), "dtype": dtype_name(w.dtype)} for w in self.weights],
         }
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _real_dtype(node: torch.fx.Node) -> Optional[torch.dtype]:
+    """The dtype a node's value has in the converted graph."""
+    info, decision = node.meta.get(TENSOR), node.meta.get(PRECISION)
+    if not isinstance(info, TensorInfo):
+        return None
+    if info.dtype == torch.float32 and decision is not None and decision.dtype is not None:
+        return decision.dtype
+    return info.dtype
+
+
+def _model_cast(node: torch.fx.Node) -> Optional[CastRecord]:
+    op_info = node.meta.get(OP_CLASS)
+    if op_info is None or op_info.op_class != "cast" or not node.all_input_nodes:
+        return None
+    src, dst = _real_dtype(node.all_input_nodes[0]), _real_dtype(node)
+    if src not in _FLOATS or dst not in _FLOATS or src == dst:
+        return None
+    info = node.meta.get(TENSOR)
+    return CastRecord(name=node.name, value=node.all_input_nodes[0].name, src=dtype_name(src),
+                      dst=dtype_name(dst), consumers=tuple(u.name for u in node.users),
+                      numel=info.numel, inserted_by="model")

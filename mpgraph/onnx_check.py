@@ -1,0 +1,364 @@
+"""Prove an exported file: ONNX checker, strict type inference, plan structure, and numbers.
+
+What a CPU run proves: the file loads, every value has the type the plan gave it, fp16 storage
+between nodes does not overflow on the example inputs, and the numbers match the converted
+PyTorch module and float32. What it does not prove: fp16 accumulation inside GPU kernels (cuBLAS
+and cuDNN choose their own), nor speed. onnxruntime's CPU provider has no bfloat16 MatMul/Gemm,
+so a bf16 file is run as an emulation: the same graph with every bf16 value held in float32 and
+rounded to bf16 after each node (storage-exact; arithmetic inside a node is float32).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import ExportError
+
+log = logging.getLogger(__name__)
+
+# relative L2 error allowed between onnxruntime and the converted PyTorch module
+TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}
+_FP32_ONLY_OPS = {"Softmax", "LogSoftmax", "ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1",
+                  "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceProd", "CumSum",
+                  "LayerNormalization", "GroupNormalization", "InstanceNormalization",
+                  "BatchNormalization"}
+_MATMUL_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention"}
+
+
+def _ir():
+    import onnx_ir as ir
+    return ir
+
+
+def _ir_dtype(dtype: torch.dtype):
+    ir = _ir()
+    return {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16,
+            torch.bfloat16: ir.DataType.BFLOAT16, torch.float64: ir.DataType.DOUBLE,
+            torch.int64: ir.DataType.INT64, torch.int32: ir.DataType.INT32,
+            torch.bool: ir.DataType.BOOL, torch.uint8: ir.DataType.UINT8}.get(dtype)
+
+
+@dataclass
+class OnnxStats:
+    """Structure of an ONNX file as far as precision goes (used for any file, ours or not)."""
+
+    casts: int = 0
+    matmul_flops: float = 0.0
+    low_matmul_flops: float = 0.0
+    matmul_nodes: int = 0
+    low_matmul_nodes: int = 0
+    low_fp32_ops: list[str] = field(default_factory=list)   # softmax/norm/reduction reading fp16/bf16
+    runtime_weight_casts: list[str] = field(default_factory=list)
+    round_trips: list[str] = field(default_factory=list)
+
+    @property
+    def low_flop_share(self) -> float:
+        if self.matmul_flops > 0:
+            return self.low_matmul_flops / self.matmul_flops
+        return self.low_matmul_nodes / self.matmul_nodes if self.matmul_nodes else 0.0
+
+
+def _dims(value) -> Optional[list[int]]:
+    if value is None or value.shape is None:
+        return None
+    dims = list(value.shape)
+    return dims if all(isinstance(d, int) for d in dims) else None
+
+
+def _flops(node) -> Optional[float]:
+    """2·M·N·K for matmuls, 2·out·Cin/g·k for convs, from static shapes; None when unknown."""
+    out = _dims(node.outputs[0])
+    a = _dims(node.inputs[0])
+    if out is None or a is None:
+        return None
+    if node.op_type in ("MatMul", "Gemm"):
+        k = a[-1] if node.op_type == "MatMul" or not node.attributes.get("transA") \
+            or not node.attributes["transA"].value else a[0]
+        return 2.0 * float(np.prod(out)) * k
+    if node.op_type in ("Conv", "ConvTranspose"):
+        w = _dims(node.inputs[1])
+        if w is None:
+            return None
+        per_out = float(np.prod(w[1:]))  # Cin/groups x kernel
+        return 2.0 * float(np.prod(out)) * per_out if node.op_type == "Conv" \
+            else 2.0 * float(np.prod(a)) * w[1] * float(np.prod(w[2:]))
+    if node.op_type == "Attention":
+        q, k = a, _dims(node.inputs[1])
+        if k is None:
+            return None
+        return 4.0 * float(np.prod(q)) * k[-2]  # QK^T and PV
+    return None
+
+
+def inspect_model(model) -> OnnxStats:
+    """Count precision casts, matmul FLOPs by dtype, fp32-only ops in low precision, bad casts."""
+    ir = _ir()
+    low = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+    floats = low | {ir.DataType.FLOAT, ir.DataType.DOUBLE}
+    stats = OnnxStats()
+    for node in model.graph.all_nodes() if hasattr(model.graph, "all_nodes") else model.graph:
+        x = node.inputs[0] if node.inputs else None
+        dtype = x.dtype if x is not None else None
+        if node.op_type == "Cast" and x is not None and dtype in floats:
+            to = ir.DataType(node.attributes["to"].value)
+            if to in floats and to != dtype:
+                stats.casts += 1
+                if x.is_initializer() or (x.producer() is not None and x.producer().op_type == "Constant"):
+                    stats.runtime_weight_casts.append(node.name)
+                prev = x.producer()
+                if prev is not None and prev.op_type == "Cast" and prev.inputs[0] is not None \
+                        and prev.inputs[0].dtype == to:
+                    stats.round_trips.append(f"{prev.name} -> {node.name}")
+        if node.op_type in _MATMUL_OPS:
+            f = _flops(node)
+            stats.matmul_nodes += 1
+            stats.low_matmul_nodes += dtype in low
+            if f is not None:
+                stats.matmul_flops += f
+                stats.low_matmul_flops += f if dtype in low else 0.0
+            if node.op_type == "Attention" and dtype in low:
+                attr = node.attributes.get("softmax_precision")
+                if attr is None or attr.value != int(ir.DataType.FLOAT):
+                    stats.low_fp32_ops.append(f"{node.name} (Attention softmax in {dtype.name})")
+        if node.op_type in _FP32_ONLY_OPS and dtype in low:
+            stats.low_fp32_ops.append(f"{node.name} ({node.op_type} reads {dtype.name})")
+    return stats
+
+
+def load_with_types(path: str):
+    """The file as onnx_ir, after ONNX shape inference (types for every value), data left on disk."""
+    import onnx
+    ir = _ir()
+    proto = onnx.load(path, load_external_data=False)
+    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    model = ir.from_proto(inferred)
+    return model
+
+
+@dataclass
+class ValidationResult:
+    checks: list[str]
+    provider: str
+    emulated: bool
+    err_vs_converted: list[float]
+    err_vs_fp32: Optional[list[float]]
+    stats: OnnxStats
+
+    def summary(self) -> str:
+        how = f"onnxruntime {self.provider}" + (" (bf16 emulation)" if self.emulated else "")
+        errs = ", ".join(f"{e:.2e}" for e in self.err_vs_converted)
+        text = f"validated: {'; '.join(self.checks)}; {how}: rel. L2 vs converted module {errs}"
+        if self.err_vs_fp32 is not None:
+            text += ", vs float32 " + ", ".join(f"{e:.2e}" for e in self.err_vs_fp32)
+        text += f"; {self.stats.low_flop_share:.1%} of matmul FLOPs in low precision"
+        return text
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    if not np.isfinite(a).all():
+        return float("inf")
+    denom = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a - b))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _bf16_emulation(path: str, out_path: str) -> str:
+    """The same graph with bf16 values held in float32 and rounded to bf16 after every node."""
+    ir = _ir()
+    model = ir.load(path)
+    g = model.graph
+    BF16, F32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    for name, v in list(g.initializers.items()):
+        if v.dtype == BF16:
+            v.const_value = ir.tensor(v.const_value.numpy().astype(np.float32), name=name)
+            v.dtype = F32
+    for node in list(g):
+        for attr_name in ("value",):
+            attr = node.attributes.get(attr_name)
+            if node.op_type in ("Constant", "ConstantOfShape") and attr is not None \
+                    and getattr(attr.value, "dtype", None) == BF16:
+                node.attributes[attr_name] = ir.AttrTensor(
+                    attr_name, ir.tensor(attr.value.numpy().astype(np.float32)))
+        for out in node.outputs:
+            if out.dtype != BF16:
+                continue
+            is_cast = node.op_type == "Cast"
+            if not is_cast:
+                out.dtype = F32
+                down = ir.node("Cast", [out], {"to": BF16})
+                up = ir.node("Cast", [down.outputs[0]], {"to": F32})
+                g.insert_after(node, [down, up])
+            else:
+                up = ir.node("Cast", [out], {"to": F32})
+                g.insert_after(node, up)
+            out.replace_all_uses_with(up.outputs[0], replace_graph_outputs=True)
+            (down if not is_cast else up).replace_input_with(0, out)
+            up.outputs[0].dtype, up.outputs[0].shape = F32, out.shape
+    ir.save(model, out_path, external_data=os.path.basename(out_path) + ".data")
+    return out_path
+
+
+def _with_all_outputs(path: str, out_path: str) -> list[str]:
+    """A copy of the model returning every float intermediate value too; returns their names."""
+    ir = _ir()
+    model = ir.load(path)
+    floats = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+    existing = {v.name for v in model.graph.outputs}
+    names = []
+    for node in model.graph:
+        for out in node.outputs:
+            if out.dtype in floats and out.name not in existing:
+                model.graph.outputs.append(out)
+                names.append(out.name)
+    ir.save(model, out_path, external_data=os.path.basename(out_path) + ".data")
+    return names
+
+
+def _locate(path: str, feeds: dict, workdir: str, torch_values: Optional[dict], tol: float,
+            run_path_fn) -> str:
+    """Name the first node whose output goes non-finite, or first diverges from PyTorch."""
+    ir = _ir()
+    probe = os.path.join(workdir, "probe.onnx")
+    names = _with_all_outputs(path, probe)
+    session = run_path_fn(probe)
+    outs = session.run(None, feeds)
+    values = dict(zip([o.name for o in session.get_outputs()], outs))
+    model = ir.load(path)
+    for node in model.graph:
+        ins = [values.get(v.name) for v in node.inputs if v is not None and v.name in values]
+        for out in node.outputs:
+            val = values.get(out.name)
+            if val is None or out.name not in names:
+                continue
+            if not np.isfinite(val.astype(np.float64)).all() and all(
+                    np.isfinite(np.asarray(i, dtype=np.float64)).all() for i in ins):
+                return _describe(node, f"first produces inf/NaN (|x| max of inputs "
+                                       f"{max((float(np.abs(np.asarray(i, dtype=np.float64)).max()) for i in ins if np.asarray(i).size), default=0):.3g})")
+            if torch_values and out.name in torch_values:
+                ref = torch_values[out.name]
+                if tuple(ref.shape) == tuple(val.shape):
+                    err = _rel(val, ref.detach().float().numpy())
+                    if err > tol:
+                        return _describe(node, f"first differs from PyTorch (rel. L2 {err:.2e})")
+    return "no single node found; the difference builds up over the graph"
+
+
+def _describe(node, what: str) -> str:
+    fx = node.metadata_props.get("pkg.torch.onnx.fx_node", "")
+    fx = fx.split("=", 1)[-1].strip()[:120] if fx else ""
+    scope = node.metadata_props.get("pkg.torch.onnx.name_scopes", "")
+    text = f"node {node.name} ({node.op_type}) {what}"
+    if fx:
+        text += f"; from {fx}"
+    if scope:
+        text += f" in {scope}"
+    return text
+
+
+def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: dict, *,
+                  reference: Optional[torch.nn.Module] = None, exported_program=None,
+                  device: Optional[str] = None, tolerance: Optional[float] = None) -> ValidationResult:
+    """Check ``path`` structurally and numerically; raise ExportError naming the node on a mismatch."""
+    import onnx
+    from .onnx_export import ort_session
+
+    path = os.fspath(path)
+    plan = converted.plan
+    low_name = str(plan.dtype).replace("torch.", "")
+    tol = tolerance if tolerance is not None else TOLERANCE[low_name]
+    checks = []
+    try:
+        onnx.checker.check_model(path, full_check=True)
+    except Exception as e:
+        raise ExportError(f"onnx.checker rejects {path}: {e}") from e
+    checks.append("onnx.checker full_check")
+    workdir = tempfile.mkdtemp(prefix=".mpgraph-check-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        inferred = os.path.join(workdir, "inferred.onnx")
+        try:
+            onnx.shape_inference.infer_shapes_path(path, inferred, check_type=True, strict_mode=True)
+        except Exception as e:
+            raise ExportError(f"strict ONNX type inference fails on {path}: {e}") from e
+        checks.append("strict type inference")
+
+        model = load_with_types(path)
+        stats = inspect_model(model)
+        problems = [f"runtime weight cast {n}" for n in stats.runtime_weight_casts]
+        problems += [f"cast round trip {n}" for n in stats.round_trips]
+        problems += [f"fp32 op in low precision: {n}" for n in stats.low_fp32_ops]
+        with torch.no_grad():
+            torch_out = _tensors(converted(*args, **kwargs))
+            ref_out = _tensors(reference(*args, **kwargs)) if reference is not None else None
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        graph_inputs = [v for v in model.graph.inputs if not v.is_initializer()]
+        ir = _ir()
+        for kind, values, tensors in (("input", graph_inputs, inputs),
+                                      ("output", list(model.graph.outputs), torch_out)):
+            for v, t in zip(values, tensors):
+                if v.dtype != _ir_dtype(t.dtype):
+                    problems.append(f"graph {kind} {v.name} is {v.dtype.name}, PyTorch has {t.dtype}")
+        if problems:
+            raise ExportError(f"{path} does not match the plan:\n  " + "\n  ".join(problems))
+        checks.append("plan structure (I/O types, fp32 ops, no weight casts, no round trips)")
+
+        feeds = {v.name: t.detach().cpu().numpy() for v, t in zip(graph_inputs, inputs)}
+        emulated = False
+        run_path = path
+        try:
+            session = ort_session(run_path, device=device)
+        except Exception as e:
+            if "BFLOAT16" not in json.dumps([v.dtype.name for v in model.graph.initializers.values()]) \
+                    and "NOT_IMPLEMENTED" not in str(e):
+                raise ExportError(f"onnxruntime cannot load {path}: {e}") from e
+            log.info("onnxruntime cannot run the bf16 file natively (%s); using the emulation", e)
+            run_path = _bf16_emulation(path, os.path.join(workdir, "emulated.onnx"))
+            session = ort_session(run_path, device="cpu")
+            emulated = True
+        provider = session.get_providers()[0]
+        outs = session.run(None, feeds)
+        err_conv = [_rel(o.astype(np.float32), t.detach().float().numpy()) for o, t in zip(outs, torch_out)]
+        err_ref = None
+        if ref_out is not None:
+            err_ref = [_rel(o.astype(np.float32), r.detach().float().numpy()) for o, r in zip(outs, ref_out)]
+            own = [_rel(t.detach().float().numpy(), r.detach().float().numpy())
+                   for t, r in zip(torch_out, ref_out)]
+        bad = [i for i, e in enumerate(err_conv) if e > tol]
+        if ref_out is not None:
+            bad += [i for i, (e, o) in enumerate(zip(err_ref, own)) if e > max(tol, 2 * o) and i not in bad]
+        if bad:
+            torch_values = None
+            if exported_program is not None:
+                from .graph_utils import run_recording
+                torch_values = {}
+                try:
+                    run_recording(exported_program.module(), args, kwargs,
+                                  lambda n, v: torch_values.__setitem__(n.name, v)
+                                  if isinstance(v, torch.Tensor) else None)
+                except Exception as e:  # localisation is best effort; the mismatch stands
+                    log.info("could not rerun the exported program for localisation: %s", e)
+                    torch_values = None
+            where = _locate(run_path, feeds, workdir, torch_values, tol,
+                            lambda p: ort_session(p, device="cpu"))
+            detail = ", ".join(f"output {i}: rel. L2 {err_conv[i]:.2e} vs converted"
+                               + (f", {err_ref[i]:.2e} vs float32" if err_ref else "") for i in bad)
+            raise ExportError(f"onnxruntime results of {path} do not match ({detail}; tolerance "
+                              f"{tol:.0e}): {where}")
+        checks.append("onnxruntime numbers")
+        return ValidationResult(checks, provider, emulated, err_conv, err_ref, stats)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

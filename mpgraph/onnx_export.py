@@ -1,0 +1,341 @@
+"""ONNX export for fp16/bf16 inference: the exported types are the plan.
+
+ONNX Runtime's CUDA provider runs whatever tensor types the file declares and TensorRT is strongly
+typed, so the file *is* the precision plan. We export the converted GraphModule with
+``torch.onnx.export(dynamo=True)`` (TorchScript only as a reported fallback), so weights are
+already fp16/bf16 initializers and our casts are ordinary Cast nodes; then a few edits on the
+ONNX IR make the file say exactly what the plan says (see ``_postprocess``), and ``validate_onnx``
+proves it. Nothing is serialised to one protobuf string: the IR is saved with external data when
+the weights are large, and every check reads the file by path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from .api import convert, resolve_dtype
+from .capture import normalize_inputs
+from .errors import ExportError, MpgraphError
+from .plan import Plan, dtype_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPSET = 23  # the first opset with an Attention op whose softmax precision can be stated
+EXTERNAL_DATA_THRESHOLD = 1 << 30  # bytes of weights above which they go to a .data file
+ORIGIN = "mpgraph.origin"  # metadata key on nodes mpgraph added or annotated
+
+
+@dataclass
+class ExportResult:
+    """What was written and what was proved about it."""
+
+    path: str
+    exporter: str
+    opset: int
+    plan: Plan
+    external_data: Optional[str] = None
+    casts_in_file: int = 0
+    casts_expected: int = 0
+    cast_differences: list[str] = field(default_factory=list)
+    edits: dict = field(default_factory=dict)
+    validation: Any = None  # onnx_check.ValidationResult when validated
+
+    def summary(self) -> str:
+        lines = [f"wrote {self.path} ({self.exporter}, opset {self.opset}"
+                 + (f", weights in {self.external_data})" if self.external_data else ")"),
+                 self.plan.summary(),
+                 f"Cast nodes in the file: {self.casts_in_file} (plan: {self.casts_expected})"]
+        lines += [f"  difference: {d}" for d in self.cast_differences]
+        if self.validation is not None:
+            lines.append(self.validation.summary())
+        return "\n".join(lines)
+
+
+def _onnx_modules():
+    try:
+        import onnx  # noqa: F401
+        import onnx_ir as ir
+        import onnxscript  # noqa: F401
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("ONNX export needs the onnx extra: pip install 'mpgraph[onnx]'") from e
+    return ir
+
+
+def is_converted(module) -> bool:
+    return isinstance(module, torch.fx.GraphModule) and isinstance(getattr(module, "plan", None), Plan)
+
+
+def _check_destination(path: str) -> str:
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise ExportError(f"cannot write {path}: it is a directory")
+    if not os.path.isdir(parent):
+        raise ExportError(f"cannot write {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write {path}: directory {parent} is not writable")
+    return path
+
+
+def _brief(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return " ".join(line.strip() for line in text[:3])[:600]
+
+
+def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
+    """(ir.Model, exporter description, the exporter's ExportedProgram or None)."""
+    ir = _onnx_modules()
+    try:
+        program = torch.onnx.export(converted, args, kwargs=kwargs or None, dynamo=True,
+                                    opset_version=opset, dynamic_shapes=dynamic_shapes,
+                                    optimize=True, verbose=False)
+        return program.model, "torch.onnx.export(dynamo=True)", getattr(program, "exported_program", None)
+    except Exception as dynamo_error:
+        reason = _brief(dynamo_error)
+        log.warning("dynamo ONNX export failed (%s); trying the TorchScript exporter", reason)
+    legacy_opset = min(opset, 20)  # the TorchScript exporter stops at opset 20
+    tmp = os.path.join(workdir, "torchscript.onnx")
+    try:
+        torch.onnx.export(converted, args, tmp, kwargs=kwargs or None, dynamo=False,
+                          opset_version=legacy_opset)
+        model = ir.load(tmp)
+    except Exception as ts_error:
+        raise ExportError("the model could not be exported to ONNX:\n"
+                          f"  torch.onnx.export(dynamo=True): {reason}\n"
+                          f"  torch.onnx.export(dynamo=False): {_brief(ts_error)}") from ts_error
+    return model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: {reason}]", None
+
+
+# -- edits on the IR so that the file states the plan ------------------------------------------
+def _float_types(ir):
+    return {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+
+
+def _cast_to(node, ir):
+    return ir.DataType(node.attributes["to"].value)
+
+
+def _remove_noop_casts(graph, ir) -> int:
+    """Casts to the type a value already has (the model's ``.to(float32)`` on a float32 value)."""
+    removed = 0
+    for node in list(graph):
+        if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
+            continue
+        src, out = node.inputs[0], node.outputs[0]
+        if src is None or src.dtype is None or src.dtype != _cast_to(node, ir) or out.is_graph_output():
+            continue
+        out.replace_all_uses_with(src)
+        graph.remove(node, safe=True)
+        removed += 1
+    return removed
+
+
+def _attention_softmax_fp32(graph, ir) -> int:
+    """Attention with fp16/bf16 inputs computes its softmax in float32, as the plan says."""
+    changed = 0
+    for node in graph:
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and node.inputs[0] is not None \
+                and node.inputs[0].dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            node.attributes["softmax_precision"] = ir.AttrInt64("softmax_precision", int(ir.DataType.FLOAT))
+            changed += 1
+    return changed
+
+
+def _softmax_fp32(graph, ir) -> int:
+    """Below opset 23 attention is decomposed; its Softmax gets float32 input and output casts."""
+    wrapped = 0
+    for node in list(graph):
+        if node.op_type not in ("Softmax", "LogSoftmax") or node.domain not in ("", "ai.onnx"):
+            continue
+        low = node.inputs[0].dtype
+        if low not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            continue
+        meta = {ORIGIN: "softmax inside decomposed attention, computed in float32"}
+        up = ir.node("Cast", [node.inputs[0]], {"to": ir.DataType.FLOAT}, name=f"{node.name}_in_fp32",
+                     metadata_props=dict(meta))
+        up.outputs[0].dtype = ir.DataType.FLOAT
+        up.outputs[0].shape = node.inputs[0].shape
+        graph.insert_before(node, up)
+        node.replace_input_with(0, up.outputs[0])
+        out = node.outputs[0]
+        down = ir.node("Cast", [out], {"to": low}, name=f"{node.name}_out_low", metadata_props=dict(meta))
+        graph.insert_after(node, down)
+        out.replace_all_uses_with(down.outputs[0], replace_graph_outputs=True)
+        down.replace_input_with(0, out)
+        down.outputs[0].dtype, down.outputs[0].shape = low, out.shape
+        out.dtype = ir.DataType.FLOAT
+        wrapped += 1
+    return wrapped
+
+
+def _float_casts(graph, ir) -> list:
+    """Cast nodes that change one float type into another (precision casts)."""
+    floats = _float_types(ir)
+    return [n for n in graph if n.op_type == "Cast" and n.domain in ("", "ai.onnx")
+            and n.inputs[0] is not None and n.inputs[0].dtype in floats
+            and _cast_to(n, ir) in floats and _cast_to(n, ir) != n.inputs[0].dtype]
+
+
+_IR_NAMES = {"float32": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "float64": "DOUBLE"}
+
+
+def _match_casts(graph, plan: Plan, ir) -> tuple[int, int, list[str]]:
+    """Pair the file's precision casts with the plan's, in order; annotate each with its origin."""
+    ours = [n for n in _float_casts(graph, ir) if ORIGIN not in n.metadata_props]
+    expected = plan.cast_sequence()
+    differences = []
+    for i, node in enumerate(ours):
+        if i >= len(expected):
+            differences.append(f"extra Cast {node.name} ({node.inputs[0].dtype.name}->"
+                               f"{_cast_to(node, ir).name}) not in the plan")
+            continue
+        rec = expected[i]
+        got = (node.inputs[0].dtype.name, _cast_to(node, ir).name)
+        want = (_IR_NAMES[rec.src], _IR_NAMES[rec.dst])
+        if got != want:
+            differences.append(f"Cast {node.name} is {got[0]}->{got[1]}, plan cast {rec.name} is "
+                               f"{want[0]}->{want[1]}")
+        node.metadata_props[ORIGIN] = ("plan cast" if rec.inserted_by != "model" else "model's own cast")
+        node.metadata_props["mpgraph.cast"] = rec.name
+        node.metadata_props["mpgraph.value"] = rec.value
+        node.metadata_props["mpgraph.inserted_by"] = rec.inserted_by
+    for rec in expected[len(ours):]:
+        differences.append(f"plan cast {rec.name} ({rec.src}->{rec.dst} of {rec.value}) has no Cast "
+                           "in the file")
+    return len(ours), len(expected), differences
+
+
+def _provenance(plan: Plan, exporter: str) -> dict[str, str]:
+    fp32 = [{"node": r.name, "op_class": r.op_class, "reason": r.reason}
+            for r in plan.compute_nodes if r.dtype == "float32"]
+    casts = [{"cast": c.name, "value": c.value, "from": c.src, "to": c.dst,
+              "inserted_by": c.inserted_by, "readers": list(c.consumers)} for c in plan.cast_sequence()]
+    return {
+        "mpgraph.dtype": dtype_name(plan.dtype),
+        "mpgraph.summary": plan.summary(),
+        "mpgraph.exporter": exporter,
+        "mpgraph.casts": json.dumps(casts),
+        "mpgraph.fp32_nodes": json.dumps(fp32),
+    }
+
+
+def _postprocess(model, plan: Plan, exporter: str, ir) -> tuple[dict, tuple[int, int, list[str]]]:
+    graph = model.graph
+    edits = {"removed no-op casts": _remove_noop_casts(graph, ir),
+             "attention softmax set to float32": _attention_softmax_fp32(graph, ir),
+             "decomposed softmax wrapped in float32 casts": _softmax_fp32(graph, ir)}
+    matched = _match_casts(graph, plan, ir)
+    model.metadata_props.update(_provenance(plan, exporter))
+    return edits, matched
+
+
+def _initializer_bytes(model) -> int:
+    total = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None:
+            total += tensor.nbytes
+    return total
+
+
+# -- the public entry points -------------------------------------------------------------------
+def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: Union[str, os.PathLike],
+                *, dtype: Union[str, torch.dtype] = torch.float16, opset: Optional[int] = None,
+                dynamic_shapes: Any = None, example_kwargs: Optional[dict] = None,
+                target: Optional[str] = None, keep_io_types: bool = True,
+                external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+                validate: bool = True, device: Optional[str] = None) -> ExportResult:
+    """Export a model (converted first) or an mpgraph-converted module to ONNX, and prove it.
+
+    The file is written through a temporary directory beside ``path`` and moved into place only
+    when export, edits and validation all succeeded: a failure leaves no half-written file.
+    Weights go to ``<path>.data`` when they exceed ``external_data_threshold`` bytes.
+    """
+    ir = _onnx_modules()
+    if target is not None:
+        raise ValueError("target-specific plans arrive with the cost model; leave target=None")
+    path = _check_destination(path)
+    low = resolve_dtype(dtype)
+    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    reference = None
+    if is_converted(model_or_converted):
+        converted = model_or_converted
+    else:
+        if not isinstance(model_or_converted, torch.nn.Module):
+            raise TypeError(f"export_onnx expects a torch.nn.Module, got {type(model_or_converted).__name__}")
+        reference = model_or_converted
+        try:
+            converted = convert(model_or_converted, args, example_kwargs=kwargs, dtype=low,
+                                keep_io_types=keep_io_types)
+        except MpgraphError as e:
+            raise ExportError(f"could not convert the model before export: {e}") from e
+    opset = opset or DEFAULT_OPSET
+    workdir = tempfile.mkdtemp(prefix=".mpgraph-export-", dir=os.path.dirname(path))
+    try:
+        model, exporter, program = _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir)
+        edits, (in_file, expected, differences) = _postprocess(model, converted.plan, exporter, ir)
+        if differences:
+            log.warning("Cast nodes in the file differ from the plan:\n  %s", "\n  ".join(differences))
+        name = os.path.basename(path)
+        data = None
+        if _initializer_bytes(model) > external_data_threshold:
+            data = name + ".data"
+        tmp_path = os.path.join(workdir, name)
+        ir.save(model, tmp_path, external_data=data)
+        result = ExportResult(path=path, exporter=exporter, opset=model.opset_imports.get("", opset),
+                              plan=converted.plan, external_data=data, casts_in_file=in_file,
+                              casts_expected=expected, cast_differences=differences, edits=edits)
+        if validate:
+            from .onnx_check import validate_onnx
+            result.validation = validate_onnx(tmp_path, converted, args, kwargs, reference=reference,
+                                              exported_program=program, device=device)
+        for produced in (name, data):
+            if produced:
+                os.replace(os.path.join(workdir, produced), os.path.join(os.path.dirname(path), produced))
+        log.info("%s", result.summary())
+        return result
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def ort_session(path: Union[str, os.PathLike], device: Optional[str] = None, **session_options):
+    """An onnxruntime InferenceSession on CUDA when that is usable, else on the CPU.
+
+    CUDA is only asked for when torch sees a GPU (or ``device="cuda"``), and onnxruntime's own
+    logging is silenced while the provider loads, so a machine without the CUDA libraries gets no
+    screen of library errors. ``device="cpu"`` forces the CPU.
+    """
+    import onnxruntime as ort
+
+    want_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    for key, value in session_options.items():
+        setattr(options, key, value)
+    path = os.fspath(path)
+    if want_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
+        ort.set_default_logger_severity(4)
+        try:
+            session = ort.InferenceSession(path, options, providers=["CUDAExecutionProvider",
+                                                                     "CPUExecutionProvider"])
+        except Exception as e:  # CUDA libraries missing or mismatched: fall back quietly
+            log.info("onnxruntime CUDA provider unusable (%s); using the CPU", _brief(e))
+            session = None
+        finally:
+            ort.set_default_logger_severity(2)
+        if session is not None and "CUDAExecutionProvider" in session.get_providers():
+            return session
+        if device == "cuda":
+            raise RuntimeError("device='cuda' asked for, but onnxruntime's CUDA provider is not usable "
+                               "here (check the CUDA/cuDNN libraries onnxruntime-gpu needs)")
+    elif device == "cuda":
+        raise RuntimeError("device='cuda' asked for, but onnxruntime has no CUDA provider here "
+                           "(install onnxruntime-gpu on a machine with a GPU)")
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
