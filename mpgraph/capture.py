@@ -112,6 +112,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
                 log.info("%s", reports[name])
                 continue
         gm.meta[CAPTURE] = name
+        gm.training = model.training  # a fresh GraphModule says "training"; keep the model's flag
         if reports:
             log.info("captured with %s after: %s", name, "; ".join(reports))
         return gm

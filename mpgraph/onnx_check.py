@@ -270,14 +270,27 @@ def _describe(node, what: str) -> str:
     return text
 
 
+def _hint(error: Exception) -> str:
+    text = str(error)
+    if "bfloat16" in text and "unsupported type" in text:
+        return ("\n  (this opset cannot express the op in bfloat16: Conv, for one, takes bf16 only "
+                "from opset 22; export with opset=23 or dtype=float16)")
+    return ""
+
+
 def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: dict, *,
                   reference: Optional[torch.nn.Module] = None, exported_program=None,
-                  device: Optional[str] = None, tolerance: Optional[float] = None) -> ValidationResult:
-    """Check ``path`` structurally and numerically; raise ExportError naming the node on a mismatch."""
+                  device: Optional[str] = None, tolerance: Optional[float] = None,
+                  display_name: Optional[str] = None) -> ValidationResult:
+    """Check ``path`` structurally and numerically; raise ExportError naming the node on a mismatch.
+
+    ``display_name`` is the path to name in messages (export validates a file before moving it).
+    """
     import onnx
     from .onnx_export import ort_session
 
     path = os.fspath(path)
+    shown = display_name or path
     plan = converted.plan
     low_name = str(plan.dtype).replace("torch.", "")
     tol = tolerance if tolerance is not None else TOLERANCE[low_name]
@@ -285,7 +298,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
     try:
         onnx.checker.check_model(path, full_check=True)
     except Exception as e:
-        raise ExportError(f"onnx.checker rejects {path}: {e}") from e
+        raise ExportError(f"onnx.checker rejects {shown}: {e}{_hint(e)}") from e
     checks.append("onnx.checker full_check")
     workdir = tempfile.mkdtemp(prefix=".mpgraph-check-", dir=os.path.dirname(os.path.abspath(path)))
     try:
@@ -293,7 +306,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         try:
             onnx.shape_inference.infer_shapes_path(path, inferred, check_type=True, strict_mode=True)
         except Exception as e:
-            raise ExportError(f"strict ONNX type inference fails on {path}: {e}") from e
+            raise ExportError(f"strict ONNX type inference fails on {shown}: {e}") from e
         checks.append("strict type inference")
 
         model = load_with_types(path)
@@ -313,7 +326,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
                 if v.dtype != _ir_dtype(t.dtype):
                     problems.append(f"graph {kind} {v.name} is {v.dtype.name}, PyTorch has {t.dtype}")
         if problems:
-            raise ExportError(f"{path} does not match the plan:\n  " + "\n  ".join(problems))
+            raise ExportError(f"{shown} does not match the plan:\n  " + "\n  ".join(problems))
         checks.append("plan structure (I/O types, fp32 ops, no weight casts, no round trips)")
 
         feeds = {v.name: t.detach().cpu().numpy() for v, t in zip(graph_inputs, inputs)}
@@ -324,7 +337,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         except Exception as e:
             if "BFLOAT16" not in json.dumps([v.dtype.name for v in model.graph.initializers.values()]) \
                     and "NOT_IMPLEMENTED" not in str(e):
-                raise ExportError(f"onnxruntime cannot load {path}: {e}") from e
+                raise ExportError(f"onnxruntime cannot load {shown}: {e}") from e
             log.info("onnxruntime cannot run the bf16 file natively (%s); using the emulation", e)
             run_path = _bf16_emulation(path, os.path.join(workdir, "emulated.onnx"))
             session = ort_session(run_path, device="cpu")
@@ -356,7 +369,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
                             lambda p: ort_session(p, device="cpu"))
             detail = ", ".join(f"output {i}: rel. L2 {err_conv[i]:.2e} vs converted"
                                + (f", {err_ref[i]:.2e} vs float32" if err_ref else "") for i in bad)
-            raise ExportError(f"onnxruntime results of {path} do not match ({detail}; tolerance "
+            raise ExportError(f"onnxruntime results of {shown} do not match ({detail}; tolerance "
                               f"{tol:.0e}): {where}")
         checks.append("onnxruntime numbers")
         return ValidationResult(checks, provider, emulated, err_conv, err_ref, stats)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -85,8 +86,14 @@ def _check_destination(path: str) -> str:
 
 
 def _brief(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    return " ".join(line.strip() for line in text[:3])[:600]
+    """The informative part of an exporter error: its exception summary when it has one."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if "## Exception summary" in text:
+        tail = text.split("## Exception summary", 1)[1]
+        lines = [l.strip() for l in tail.splitlines() if l.strip() and not l.strip().startswith("⬆")]
+        return " ".join(lines[:1])[:600]
+    lines = [l.strip() for l in f"{type(exc).__name__}: {text}".splitlines() if l.strip()]
+    return " ".join(lines[:2])[:600]
 
 
 def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
@@ -295,7 +302,8 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         if validate:
             from .onnx_check import validate_onnx
             result.validation = validate_onnx(tmp_path, converted, args, kwargs, reference=reference,
-                                              exported_program=program, device=device)
+                                              exported_program=program, device=device,
+                                              display_name=path)
         for produced in (name, data):
             if produced:
                 os.replace(os.path.join(workdir, produced), os.path.join(os.path.dirname(path), produced))

@@ -7,7 +7,7 @@ import torch
 
 from mpgraph.op_table import OpTable
 from mpgraph.pass_infra import Pass
-from mpgraph.passes import (AssignPrecision, CheckDtypes, ClassifyOps, InsertCasts,
+from mpgraph.passes import (AssignPrecision, CheckDtypes, ClassifyOps, FuseTanhGelu, InsertCasts,
                             RetargetDtypeAsserts, StoreWeights)
 
 
@@ -16,6 +16,7 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
                      overrides: Optional[dict] = None, check: bool = True) -> list[Pass]:
     """Passes after capture (which already recorded shapes and dtypes)."""
     passes: list[Pass] = [
+        FuseTanhGelu(),                                        # rewrite: GPT-2's GELU as one op
         ClassifyOps(low_dtype, op_table),                      # analysis: op class per node
         AssignPrecision(low_dtype, keep_io_types, overrides),  # decision: dtype per node
         StoreWeights(low_dtype, keep_io_types),                # rewrite: weights stored once

@@ -73,7 +73,7 @@ class Plan:
                     numel=info.numel if isinstance(info, TensorInfo) else 0,
                     inserted_by=node.meta[INSERTED_BY]))
                 continue
-            if node.meta.get(INSERTED_BY):
+            if node.meta.get(INSERTED_BY) == "StoreWeights":
                 continue  # low-precision weight copies: listed under weights
             op_info = node.meta.get(OP_CLASS)
             model_cast = _model_cast(node)

@@ -5,10 +5,11 @@ Installed as ``mpgraph.passes``. The default pipeline is built by ``mpgraph.pipe
 from .assign_precision import AssignPrecision
 from .check_dtypes import CheckDtypes
 from .classify_ops import ClassifyOps
+from .fuse_tanh_gelu import FuseTanhGelu
 from .insert_casts import InsertCasts
 from .propagate_tensor_info import PropagateTensorInfo
 from .retarget_dtype_asserts import RetargetDtypeAsserts
 from .store_weights import StoreWeights
 
-__all__ = ["AssignPrecision", "CheckDtypes", "ClassifyOps", "InsertCasts", "PropagateTensorInfo",
+__all__ = ["AssignPrecision", "CheckDtypes", "ClassifyOps", "FuseTanhGelu", "InsertCasts", "PropagateTensorInfo",
            "RetargetDtypeAsserts", "StoreWeights"]

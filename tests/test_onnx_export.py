@@ -1,0 +1,216 @@
+"""ONNX export: the file's types are the plan, it validates, and failures are clean ExportErrors."""
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+onnx = pytest.importorskip("onnx")
+ir = pytest.importorskip("onnx_ir")
+pytest.importorskip("onnxruntime")
+
+import mpgraph  # noqa: E402
+from mpgraph.onnx_check import inspect_model, load_with_types, validate_onnx  # noqa: E402
+
+from conftest import MLP, ConvBnReluPool, SoftmaxAttention  # noqa: E402
+
+LOW = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
+
+
+def _tel():
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
+
+
+SMALL = {
+    "mlp": (lambda: MLP().eval(), lambda: (torch.randn(4, 16),), {}),
+    "cnn": (lambda: ConvBnReluPool().eval(), lambda: (torch.randn(2, 3, 16, 16),), {}),
+    "attention": (lambda: SoftmaxAttention().eval(), lambda: (torch.randn(2, 6, 16),), {}),
+    "transformer_encoder_layer": (_tel, lambda: (torch.randn(2, 10, 32),), {}),
+}
+
+
+def _check_file(path, result, low):
+    model = load_with_types(str(path))
+    low_type = LOW[low]
+    # weights of every matmul/gemm/conv reading low activations are low initializers
+    weights = 0
+    for node in model.graph:
+        if node.op_type in ("MatMul", "Gemm", "Conv") and node.inputs[0].dtype == low_type:
+            for v in node.inputs[1:]:
+                if v is not None and v.is_initializer():
+                    assert v.dtype == low_type, (node.name, v.name, v.dtype)
+                    weights += 1
+    assert weights > 0
+    stats = inspect_model(model)
+    assert stats.casts == result.casts_in_file == result.casts_expected == len(result.plan.cast_sequence())
+    assert result.cast_differences == []
+    assert stats.runtime_weight_casts == [] and stats.round_trips == [] and stats.low_fp32_ops == []
+    assert stats.low_flop_share == 1.0
+    for v in model.graph.inputs:
+        assert v.dtype in (ir.DataType.FLOAT, ir.DataType.INT64)
+    for v in model.graph.outputs:
+        assert v.dtype == ir.DataType.FLOAT
+    props = model.metadata_props
+    assert props["mpgraph.dtype"] == result.plan.summary().split(" to ")[1].split()[0]
+    assert props["mpgraph.summary"] == result.plan.summary()
+    casts = [n for n in model.graph if n.op_type == "Cast" and "mpgraph.cast" in n.metadata_props]
+    assert {n.metadata_props["mpgraph.cast"] for n in casts} == {c.name for c in result.plan.casts}
+    assert all(n.metadata_props["mpgraph.inserted_by"] == "InsertCasts" for n in casts)
+
+
+@pytest.mark.parametrize("low", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(SMALL))
+def test_small_models_export_and_validate(name, low, tmp_path):
+    build, inputs, kwargs = SMALL[name]
+    model, args = build(), inputs()
+    path = tmp_path / f"{name}.onnx"
+    result = mpgraph.export_onnx(model, args, path, dtype=low)
+    assert path.exists() and result.path == str(path)
+    assert result.exporter == "torch.onnx.export(dynamo=True)"
+    v = result.validation
+    assert v is not None and v.emulated == (low == "bf16")
+    assert max(v.err_vs_converted) < {"fp16": 1e-2, "bf16": 3e-2}[low]
+    assert max(v.err_vs_fp32) < {"fp16": 1e-2, "bf16": 4e-2}[low]
+    _check_file(path, result, low)
+    assert sorted(os.listdir(tmp_path)) == [f"{name}.onnx"]  # no temporary files left
+
+
+@pytest.mark.parametrize("low", ["fp16", "bf16"])
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_huggingface_models_export(arch, low, request, token_ids, tmp_path):
+    model = request.getfixturevalue(arch)
+    ids, mask = token_ids
+    path = tmp_path / f"{arch}.onnx"
+    result = mpgraph.export_onnx(model, (ids,), path, example_kwargs={"attention_mask": mask}, dtype=low)
+    _check_file(path, result, low)
+    # the attention op computes its softmax in float32
+    model_ir = load_with_types(str(path))
+    attn = [n for n in model_ir.graph if n.op_type == "Attention"]
+    assert len(attn) == model.config.num_hidden_layers
+    assert all(n.attributes["softmax_precision"].value == int(ir.DataType.FLOAT) for n in attn)
+    # 4 precision casts per transformer layer, plus 2 for BERT's pooler
+    layers = model.config.num_hidden_layers
+    assert result.casts_in_file == 4 * layers + (2 if arch == "bert" else 0)
+    # onnxruntime on the file itself agrees with the module
+    if low == "fp16":
+        sess = mpgraph.ort_session(path)
+        assert sess.get_providers() == ["CPUExecutionProvider"]
+        out = sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+        with torch.no_grad():
+            ref = model(ids, attention_mask=mask).last_hidden_state.numpy()
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_opset_18_decomposed_attention_gets_float32_softmax(tmp_path):
+    result = mpgraph.export_onnx(_tel(), (torch.randn(2, 10, 32),), tmp_path / "t.onnx",
+                                 dtype="fp16", opset=18)
+    assert result.opset == 18
+    assert result.edits["decomposed softmax wrapped in float32 casts"] == 1
+    model = load_with_types(str(tmp_path / "t.onnx"))
+    softmax = [n for n in model.graph if n.op_type == "Softmax"]
+    assert [n.inputs[0].dtype for n in softmax] == [ir.DataType.FLOAT]
+    assert result.casts_in_file == len(result.plan.casts)  # the softmax casts are labelled, not counted
+
+
+def test_external_data_round_trip(tmp_path):
+    model, x = MLP().eval(), torch.randn(4, 16)
+    path = tmp_path / "mlp.onnx"
+    result = mpgraph.export_onnx(model, x, path, dtype="fp16", external_data_threshold=0)
+    assert result.external_data == "mlp.onnx.data"
+    assert sorted(os.listdir(tmp_path)) == ["mlp.onnx", "mlp.onnx.data"]
+    proto = onnx.load(str(path), load_external_data=False)
+    big = [i for i in proto.graph.initializer if np.prod(i.dims) * 2 > 256]  # small ones stay inline
+    assert big and all(i.data_location == onnx.TensorProto.EXTERNAL for i in big)
+    out = mpgraph.ort_session(path, device="cpu").run(None, {"x": x.numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(out, model(x).numpy(), rtol=2e-2, atol=2e-3)
+
+
+def test_converted_module_can_be_exported_as_is(tmp_path):
+    x = torch.randn(4, 16)
+    converted = mpgraph.convert(MLP().eval(), x, dtype=torch.float16)
+    result = mpgraph.export_onnx(converted, x, tmp_path / "c.onnx")
+    assert result.plan is converted.plan and result.validation.err_vs_fp32 is None
+
+
+def test_unwritable_path_is_an_export_error(tmp_path):
+    with pytest.raises(mpgraph.ExportError, match="does not exist"):
+        mpgraph.export_onnx(MLP(), torch.randn(2, 16), tmp_path / "missing" / "m.onnx")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permission bits
+            pytest.skip("running as a user that can write anywhere")
+        with pytest.raises(mpgraph.ExportError, match="not writable"):
+            mpgraph.export_onnx(MLP(), torch.randn(2, 16), locked / "m.onnx")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_readonly_directory_is_an_export_error_even_for_root(tmp_path):
+    target = tmp_path / "taken.onnx"
+    target.mkdir()  # a directory where the file should go
+    with pytest.raises(mpgraph.ExportError, match="is a directory"):
+        mpgraph.export_onnx(MLP(), torch.randn(2, 16), target)
+
+
+def test_op_the_opset_cannot_express_is_an_export_error_and_leaves_nothing(tmp_path):
+    # ONNX Conv takes bfloat16 only from opset 22
+    with pytest.raises(mpgraph.ExportError, match="cannot express the op in bfloat16"):
+        mpgraph.export_onnx(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16),
+                            tmp_path / "cnn.onnx", dtype="bf16", opset=18)
+    assert os.listdir(tmp_path) == []
+
+
+class NoOnnx(nn.Module):
+    def forward(self, x):
+        return torch.linalg.inv(x) + 1  # neither ONNX exporter can translate a matrix inverse
+
+
+def test_model_that_fails_to_export_is_an_export_error_and_leaves_nothing(tmp_path):
+    with pytest.raises(mpgraph.ExportError, match="could not be exported") as info:
+        mpgraph.export_onnx(NoOnnx(), torch.randn(3, 3), tmp_path / "x.onnx")
+    assert "dynamo=True" in str(info.value) and "dynamo=False" in str(info.value)
+    assert "linalg_inv" in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_model_that_cannot_be_captured_is_an_export_error(tmp_path):
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    with pytest.raises(mpgraph.ExportError, match="could not convert"):
+        mpgraph.export_onnx(DataDependent(), torch.randn(3), tmp_path / "x.onnx")
+    assert os.listdir(tmp_path) == []
+
+
+def test_numeric_mismatch_names_the_node(tmp_path):
+    model, x = SoftmaxAttention().eval(), torch.randn(2, 6, 16)
+    path = tmp_path / "a.onnx"
+    result = mpgraph.export_onnx(model, x, path, dtype="fp16")
+    proto = onnx.load(str(path))
+    weight = next(i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT16
+                  and len(i.dims) == 2)
+    arr = onnx.numpy_helper.to_array(weight) * np.float16(3000.0)  # overflows fp16 downstream
+    weight.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float16), weight.name))
+    onnx.save(proto, str(path))
+    with pytest.raises(mpgraph.ExportError, match=r"do not match .*node \S+ \((MatMul|Gemm|Attention|Softmax|Mul|Div|Add)\)"):
+        validate_onnx(str(path), mpgraph.convert(model, x, dtype="fp16"), (x,), {}, reference=model)
+    assert result.validation is not None
+
+
+def test_ort_session_prefers_cpu_quietly_without_a_gpu(tmp_path, capfd):
+    path = tmp_path / "m.onnx"
+    mpgraph.export_onnx(MLP(), torch.randn(2, 16), path, validate=False)
+    capfd.readouterr()
+    sess = mpgraph.ort_session(path)
+    assert sess.get_providers() == ["CPUExecutionProvider"]
+    err = capfd.readouterr().err
+    assert "libcublas" not in err and "CUDAExecutionProvider" not in err
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            mpgraph.ort_session(path, device="cuda")
