@@ -188,12 +188,10 @@ def _bf16_emulation(path: str, out_path: str) -> str:
             v.const_value = ir.tensor(v.const_value.numpy().astype(np.float32), name=name)
             v.dtype = F32
     for node in list(g):
-        for attr_name in ("value",):
-            attr = node.attributes.get(attr_name)
-            if node.op_type in ("Constant", "ConstantOfShape") and attr is not None \
-                    and getattr(attr.value, "dtype", None) == BF16:
-                node.attributes[attr_name] = ir.AttrTensor(
-                    attr_name, ir.tensor(attr.value.numpy().astype(np.float32)))
+        attr = node.attributes.get("value")
+        if node.op_type in ("Constant", "ConstantOfShape") and attr is not None \
+                and getattr(attr.value, "dtype", None) == BF16:
+            node.attributes["value"] = ir.AttrTensor("value", ir.tensor(attr.value.numpy().astype(np.float32)))
         for out in node.outputs:
             if out.dtype != BF16:
                 continue

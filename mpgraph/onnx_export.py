@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 23  # the first opset with an Attention op whose softmax precision can be stated
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # bytes of weights above which they go to a .data file
+_PROTOBUF_LIMIT = (1 << 31) - (1 << 26)  # one protobuf must stay under 2 GiB, with room for the graph
 ORIGIN = "mpgraph.origin"  # metadata key on nodes mpgraph added or annotated
 
 
@@ -292,7 +293,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
             log.warning("Cast nodes in the file differ from the plan:\n  %s", "\n  ".join(differences))
         name = os.path.basename(path)
         data = None
-        if _initializer_bytes(model) > external_data_threshold:
+        if _initializer_bytes(model) > min(external_data_threshold, _PROTOBUF_LIMIT):
             data = name + ".data"
         tmp_path = os.path.join(workdir, name)
         ir.save(model, tmp_path, external_data=data)

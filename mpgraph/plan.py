@@ -53,14 +53,14 @@ class Plan:
     # the model's own dtype conversions (``x.float()``, ``.to(dtype)``) that change a float dtype
     # in the converted graph: not ours, but an exported file contains them too
     model_casts: list[CastRecord] = field(default_factory=list)
-    _order: list[str] = field(default_factory=list, repr=False)
+    order: list[str] = field(default_factory=list, repr=False)  # node names in graph order
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype,
                    keep_io_types: bool = True) -> "Plan":
         plan = cls(dtype=dtype, capture=gm.meta.get(CAPTURE, "unknown"), keep_io_types=keep_io_types,
                    weights=list(gm.meta.get(WEIGHTS, [])))
-        plan._order = [n.name for n in gm.graph.nodes]
+        plan.order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
             if node.meta.get(INSERTED_BY) == "InsertCasts":
@@ -89,7 +89,7 @@ class Plan:
     def cast_sequence(self) -> list[CastRecord]:
         """Every float-to-float conversion of the converted graph, ours and the model's, in
         graph order: what an exported file must contain, one Cast each."""
-        order = {name: i for i, name in enumerate(self._order)}
+        order = {name: i for i, name in enumerate(self.order)}
         return sorted(self.casts + self.model_casts, key=lambda c: order.get(c.name, 0))
 
     # -- queries ---------------------------------------------------------------------------

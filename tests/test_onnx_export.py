@@ -214,3 +214,32 @@ def test_ort_session_prefers_cpu_quietly_without_a_gpu(tmp_path, capfd):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             mpgraph.ort_session(path, device="cuda")
+
+
+def test_dynamic_shapes_pass_through_to_the_exporter(tmp_path):
+    model = MLP().eval()
+    path = tmp_path / "dyn.onnx"
+    batch = torch.export.Dim("batch", min=1, max=64)
+    mpgraph.export_onnx(model, torch.randn(4, 16), path, dynamic_shapes={"x": {0: batch}})
+    x = torch.randn(9, 16)
+    out = mpgraph.ort_session(path).run(None, {"x": x.numpy()})[0]
+    with torch.no_grad():
+        assert np.linalg.norm(out - model(x).numpy()) / np.linalg.norm(model(x).numpy()) < 1e-2
+
+
+def test_cli_export(tmp_path, capsys):
+    from mpgraph import cli
+    factory = tmp_path / "factory.py"
+    factory.write_text("import torch\n"
+                       "def build():\n"
+                       "    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()\n"
+                       "    return m, (torch.randn(2, 8),)\n")
+    out = tmp_path / "m.onnx"
+    assert cli.main(["export", f"{factory}:build", "--dtype", "fp16", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote {out}" in text and "Cast nodes in the file: 2 (plan: 2)" in text
+    assert "validated: onnx.checker full_check" in text
+    assert cli.main(["export", f"{factory}:nope", "-o", str(out)]) == 2
+    assert "has no callable 'nope'" in capsys.readouterr().err
+    assert cli.main(["export", f"{factory}:build", "-o", str(tmp_path / "no" / "m.onnx")]) == 1
+    assert "does not exist" in capsys.readouterr().err

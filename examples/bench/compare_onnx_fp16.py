@@ -37,7 +37,8 @@ def _run(path: str, feeds: dict):
     try:
         session = mpgraph.ort_session(path, device="cpu")
     except Exception as e:
-        return None, str(e).splitlines()[0][:120]
+        text = str(e).splitlines()[0]
+        return None, text.split("failed:", 1)[-1].strip()[:70]
     try:
         return session.run(None, feeds)[0], None
     except Exception as e:
