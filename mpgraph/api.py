@@ -8,6 +8,8 @@ from typing import Any, Optional, Union
 import torch
 
 from .capture import capture, normalize_inputs
+from .device import auto_dtype, resolve_target
+from .device_specs import DeviceSpec
 from .op_table import OpTable
 from .pass_infra import run_passes
 from .plan import Plan
@@ -19,13 +21,15 @@ _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float1
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
-    """torch.float16 / torch.bfloat16, or one of their names; anything else is a ValueError."""
+    """torch.float16 / torch.bfloat16, or one of their names; anything else is a ValueError.
+
+    ("auto" is resolved by ``convert`` against its target.)"""
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
     if dtype in (torch.float16, torch.bfloat16):
         return dtype
     raise ValueError(f"dtype must be torch.float16 or torch.bfloat16 (or one of "
-                     f"{sorted(_DTYPES)}), got {dtype!r}")
+                     f"{sorted(_DTYPES)}, or 'auto'), got {dtype!r}")
 
 
 def _needs_inputs(model: torch.nn.Module) -> bool:
@@ -41,19 +45,31 @@ def _needs_inputs(model: torch.nn.Module) -> bool:
 def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             dtype: Union[str, torch.dtype] = torch.float16,
             example_kwargs: Optional[dict] = None, keep_io_types: bool = True,
+            target: Union[None, str, DeviceSpec] = None, strategy: str = "optimal",
             op_table: Optional[Union[OpTable, dict]] = None,
             overrides: Optional[dict] = None, check: bool = True) -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
     The example inputs are run once to learn every value's shape and dtype (and once more to
-    check the result when ``check``). ``op_table`` extends the built-in op classes (a dict from
-    module type / function / method name / ATen op to a class name or OpEntry); ``overrides``
-    maps node names or module-path globs to "fp32" or the low dtype. The caller's model is never
-    modified.
+    check the result when ``check``). ``target`` is the device to plan for: None for this machine,
+    or a name ("h100", "a100", "t4", "cpu", ...). ``strategy="optimal"`` minimises the estimated
+    time on it exactly (min-cut over node and cast costs); ``"rules"`` is the list-based decision.
+    ``dtype="auto"`` picks the low dtype the target is fast at, or keeps float32 where low
+    precision is slower. ``op_table`` extends the built-in op classes (a dict from module type /
+    function / method name / ATen op to a class name or OpEntry); ``overrides`` maps node names
+    or module-path globs to "fp32" or the low dtype. The caller's model is never modified.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
-    low = resolve_dtype(dtype)
+    spec = resolve_target(target)
+    keep_fp32 = None
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        low, why = auto_dtype(spec)
+        if low is None:
+            low, keep_fp32 = torch.bfloat16, why
+        log.info("dtype auto on %s: %s", spec.name, why)
+    else:
+        low = resolve_dtype(dtype)
     if example_inputs is None and example_kwargs is None and _needs_inputs(model):
         raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
                          "arguments) to learn which values are float32 and their shapes")
@@ -62,9 +78,11 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     gm = capture(model, args, kwargs)
 
     from .pipeline import default_pipeline
-    passes = default_pipeline(low, args, kwargs, keep_io_types=keep_io_types, op_table=table,
-                              overrides=overrides, check=check)
+    passes = default_pipeline(low, args, kwargs, spec=spec, strategy=strategy,
+                              keep_io_types=keep_io_types, op_table=table, overrides=overrides,
+                              keep_fp32=keep_fp32, check=check)
     gm = run_passes(passes, gm)
-    gm.plan = Plan.from_graph(gm, low, keep_io_types)
+    gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
+                              kept_fp32=keep_fp32)
     log.info("%s", gm.plan.summary())
     return gm

@@ -64,6 +64,7 @@ def _export(args) -> int:
     try:
         result = export_onnx(model, inputs, args.output, dtype=args.dtype, opset=args.opset,
                              example_kwargs=kwargs, validate=not args.no_validate,
+                             target=args.target, strategy=args.strategy,
                              **({"external_data_threshold": args.external_data_threshold}
                                 if args.external_data_threshold is not None else {}))
     except MpgraphError as e:
@@ -87,6 +88,10 @@ def main(argv=None) -> int:
     e.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     e.add_argument("--dtype", default="fp16", help="fp16 (default) or bf16")
     e.add_argument("--opset", type=int, default=None, help="ONNX opset (default 23)")
+    e.add_argument("--target", default=None,
+                   help="GPU the file is for: h100, a100, t4, l4, ... (default: this GPU, else a100)")
+    e.add_argument("--strategy", choices=["optimal", "rules"], default="optimal",
+                   help="cost-optimal placement on the target (default) or the op-list rules")
     e.add_argument("--no-validate", action="store_true", help="skip the checker/onnxruntime proof")
     e.add_argument("--external-data-threshold", type=int, default=None,
                    help="bytes of weights above which they go to FILE.onnx.data")

@@ -1,10 +1,27 @@
-"""What the machine we run on can do in low precision (the cost-model issue grows this into specs)."""
+"""Which device we plan for: detection, named targets, and a measured spec for CPUs.
+
+``resolve_target(None)`` is the machine we run on (the CUDA GPU torch sees, else this CPU);
+a name (``"h100"``, ``"a100"``, ``"t4"``, ``"cpu"``, any key of ``GPU_SPECS``) plans for another
+one, so a CPU-only machine can plan for the GPU it deploys to. CPU peaks are measured by a short
+micro-benchmark and cached on disk (``~/.cache/mpgraph``), keyed by CPU, flags, threads and torch.
+"""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
+import os
 import platform
+import time
+from typing import Optional, Union
 
 import torch
+
+from .device_specs import ALIASES, GPU_SPECS, DeviceSpec
+
+log = logging.getLogger(__name__)
+_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_fp16", "avx512_fp16", "avx512f", "avx2")
 
 
 @functools.lru_cache(maxsize=1)
@@ -20,21 +37,149 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mpgraph")
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _measure_cpu() -> dict:
+    """Matmul FLOP/s per dtype, memory bandwidth and per-op overhead, in about a second."""
+    peak = {}
+    with torch.no_grad():
+        for key, dtype, n in (("fp32", torch.float32, 1024), ("bf16", torch.bfloat16, 1024),
+                              ("fp16", torch.float16, 256)):
+            a = torch.randn(n, n).to(dtype)
+            b = torch.randn(n, n).to(dtype)
+            t = _best_time(lambda: torch.mm(a, b), 3)
+            peak[key] = 2.0 * n ** 3 / t
+        x = torch.empty(16 * 1024 * 1024)  # 64 MB
+        y = torch.empty_like(x)
+        t = _best_time(lambda: y.copy_(x), 5)
+        bandwidth = 2 * x.numel() * 4 / t
+        small = torch.ones(8)
+        t = _best_time(lambda: [torch.add(small, small) for _ in range(200)], 3)
+        launch = t / 200
+    return {"peak": peak, "bandwidth": bandwidth, "launch": launch}
+
+
+def measure_cpu(cache: bool = True) -> DeviceSpec:
+    """This CPU as a DeviceSpec, from a micro-benchmark (cached on disk)."""
+    flags = sorted(cpu_flags() & set(_CPU_FLAGS))
+    key = f"{_cpu_name()}|{','.join(flags)}|{torch.get_num_threads()}|{torch.__version__}"
+    path = os.path.join(_cache_dir(), f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
+    data = None
+    if cache and os.path.exists(path):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = None
+    if data is None:
+        data = _measure_cpu()
+        data["key"] = key
+        if cache:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump(data, f)
+            except OSError as e:  # a read-only home is no reason to fail
+                log.info("could not cache the CPU measurement: %s", e)
+    return DeviceSpec(f"CPU {_cpu_name()} ({torch.get_num_threads()} threads)", "cpu",
+                      dict(data["peak"]), data["bandwidth"], torch.get_num_threads(),
+                      data["launch"], tile=1, source=f"measured ({', '.join(flags) or 'no SIMD flags'})")
+
+
+def _gpu_spec(index: int = 0) -> DeviceSpec:
+    props = torch.cuda.get_device_properties(index)
+    name = props.name.upper()
+    mem_gb = props.total_memory / 2**30
+    if "H200" in name:
+        key = "h200"
+    elif "H100" in name or "H800" in name:
+        key = "h100-pcie" if "PCIE" in name else "h100-sxm"
+    elif "A100" in name or "A800" in name:
+        key = "a100-80gb" if mem_gb > 45 else "a100-40gb"
+    elif "L4" in name:
+        key = "l4"
+    elif "A10" in name:
+        key = "a10"
+    elif "T4" in name:
+        key = "t4"
+    elif "V100" in name:
+        key = "v100"
+    else:  # closest known architecture by compute capability
+        key = {7: "v100", 8: "a100-80gb", 9: "h100-sxm"}.get(props.major, "a100-80gb")
+        if (props.major, props.minor) == (7, 5):
+            key = "t4"
+        log.warning("GPU %s is not in the spec table; planning with %s's figures", props.name, key)
+    return GPU_SPECS[key]
+
+
+def resolve_target(target: Union[None, str, DeviceSpec] = None) -> DeviceSpec:
+    """A DeviceSpec from None (this machine), a name, or a spec."""
+    if isinstance(target, DeviceSpec):
+        return target
+    if target is None:
+        return _gpu_spec() if torch.cuda.is_available() else measure_cpu()
+    name = str(target).lower().replace("_", "-")
+    if name == "cpu":
+        return measure_cpu()
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("target='cuda' but torch sees no GPU; name one: " + ", ".join(target_names()))
+        return _gpu_spec()
+    name = ALIASES.get(name, name)
+    if name not in GPU_SPECS:
+        raise ValueError(f"unknown target {target!r}; known: {', '.join(target_names())}")
+    return GPU_SPECS[name]
+
+
+def target_names() -> list[str]:
+    return ["cpu", "cuda"] + sorted(set(GPU_SPECS) | set(ALIASES))
+
+
+def auto_dtype(spec: DeviceSpec) -> tuple[Optional[torch.dtype], str]:
+    """The low dtype worth using on ``spec`` (None: keep float32), with the reason in words."""
+    fp32 = spec.peak["fp32"]
+    bf16, fp16 = spec.peak.get("bf16"), spec.peak.get("fp16")
+    if spec.kind == "gpu":
+        if bf16:
+            return torch.bfloat16, f"{spec.name} has bf16 Tensor Cores: bf16 keeps fp32's range"
+        return torch.float16, f"{spec.name} has fp16 Tensor Cores but no bf16"
+    if bf16 and bf16 > 1.2 * fp32:
+        return torch.bfloat16, (f"this CPU runs bf16 matmul at {bf16 / fp32:.1f}x fp32 "
+                                f"({spec.source}); fp16 at {(fp16 or 0) / fp32:.2f}x")
+    if fp16 and fp16 > 1.2 * fp32:
+        return torch.float16, f"this CPU runs fp16 matmul at {fp16 / fp32:.1f}x fp32"
+    return None, (f"low precision is slower than float32 on this CPU (bf16 {(bf16 or 0) / fp32:.2f}x, "
+                  f"fp16 {(fp16 or 0) / fp32:.2f}x fp32 matmul): kept float32")
+
+
 def default_low_dtype(device: torch.device) -> tuple[torch.dtype, str]:
-    """The low dtype worth using on ``device``, with the reason in words."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        name = torch.cuda.get_device_name(device)
-        if major >= 7:
-            return torch.float16, f"{name} (sm_{major}{minor}) has fp16 Tensor Cores"
-        return torch.float16, f"{name} (sm_{major}{minor}) has no Tensor Cores; fp16 halves memory"
-    flags = cpu_flags()
-    cpu = platform.machine()
-    if "avx512_fp16" in flags or "amx_fp16" in flags:
-        return torch.float16, f"this {cpu} CPU has native fp16 arithmetic (avx512_fp16/amx_fp16)"
-    fast_bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    if fast_bf16:
-        return torch.bfloat16, (f"this {cpu} CPU has {'/'.join(fast_bf16)} but no fast fp16 "
-                                "(fp16 matmul falls back to slow code), so bfloat16")
-    return torch.bfloat16, (f"this {cpu} CPU has neither fast fp16 nor bf16 instructions: "
-                            "bfloat16 for its range, expect little speed-up")
+    """The low dtype worth using on ``device``, with the reason in words (for the demo)."""
+    spec = resolve_target("cuda" if device.type == "cuda" else "cpu")
+    dtype, reason = auto_dtype(spec)
+    if dtype is None:
+        return torch.bfloat16, reason + "; the demo shows bfloat16 anyway"
+    return dtype, reason

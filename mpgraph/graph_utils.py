@@ -40,7 +40,7 @@ def is_inplace(node: torch.fx.Node, root: torch.nn.Module) -> bool:
     return False
 
 
-def _is_view(node: torch.fx.Node) -> bool:
+def is_view(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
     if node.op == "call_function":
@@ -59,7 +59,7 @@ def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.
             target = node.args[0]
             while True:
                 out.add(target)
-                if _is_view(target) and target.args and isinstance(target.args[0], torch.fx.Node):
+                if is_view(target) and target.args and isinstance(target.args[0], torch.fx.Node):
                     target = target.args[0]
                 else:
                     break

@@ -28,6 +28,7 @@ from .plan import Plan, dtype_name
 
 log = logging.getLogger(__name__)
 
+DEFAULT_TARGET = "a100-80gb"  # what a plan is made for when no GPU is here and none is named
 DEFAULT_OPSET = 23  # the first opset with an Attention op whose softmax precision can be stated
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # bytes of weights above which they go to a .data file
 _PROTOBUF_LIMIT = (1 << 31) - (1 << 26)  # one protobuf must stay under 2 GiB, with room for the graph
@@ -257,18 +258,20 @@ def _initializer_bytes(model) -> int:
 def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: Union[str, os.PathLike],
                 *, dtype: Union[str, torch.dtype] = torch.float16, opset: Optional[int] = None,
                 dynamic_shapes: Any = None, example_kwargs: Optional[dict] = None,
-                target: Optional[str] = None, keep_io_types: bool = True,
+                target: Optional[str] = None, strategy: str = "optimal", keep_io_types: bool = True,
                 external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                 validate: bool = True, device: Optional[str] = None) -> ExportResult:
     """Export a model (converted first) or an mpgraph-converted module to ONNX, and prove it.
 
     The file is written through a temporary directory beside ``path`` and moved into place only
     when export, edits and validation all succeeded: a failure leaves no half-written file.
-    Weights go to ``<path>.data`` when they exceed ``external_data_threshold`` bytes.
+    Weights go to ``<path>.data`` when they exceed ``external_data_threshold`` bytes. ``target``
+    is the GPU the file is for (default: the one here, else ``DEFAULT_TARGET``): a plan made for
+    this CPU would keep fp16 out of every node, since fp16 is slow on CPUs.
     """
     ir = _onnx_modules()
-    if target is not None:
-        raise ValueError("target-specific plans arrive with the cost model; leave target=None")
+    if target is None:
+        target = "cuda" if torch.cuda.is_available() else DEFAULT_TARGET
     path = _check_destination(path)
     low = resolve_dtype(dtype)
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
@@ -281,7 +284,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         reference = model_or_converted
         try:
             converted = convert(model_or_converted, args, example_kwargs=kwargs, dtype=low,
-                                keep_io_types=keep_io_types)
+                                keep_io_types=keep_io_types, target=target, strategy=strategy)
         except MpgraphError as e:
             raise ExportError(f"could not convert the model before export: {e}") from e
     opset = opset or DEFAULT_OPSET

@@ -5,23 +5,36 @@ from typing import Optional
 
 import torch
 
+from mpgraph.device_specs import DeviceSpec
 from mpgraph.op_table import OpTable
 from mpgraph.pass_infra import Pass
-from mpgraph.passes import (AssignPrecision, CheckDtypes, ClassifyOps, FuseTanhGelu, InsertCasts,
+from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, CheckDtypes, ClassifyOps,
+                            EstimateCost, FuseTanhGelu, InsertCasts, LintTensorCores,
                             RetargetDtypeAsserts, StoreWeights)
+
+STRATEGIES = ("optimal", "rules")
 
 
 def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs: dict, *,
-                     keep_io_types: bool = True, op_table: Optional[OpTable] = None,
-                     overrides: Optional[dict] = None, check: bool = True) -> list[Pass]:
+                     spec: DeviceSpec, strategy: str = "optimal", keep_io_types: bool = True,
+                     op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
+                     keep_fp32: Optional[str] = None, check: bool = True) -> list[Pass]:
     """Passes after capture (which already recorded shapes and dtypes)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "optimal":
+        decide: Pass = AssignPrecisionOptimal(low_dtype, spec, keep_io_types, overrides, keep_fp32)
+    else:
+        decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32)
     passes: list[Pass] = [
-        FuseTanhGelu(),                                        # rewrite: GPT-2's GELU as one op
-        ClassifyOps(low_dtype, op_table),                      # analysis: op class per node
-        AssignPrecision(low_dtype, keep_io_types, overrides),  # decision: dtype per node
-        StoreWeights(low_dtype, keep_io_types),                # rewrite: weights stored once
-        InsertCasts(keep_io_types),                            # rewrite: shared casts
-        RetargetDtypeAsserts(),                                # rewrite: export's dtype asserts
+        FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
+        ClassifyOps(low_dtype, op_table),     # analysis: op class per node
+        EstimateCost(spec, low_dtype),        # analysis: roofline time per node, both dtypes
+        decide,                               # decision: dtype per node (min-cut or rules)
+        LintTensorCores(spec),                # analysis: Tensor Core alignment findings
+        StoreWeights(low_dtype, keep_io_types),   # rewrite: weights stored once
+        InsertCasts(keep_io_types),           # rewrite: shared casts
+        RetargetDtypeAsserts(),               # rewrite: export's dtype asserts
     ]
     if check:
         passes.append(CheckDtypes(example_args, example_kwargs, keep_io_types))  # verify by running

@@ -29,6 +29,9 @@ class NodeRecord:
     op_class: str
     dtype: Optional[str]
     reason: str
+    t_fp32: Optional[float] = None   # estimated seconds on the target, in float32
+    t_low: Optional[float] = None    # ... and in the low dtype
+    tensor_core: str = ""            # Tensor Core alignment finding for matmuls and convs
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,10 @@ class Plan:
     dtype: torch.dtype
     capture: str
     keep_io_types: bool
+    target: str = ""
+    strategy: str = ""
+    kept_fp32: Optional[str] = None  # why everything stayed float32 (dtype="auto"), if it did
+    estimate: dict = field(default_factory=dict)  # {"fp32_s", "plan_s"} on the target
     nodes: list[NodeRecord] = field(default_factory=list)
     casts: list[CastRecord] = field(default_factory=list)
     weights: list[WeightRecord] = field(default_factory=list)
@@ -56,10 +63,11 @@ class Plan:
     order: list[str] = field(default_factory=list, repr=False)  # node names in graph order
 
     @classmethod
-    def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype,
-                   keep_io_types: bool = True) -> "Plan":
+    def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
+                   target: str = "", strategy: str = "", kept_fp32: Optional[str] = None) -> "Plan":
         plan = cls(dtype=dtype, capture=gm.meta.get(CAPTURE, "unknown"), keep_io_types=keep_io_types,
-                   weights=list(gm.meta.get(WEIGHTS, [])))
+                   weights=list(gm.meta.get(WEIGHTS, [])), target=target, strategy=strategy,
+                   kept_fp32=kept_fp32, estimate=dict(gm.meta.get("mpgraph.estimate", {})))
         plan.order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
@@ -79,11 +87,16 @@ class Plan:
             model_cast = _model_cast(node)
             if model_cast is not None:
                 plan.model_casts.append(model_cast)
+            cost = node.meta.get("mpgraph.cost")
+            finding = node.meta.get("mpgraph.tensor_core")
             plan.nodes.append(NodeRecord(
                 name=node.name, op=node.op, target=target_name(node), module=module_path(node),
                 op_class=op_info.op_class if op_info else "unknown",
                 dtype=dtype_name(decision.dtype) if decision else None,
-                reason=decision.reason if decision else ""))
+                reason=decision.reason if decision else "",
+                t_fp32=cost.t_fp32 if cost is not None else None,
+                t_low=cost.t_low if cost is not None else None,
+                tensor_core=finding.text if finding is not None else ""))
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -119,6 +132,14 @@ class Plan:
         text = (f"converted {len(self.low_nodes)}/{len(self.compute_nodes)} nodes to {low} "
                 f"with {len(self.casts)} casts; {len(self.weights)} weights "
                 f"({stored / 1e6:.2f}M values) stored as {low}; captured with {self.capture}")
+        if self.kept_fp32:
+            text += f"; kept float32: {self.kept_fp32}"
+        if self.estimate.get("plan_s"):
+            text += (f"; estimated {self.estimate['fp32_s'] / self.estimate['plan_s']:.2f}x float32 "
+                     f"speed on {self.target} ({self.strategy})")
+        misaligned = [r for r in self.nodes if r.tensor_core.startswith("eligible but misaligned")]
+        if misaligned:
+            text += f"; {len(misaligned)} matmuls misaligned for Tensor Cores"
         if self.unknown_nodes:
             names = ", ".join(sorted({r.target for r in self.unknown_nodes}))
             text += f"; {len(self.unknown_nodes)} nodes of unknown ops kept in float32 ({names})"
@@ -136,7 +157,8 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "dtype": dtype_name(self.dtype), "capture": self.capture,
-            "keep_io_types": self.keep_io_types, "summary": self.summary(),
+            "keep_io_types": self.keep_io_types, "target": self.target, "strategy": self.strategy,
+            "estimate": self.estimate, "summary": self.summary(),
             "nodes": [asdict(r) for r in self.nodes],
             "casts": [{**asdict(c), "consumers": list(c.consumers)} for c in self.casts],
             "weights": [{**asdict(w), "dtype": dtype_name(w.dtype)} for w in self.weights],

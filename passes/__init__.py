@@ -3,13 +3,17 @@
 Installed as ``mpgraph.passes``. The default pipeline is built by ``mpgraph.pipeline.default_pipeline``.
 """
 from .assign_precision import AssignPrecision
+from .assign_precision_optimal import AssignPrecisionOptimal
 from .check_dtypes import CheckDtypes
 from .classify_ops import ClassifyOps
+from .estimate_cost import EstimateCost
 from .fuse_tanh_gelu import FuseTanhGelu
 from .insert_casts import InsertCasts
+from .lint_tensor_cores import LintTensorCores
 from .propagate_tensor_info import PropagateTensorInfo
 from .retarget_dtype_asserts import RetargetDtypeAsserts
 from .store_weights import StoreWeights
 
-__all__ = ["AssignPrecision", "CheckDtypes", "ClassifyOps", "FuseTanhGelu", "InsertCasts", "PropagateTensorInfo",
+__all__ = ["AssignPrecision", "AssignPrecisionOptimal", "CheckDtypes", "ClassifyOps", "EstimateCost",
+           "FuseTanhGelu", "InsertCasts", "LintTensorCores", "PropagateTensorInfo",
            "RetargetDtypeAsserts", "StoreWeights"]

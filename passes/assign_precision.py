@@ -67,7 +67,8 @@ class AssignPrecision(Pass):
     """
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
-                 overrides: Optional[dict] = None):
+                 overrides: Optional[dict] = None, keep_fp32: Optional[str] = None):
+        self.keep_fp32 = keep_fp32  # a reason to keep every node in float32 (dtype="auto")
         self.low = low_dtype
         self.keep_io_types = keep_io_types
         self.overrides = dict(overrides or {})
@@ -164,6 +165,8 @@ class AssignPrecision(Pass):
         if not touches:
             return Decision(None, "no float32 tensors")
 
+        if self.keep_fp32:
+            return Decision(FP32, self.keep_fp32, pinned=True)
         forced = self._override(node)
         if forced is not None:
             return Decision(forced, "user override", pinned=True)
@@ -195,7 +198,7 @@ class AssignPrecision(Pass):
             why = self._overflow_reason(node, gm, stored)
             if why:
                 return Decision(FP32, why, pinned=True)
-            return Decision(self.low, op_info.reason, pinned=True)
+            return Decision(self.low, op_info.reason)
         if cls == UNKNOWN:
             return Decision(FP32, op_info.reason, pinned=True)
         if cls != FOLLOW:
@@ -226,7 +229,8 @@ class AssignPrecision(Pass):
             changed = False
             for node in reversed(order):
                 d = dec[node]
-                if node.op not in _CALLS or d.pinned or d.stored or d.dtype != self.low:
+                if node.op not in _CALLS or d.pinned or d.stored or d.dtype != self.low \
+                        or node.meta[OP_CLASS].op_class != FOLLOW:
                     continue
                 needs = [need(u, node) for u in node.users]
                 if FP32 not in needs or self.low in needs:

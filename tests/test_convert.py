@@ -1,4 +1,5 @@
 """End to end: convert real and hand-written architectures, check numbers, dtypes, structure."""
+import functools
 import pytest
 import torch
 import torch.nn as nn
@@ -8,6 +9,8 @@ from mpgraph.meta import PRECISION, TENSOR
 
 from conftest import (LOW_DTYPES, TOL, ConvBnReluPool, MLP, SoftmaxAttention, casts, rel_err,
                       round_trips)
+
+convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
 
 
 def _tel():
@@ -76,7 +79,7 @@ def _check_every_edge(gm, args, kwargs=None):
 def test_small_models(name, low):
     build, inputs = SMALL[name]
     model, args = build(), inputs()
-    gm = mpgraph.convert(model, args, dtype=low)
+    gm = convert(model, args, dtype=low)
     with torch.no_grad():
         ref, out = model(*args), gm(*args)
     for r, o in zip(_outputs(ref), _outputs(out)):
@@ -92,7 +95,7 @@ def test_small_models(name, low):
 def test_huggingface_models(arch, low, request, token_ids):
     model = request.getfixturevalue(arch)
     ids, mask = token_ids
-    gm = mpgraph.convert(model, (ids,), example_kwargs={"attention_mask": mask}, dtype=low)
+    gm = convert(model, (ids,), example_kwargs={"attention_mask": mask}, dtype=low)
     assert gm.plan.capture == "torch.export"
     with torch.no_grad():
         ref = model(ids, attention_mask=mask)
@@ -122,7 +125,7 @@ def test_state_dict_of_every_small_model_is_bit_identical_afterwards():
     for name, (build, inputs) in SMALL.items():
         model = build()
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        mpgraph.convert(model, inputs(), dtype=torch.float16)
+        convert(model, inputs(), dtype=torch.float16)
         after = model.state_dict()
         assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype
                    for k in before), name
@@ -130,14 +133,14 @@ def test_state_dict_of_every_small_model_is_bit_identical_afterwards():
 
 def test_result_runs_under_torch_compile():
     model, x = MLP().eval(), torch.randn(4, 16)
-    gm = mpgraph.convert(model, x, dtype=torch.bfloat16)
+    gm = convert(model, x, dtype=torch.bfloat16)
     compiled = torch.compile(gm, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), gm(x))
 
 
 def test_summary_reads_like_the_spec():
-    gm = mpgraph.convert(SoftmaxAttention(), torch.randn(2, 6, 16), dtype=torch.bfloat16)
+    gm = convert(SoftmaxAttention(), torch.randn(2, 6, 16), dtype=torch.bfloat16)
     s = gm.plan.summary()
     assert s.startswith(f"converted {len(gm.plan.low_nodes)}/{len(gm.plan.compute_nodes)} nodes "
                         f"to bfloat16 with {len(gm.plan.casts)} casts")
@@ -149,22 +152,22 @@ def test_summary_reads_like_the_spec():
 @pytest.mark.parametrize("bad", [torch.int8, torch.float32, "fp8", torch.float64])
 def test_bad_dtype_is_a_value_error(bad):
     with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
-        mpgraph.convert(MLP(), torch.randn(2, 16), dtype=bad)
+        convert(MLP(), torch.randn(2, 16), dtype=bad)
 
 
 def test_non_module_is_a_type_error():
     with pytest.raises(TypeError, match="torch.nn.Module"):
-        mpgraph.convert(lambda x: x * 2, torch.randn(2))
+        convert(lambda x: x * 2, torch.randn(2))
 
 
 def test_missing_example_inputs_is_a_value_error():
     with pytest.raises(ValueError, match="needs example_inputs"):
-        mpgraph.convert(MLP())
+        convert(MLP())
 
 
 def test_inputs_that_do_not_fit_the_model_are_a_capture_error():
     with pytest.raises(mpgraph.CaptureError, match="mat1 and mat2|shapes cannot be multiplied"):
-        mpgraph.convert(MLP(), torch.randn(2, 5))
+        convert(MLP(), torch.randn(2, 5))
 
 
 def test_unknown_ops_stay_fp32_and_are_listed():
@@ -176,7 +179,7 @@ def test_unknown_ops_stay_fp32_and_are_listed():
         def forward(self, x):
             return torch.special.erfcx(self.lin(x))
 
-    gm = mpgraph.convert(Custom(), torch.randn(2, 4), dtype=torch.float16)
+    gm = convert(Custom(), torch.randn(2, 4), dtype=torch.float16)
     rec = gm.plan.node("erfcx" if any(r.name == "erfcx" for r in gm.plan.nodes) else "special_erfcx")
     assert rec.op_class == "unknown" and rec.dtype == "float32"
     assert "unknown ops kept in float32" in gm.plan.summary()

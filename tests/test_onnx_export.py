@@ -1,4 +1,5 @@
 """ONNX export: the file's types are the plan, it validates, and failures are clean ExportErrors."""
+import functools
 import os
 
 import numpy as np
@@ -14,6 +15,9 @@ import mpgraph  # noqa: E402
 from mpgraph.onnx_check import inspect_model, load_with_types, validate_onnx  # noqa: E402
 
 from conftest import MLP, ConvBnReluPool, SoftmaxAttention  # noqa: E402
+
+convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+export_onnx = functools.partial(mpgraph.export_onnx, strategy="rules")
 
 LOW = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 
@@ -66,7 +70,7 @@ def test_small_models_export_and_validate(name, low, tmp_path):
     build, inputs, kwargs = SMALL[name]
     model, args = build(), inputs()
     path = tmp_path / f"{name}.onnx"
-    result = mpgraph.export_onnx(model, args, path, dtype=low)
+    result = export_onnx(model, args, path, dtype=low)
     assert path.exists() and result.path == str(path)
     assert result.exporter == "torch.onnx.export(dynamo=True)"
     v = result.validation
@@ -83,7 +87,7 @@ def test_huggingface_models_export(arch, low, request, token_ids, tmp_path):
     model = request.getfixturevalue(arch)
     ids, mask = token_ids
     path = tmp_path / f"{arch}.onnx"
-    result = mpgraph.export_onnx(model, (ids,), path, example_kwargs={"attention_mask": mask}, dtype=low)
+    result = export_onnx(model, (ids,), path, example_kwargs={"attention_mask": mask}, dtype=low)
     _check_file(path, result, low)
     # the attention op computes its softmax in float32
     model_ir = load_with_types(str(path))
@@ -104,7 +108,7 @@ def test_huggingface_models_export(arch, low, request, token_ids, tmp_path):
 
 
 def test_opset_18_decomposed_attention_gets_float32_softmax(tmp_path):
-    result = mpgraph.export_onnx(_tel(), (torch.randn(2, 10, 32),), tmp_path / "t.onnx",
+    result = export_onnx(_tel(), (torch.randn(2, 10, 32),), tmp_path / "t.onnx",
                                  dtype="fp16", opset=18)
     assert result.opset == 18
     assert result.edits["decomposed softmax wrapped in float32 casts"] == 1
@@ -117,7 +121,7 @@ def test_opset_18_decomposed_attention_gets_float32_softmax(tmp_path):
 def test_external_data_round_trip(tmp_path):
     model, x = MLP().eval(), torch.randn(4, 16)
     path = tmp_path / "mlp.onnx"
-    result = mpgraph.export_onnx(model, x, path, dtype="fp16", external_data_threshold=0)
+    result = export_onnx(model, x, path, dtype="fp16", external_data_threshold=0)
     assert result.external_data == "mlp.onnx.data"
     assert sorted(os.listdir(tmp_path)) == ["mlp.onnx", "mlp.onnx.data"]
     proto = onnx.load(str(path), load_external_data=False)
@@ -130,14 +134,14 @@ def test_external_data_round_trip(tmp_path):
 
 def test_converted_module_can_be_exported_as_is(tmp_path):
     x = torch.randn(4, 16)
-    converted = mpgraph.convert(MLP().eval(), x, dtype=torch.float16)
-    result = mpgraph.export_onnx(converted, x, tmp_path / "c.onnx")
+    converted = convert(MLP().eval(), x, dtype=torch.float16)
+    result = export_onnx(converted, x, tmp_path / "c.onnx")
     assert result.plan is converted.plan and result.validation.err_vs_fp32 is None
 
 
 def test_unwritable_path_is_an_export_error(tmp_path):
     with pytest.raises(mpgraph.ExportError, match="does not exist"):
-        mpgraph.export_onnx(MLP(), torch.randn(2, 16), tmp_path / "missing" / "m.onnx")
+        export_onnx(MLP(), torch.randn(2, 16), tmp_path / "missing" / "m.onnx")
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
@@ -145,7 +149,7 @@ def test_unwritable_path_is_an_export_error(tmp_path):
         if os.access(locked, os.W_OK):  # root ignores permission bits
             pytest.skip("running as a user that can write anywhere")
         with pytest.raises(mpgraph.ExportError, match="not writable"):
-            mpgraph.export_onnx(MLP(), torch.randn(2, 16), locked / "m.onnx")
+            export_onnx(MLP(), torch.randn(2, 16), locked / "m.onnx")
     finally:
         locked.chmod(0o700)
 
@@ -154,13 +158,13 @@ def test_readonly_directory_is_an_export_error_even_for_root(tmp_path):
     target = tmp_path / "taken.onnx"
     target.mkdir()  # a directory where the file should go
     with pytest.raises(mpgraph.ExportError, match="is a directory"):
-        mpgraph.export_onnx(MLP(), torch.randn(2, 16), target)
+        export_onnx(MLP(), torch.randn(2, 16), target)
 
 
 def test_op_the_opset_cannot_express_is_an_export_error_and_leaves_nothing(tmp_path):
     # ONNX Conv takes bfloat16 only from opset 22
     with pytest.raises(mpgraph.ExportError, match="cannot express the op in bfloat16"):
-        mpgraph.export_onnx(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16),
+        export_onnx(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16),
                             tmp_path / "cnn.onnx", dtype="bf16", opset=18)
     assert os.listdir(tmp_path) == []
 
@@ -172,7 +176,7 @@ class NoOnnx(nn.Module):
 
 def test_model_that_fails_to_export_is_an_export_error_and_leaves_nothing(tmp_path):
     with pytest.raises(mpgraph.ExportError, match="could not be exported") as info:
-        mpgraph.export_onnx(NoOnnx(), torch.randn(3, 3), tmp_path / "x.onnx")
+        export_onnx(NoOnnx(), torch.randn(3, 3), tmp_path / "x.onnx")
     assert "dynamo=True" in str(info.value) and "dynamo=False" in str(info.value)
     assert "linalg_inv" in str(info.value)
     assert os.listdir(tmp_path) == []
@@ -184,14 +188,14 @@ def test_model_that_cannot_be_captured_is_an_export_error(tmp_path):
             return x * 2 if x.sum() > 0 else x
 
     with pytest.raises(mpgraph.ExportError, match="could not convert"):
-        mpgraph.export_onnx(DataDependent(), torch.randn(3), tmp_path / "x.onnx")
+        export_onnx(DataDependent(), torch.randn(3), tmp_path / "x.onnx")
     assert os.listdir(tmp_path) == []
 
 
 def test_numeric_mismatch_names_the_node(tmp_path):
     model, x = SoftmaxAttention().eval(), torch.randn(2, 6, 16)
     path = tmp_path / "a.onnx"
-    result = mpgraph.export_onnx(model, x, path, dtype="fp16")
+    result = export_onnx(model, x, path, dtype="fp16")
     proto = onnx.load(str(path))
     weight = next(i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT16
                   and len(i.dims) == 2)
@@ -199,13 +203,13 @@ def test_numeric_mismatch_names_the_node(tmp_path):
     weight.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float16), weight.name))
     onnx.save(proto, str(path))
     with pytest.raises(mpgraph.ExportError, match=r"do not match .*node \S+ \((MatMul|Gemm|Attention|Softmax|Mul|Div|Add)\)"):
-        validate_onnx(str(path), mpgraph.convert(model, x, dtype="fp16"), (x,), {}, reference=model)
+        validate_onnx(str(path), convert(model, x, dtype="fp16"), (x,), {}, reference=model)
     assert result.validation is not None
 
 
 def test_ort_session_prefers_cpu_quietly_without_a_gpu(tmp_path, capfd):
     path = tmp_path / "m.onnx"
-    mpgraph.export_onnx(MLP(), torch.randn(2, 16), path, validate=False)
+    export_onnx(MLP(), torch.randn(2, 16), path, validate=False)
     capfd.readouterr()
     sess = mpgraph.ort_session(path)
     assert sess.get_providers() == ["CPUExecutionProvider"]
@@ -220,7 +224,7 @@ def test_dynamic_shapes_pass_through_to_the_exporter(tmp_path):
     model = MLP().eval()
     path = tmp_path / "dyn.onnx"
     batch = torch.export.Dim("batch", min=1, max=64)
-    mpgraph.export_onnx(model, torch.randn(4, 16), path, dynamic_shapes={"x": {0: batch}})
+    export_onnx(model, torch.randn(4, 16), path, dynamic_shapes={"x": {0: batch}})
     x = torch.randn(9, 16)
     out = mpgraph.ort_session(path).run(None, {"x": x.numpy()})[0]
     with torch.no_grad():
@@ -235,7 +239,8 @@ def test_cli_export(tmp_path, capsys):
                        "    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()\n"
                        "    return m, (torch.randn(2, 8),)\n")
     out = tmp_path / "m.onnx"
-    assert cli.main(["export", f"{factory}:build", "--dtype", "fp16", "-o", str(out)]) == 0
+    assert cli.main(["export", f"{factory}:build", "--dtype", "fp16", "--strategy", "rules",
+                     "--target", "t4", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"wrote {out}" in text and "Cast nodes in the file: 2 (plan: 2)" in text
     assert "validated: onnx.checker full_check" in text

@@ -1,4 +1,5 @@
 """Property tests on small random graphs: every edge's dtype agrees, the function is preserved."""
+import functools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -8,6 +9,8 @@ from hypothesis import strategies as st
 import mpgraph
 
 from conftest import casts, rel_err, round_trips
+
+convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
 
 D = 8
 UNARY = ["linear", "relu", "gelu", "tanh", "layernorm", "softmax", "exp", "center", "scale",
@@ -74,7 +77,7 @@ def test_random_graphs_keep_edges_consistent_and_the_function(program, low, seed
     torch.manual_seed(seed)
     model = Program(program).eval()
     x = torch.randn(3, D)
-    gm = mpgraph.convert(model, x, dtype=low)  # CheckDtypes ran: every edge has its planned dtype
+    gm = convert(model, x, dtype=low)  # CheckDtypes ran: every edge has its planned dtype
     gm.graph.lint()
     assert round_trips(gm) == []
     keys = [(c.args[0].name, c.args[1]) for c in casts(gm)]

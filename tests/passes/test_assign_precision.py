@@ -1,3 +1,4 @@
+import functools
 import torch
 import torch.nn as nn
 
@@ -7,6 +8,8 @@ from mpgraph.passes import AssignPrecision, ClassifyOps
 
 from conftest import MLP, SoftmaxAttention
 
+convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -15,13 +18,13 @@ def _dtypes(gm):
 
 
 def test_follow_chain_between_matmuls_stays_low():
-    gm = mpgraph.convert(MLP(), torch.randn(4, 16), dtype=BF16)
+    gm = convert(MLP(), torch.randn(4, 16), dtype=BF16)
     d = _dtypes(gm)
     assert d["fc1"] == d["act"] == d["fc2"] == BF16
 
 
 def test_softmax_and_sum_stay_fp32_while_matmuls_go_low():
-    gm = mpgraph.convert(SoftmaxAttention(), torch.randn(2, 5, 16), dtype=FP16)
+    gm = convert(SoftmaxAttention(), torch.randn(2, 5, 16), dtype=FP16)
     d = _dtypes(gm)
     assert d["softmax"] == FP32 and d["sum_1"] == FP32
     assert d["qkv"] == d["matmul"] == d["matmul_1"] == FP16
@@ -42,10 +45,10 @@ class GeluLike(nn.Module):
 
 
 def test_pow_chain_is_low_in_bf16_but_fp32_in_fp16_with_two_casts():
-    gm = mpgraph.convert(GeluLike(), torch.randn(4, 8), dtype=BF16)
+    gm = convert(GeluLike(), torch.randn(4, 8), dtype=BF16)
     assert _dtypes(gm)["pow_1"] == BF16
     assert len(gm.plan.casts) == 2  # just the graph input and output
-    gm = mpgraph.convert(GeluLike(), torch.randn(4, 8), dtype=FP16)
+    gm = convert(GeluLike(), torch.randn(4, 8), dtype=FP16)
     d = _dtypes(gm)
     assert d["pow_1"] == FP32 and d["tanh"] == FP32
     # 0.5 * h was moved to fp32 by the refinement: it reads h's shared fp32 cast, no extra cast
@@ -65,12 +68,12 @@ class MaskFill(nn.Module):
 
 def test_constant_that_overflows_fp16_pins_the_op_to_fp32_but_not_in_bf16():
     x, mask = torch.randn(2, 8), torch.rand(2, 8) > 0.5
-    gm = mpgraph.convert(MaskFill(), (x, mask), dtype=FP16)
+    gm = convert(MaskFill(), (x, mask), dtype=FP16)
     rec = gm.plan.node("masked_fill")
     assert rec.dtype == "float32" and "overflows float16" in rec.reason
     assert torch.isfinite(gm(x, mask)).sum() == x.numel()
     assert gm.plan.node("masked_fill").dtype == "float32"
-    gm = mpgraph.convert(MaskFill(), (x, mask), dtype=BF16)
+    gm = convert(MaskFill(), (x, mask), dtype=BF16)
     assert gm.plan.node("masked_fill").dtype == "bfloat16"
 
 
@@ -88,16 +91,16 @@ class InPlace(nn.Module):
 def test_inplace_op_takes_the_dtype_of_what_it_writes_into():
     x, y = torch.randn(2, 8), torch.randn(2, 8)
     model = InPlace().eval()
-    gm = mpgraph.convert(model, (x, y), dtype=BF16)
+    gm = convert(model, (x, y), dtype=BF16)
     assert _dtypes(gm)["add_"] == BF16
     assert [c.value for c in gm.plan.casts if c.consumers == ("add_",)] == ["y"]
     torch.testing.assert_close(gm(x, y), model(x, y), atol=3e-2, rtol=3e-2)
 
 
 def test_overrides_by_name_and_module_glob():
-    gm = mpgraph.convert(MLP(), torch.randn(4, 16), dtype=BF16, overrides={"fc2": "fp32"})
+    gm = convert(MLP(), torch.randn(4, 16), dtype=BF16, overrides={"fc2": "fp32"})
     assert _dtypes(gm)["fc2"] == FP32 and gm.plan.node("fc2").reason == "user override"
-    gm = mpgraph.convert(MLP(), torch.randn(4, 16), dtype=BF16, overrides={"fc*": "fp32"})
+    gm = convert(MLP(), torch.randn(4, 16), dtype=BF16, overrides={"fc*": "fp32"})
     assert _dtypes(gm)["fc1"] == _dtypes(gm)["fc2"] == FP32
 
 
@@ -116,8 +119,8 @@ def test_assign_precision_is_an_analysis_and_idempotent():
 
 def test_converting_a_converted_module_adds_nothing():
     x = torch.randn(2, 5, 16)
-    once = mpgraph.convert(SoftmaxAttention(), x, dtype=FP16)
-    twice = mpgraph.convert(once, x, dtype=FP16)
+    once = convert(SoftmaxAttention(), x, dtype=FP16)
+    twice = convert(once, x, dtype=FP16)
     assert len(twice.plan.casts) == 0
     assert len(twice.plan.weights) == 0
     torch.testing.assert_close(twice(x), once(x))

@@ -1,3 +1,4 @@
+import functools
 import torch
 import torch.nn as nn
 
@@ -7,6 +8,8 @@ from mpgraph.passes import InsertCasts
 
 from conftest import MLP, ConvBnReluPool, SharedInput, casts
 
+convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
@@ -15,19 +18,19 @@ def _casts(gm):
 
 
 def test_mlp_needs_exactly_the_io_casts():
-    gm = mpgraph.convert(MLP(), torch.randn(4, 16), dtype=FP16)
+    gm = convert(MLP(), torch.randn(4, 16), dtype=FP16)
     assert _casts(gm) == [("x", FP16), ("fc2", torch.float32)]
 
 
 def test_conv_bn_relu_pool_cast_placement():
-    gm = mpgraph.convert(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16), dtype=BF16)
+    gm = convert(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16), dtype=BF16)
     # batch norm is fp32 in this version: conv output goes up, the flattened features come down
     assert _casts(gm) == [("x", BF16), ("conv", torch.float32), ("flatten", BF16),
                           ("fc", torch.float32)]
 
 
 def test_one_cast_per_value_shared_by_all_readers():
-    gm = mpgraph.convert(SharedInput(), torch.randn(3, 8), dtype=FP16)
+    gm = convert(SharedInput(), torch.randn(3, 8), dtype=FP16)
     [x_cast, out_cast] = casts(gm)
     assert x_cast.args[0].name == "x"
     assert sorted(u.name for u in x_cast.users) == ["k", "q", "v"]
@@ -36,19 +39,19 @@ def test_one_cast_per_value_shared_by_all_readers():
 
 def test_no_cast_when_nothing_goes_low():
     model = nn.Sequential(nn.LayerNorm(8), nn.Softmax(-1))
-    gm = mpgraph.convert(model, torch.randn(2, 8), dtype=FP16)
+    gm = convert(model, torch.randn(2, 8), dtype=FP16)
     assert casts(gm) == [] and gm.plan.casts == []
 
 
 def test_second_run_changes_nothing():
-    gm = mpgraph.convert(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16), dtype=BF16)
+    gm = convert(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16), dtype=BF16)
     code = gm.code
     result = InsertCasts()(gm)
     assert result.modified is False and gm.code == code
 
 
 def test_casts_record_their_pass_and_keep_io_types_false_leaves_outputs_low():
-    gm = mpgraph.convert(MLP(), torch.randn(4, 16), dtype=BF16, keep_io_types=False)
+    gm = convert(MLP(), torch.randn(4, 16), dtype=BF16, keep_io_types=False)
     assert all(c.meta[INSERTED_BY] == "InsertCasts" for c in casts(gm))
     assert _casts(gm) == [("x", BF16)]
     assert gm(torch.randn(4, 16)).dtype == BF16
@@ -71,7 +74,7 @@ class MutatedAfterRead(nn.Module):
 def test_values_written_in_place_get_a_fresh_cast_per_reader():
     model = MutatedAfterRead().eval()
     x = torch.randn(3, 4)
-    gm = mpgraph.convert(model, x, dtype=BF16)
+    gm = convert(model, x, dtype=BF16)
     to_low = [c for c in casts(gm) if c.args[0].name == "mul" and c.args[1] == BF16]
     assert len(to_low) == 2  # shared would read the value before mul_ wrote it
     torch.testing.assert_close(gm(x.clone()), model(x.clone()), atol=5e-2, rtol=5e-2)

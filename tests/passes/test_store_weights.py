@@ -1,3 +1,4 @@
+import functools
 import torch
 import torch.nn as nn
 
@@ -6,12 +7,14 @@ from mpgraph.meta import INSERTED_BY
 
 from conftest import MLP, casts
 
+convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+
 BF16 = torch.bfloat16
 
 
 def test_weights_of_low_nodes_are_stored_low_and_others_stay_fp32(bert, token_ids):
     ids, mask = token_ids
-    gm = mpgraph.convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype=BF16)
+    gm = convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype=BF16)
     state = dict(gm.named_parameters())
     assert state["encoder.layer.0.attention.self.query.weight"].dtype == BF16
     assert state["encoder.layer.0.output.dense.bias"].dtype == BF16
@@ -23,7 +26,7 @@ def test_weights_of_low_nodes_are_stored_low_and_others_stay_fp32(bert, token_id
 
 def test_call_module_weights_converted_in_the_copy_only():
     model = MLP()
-    gm = mpgraph.convert(model, torch.randn(2, 16), dtype=BF16)
+    gm = convert(model, torch.randn(2, 16), dtype=BF16)
     assert gm.fc1.weight.dtype == BF16 and gm.fc1.weight is not model.fc1.weight
     assert model.fc1.weight.dtype == torch.float32
     assert isinstance(gm.fc1.weight, nn.Parameter)
@@ -44,7 +47,7 @@ class SharedModule(nn.Module):
 def test_module_called_in_both_precisions_gets_a_low_copy():
     model = SharedModule()
     x = torch.randn(2, 8)
-    gm = mpgraph.convert(model, x, dtype=BF16, overrides={"lin_1": "fp32"})
+    gm = convert(model, x, dtype=BF16, overrides={"lin_1": "fp32"})
     targets = {n.name: n.target for n in gm.graph.nodes if n.op == "call_module"}
     assert targets == {"lin": "lin_bfloat16", "lin_1": "lin"}
     assert gm.lin.weight.dtype == torch.float32 and gm.lin_bfloat16.weight.dtype == BF16
@@ -65,7 +68,7 @@ class TiedWeight(nn.Module):
 def test_parameter_read_in_both_precisions_keeps_both_copies():
     model = TiedWeight()
     x = torch.randn(2, 8)
-    gm = mpgraph.convert(model, x, dtype=BF16)
+    gm = convert(model, x, dtype=BF16)
     getattrs = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
     assert set(getattrs) == {"w", "w_bfloat16"}
     assert getattrs["w_bfloat16"].meta[INSERTED_BY] == "StoreWeights"

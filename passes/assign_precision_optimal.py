@@ -1,0 +1,146 @@
+"""Decide every node's dtype by exact cost minimisation (a minimum s-t cut).
+
+Objective: Σ node time in its dtype + Σ casts, one per (value, dtype) however many readers share
+it, with times from ``EstimateCost`` on the target device. The rule pass runs first and bounds the
+search: what it keeps in float32 stays there (fp32-class ops, user overrides, overflowing
+constants and weights, explicit casts in the model, graph inputs and outputs, and follow ops that
+read a float32 value, which keeps transformers' residual stream in float32 as autocast does: the
+numeric policy). Among the nodes the rules allow in low precision, Tensor-Core ops included, the
+cut picks exactly those where low precision pays for its casts, ties to float32; an in-place op
+and the value it writes into, a dtype-preserving conversion and its input, and a tuple and the
+items read from it must agree. So the plan is never estimated slower than the rules' plan, never
+less precise, and it knows the device: on an H100 an 8x8 matmul between float32 ops stays
+float32 while a 4096x4096 one goes low; an isolated ReLU is never wrapped in casts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mpgraph.device_specs import DeviceSpec
+from mpgraph.edges import required_dtype
+from mpgraph.graph_utils import input_nodes, is_inplace
+from mpgraph.op_table import CAST
+from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, Decision, TensorInfo, is_float32_tensor
+from mpgraph.mincut import FP32 as CUT_FP32, LOW as CUT_LOW, Problem, solve
+from mpgraph.pass_infra import PassResult
+
+from .assign_precision import AssignPrecision, _short, explicit_dtype
+from .estimate_cost import COST, EstimateCost
+
+FP32 = torch.float32
+ESTIMATE = "mpgraph.estimate"  # on gm.meta: {"target", "fp32_s", "plan_s"}
+_OUTPUT = "<graph output>"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} us"
+
+
+class AssignPrecisionOptimal(AssignPrecision):
+    def __init__(self, low_dtype: torch.dtype, spec: DeviceSpec, keep_io_types: bool = True,
+                 overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
+                 tf32: Optional[bool] = None):
+        super().__init__(low_dtype, keep_io_types, overrides, keep_fp32)
+        self.spec = spec
+        self.costs = EstimateCost(spec, low_dtype, tf32)
+
+    def requires(self, gm):
+        super().requires(gm)
+        for node in gm.graph.nodes:
+            if node.op.startswith("call_") and COST not in node.meta:
+                raise self.fail("run EstimateCost first", node)
+
+    def call(self, gm):
+        super().call(gm)  # the rule decisions: their pinned ones are our hard constraints
+        order = list(gm.graph.nodes)
+        dec = {n: n.meta[PRECISION] for n in order}
+        problem, variables, tied = self._problem(order, gm, dec)
+        labels, total = solve(problem)
+        low_of = {CUT_FP32: FP32, CUT_LOW: self.low}
+        for n in variables:
+            c = n.meta[COST]
+            dtype = low_of[labels[n]]
+            alone = self.low if c.t_low < c.t_fp32 else FP32
+            why = f"cost: {_us(c.t_fp32)} in float32, {_us(c.t_low)} in {_short(self.low)}"
+            if dtype != alone:
+                why += f"; {_short(dtype)} saves the casts {_short(alone)} would need"
+            dec[n] = Decision(dtype, why)
+        for n, (how, _) in tied.items():
+            dec[n] = Decision(low_of[labels[n]], f"{how} ({_short(low_of[labels[n]])})", pinned=True,
+                              reads_any=dec[n].reads_any)
+        stored = {n for n in order if dec[n].stored}
+        self._decide_stored(order, gm, dec, stored)
+        for n in order:
+            n.meta[PRECISION] = dec[n]
+        baseline = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta)
+        rest = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta and n not in problem.cost)
+        gm.meta[ESTIMATE] = {"target": self.spec.name, "fp32_s": baseline, "plan_s": total + rest}
+        return PassResult(gm, False)
+
+    def _problem(self, order, gm, dec):
+        problem = Problem()
+        variables, tied = [], {}
+        convertible = (FP32, self.low)
+        label = {FP32: CUT_FP32, self.low: CUT_LOW}
+        for n in order:
+            d = dec[n]
+            if d.dtype is None or d.stored:
+                continue
+            if n.op in ("placeholder", "get_attr"):
+                problem.fixed[n] = label[d.dtype]
+                continue
+            if n.op == "output":
+                continue
+            c = n.meta[COST]
+            problem.cost[n] = (c.t_fp32, c.t_low)
+            partner = self._tie(n, gm, dec, convertible)
+            if partner is not None:
+                problem.equal.append((n, partner[1]))
+                tied[n] = partner
+            elif d.pinned or d.dtype == FP32:  # the rules' float32 is a bound, not a suggestion
+                problem.fixed[n] = label[d.dtype]
+            else:
+                variables.append(n)
+        if self.keep_io_types:
+            problem.fixed[_OUTPUT] = CUT_FP32
+        for v in order:
+            d = dec[v]
+            if d.dtype is None or d.stored or not is_float32_tensor(v.meta[TENSOR]):
+                continue
+            readers = []
+            for u in v.users:
+                if u.op == "output":
+                    if self.keep_io_types and isinstance(v.meta[TENSOR], TensorInfo):
+                        readers.append(_OUTPUT)
+                    continue
+                du = dec[u]
+                if du.dtype is None or du.reads_any or u in tied and tied[u][1] is v:
+                    continue
+                if isinstance(v.meta[TENSOR], tuple):  # items of a tuple cannot be cast alone
+                    problem.equal.append((v, u))
+                    continue
+                if required_dtype(u, v, gm, self.keep_io_types, dec.get) is not None:
+                    readers.append(u)
+            if readers:
+                cast = self.costs.cast_cost(v.meta[TENSOR].numel)
+                problem.reads[v] = readers
+                problem.cast_cost[v] = (cast, cast)
+        return problem, variables, tied
+
+    def _tie(self, n, gm, dec, convertible):
+        """(why, the node whose dtype ``n`` must share), or None."""
+        def usable(partner):
+            return partner is not None and dec[partner].dtype in convertible and not dec[partner].stored
+
+        if n.args and isinstance(n.args[0], torch.fx.Node) and is_inplace(n, gm) and usable(n.args[0]):
+            return "in place on the value it writes into", n.args[0]
+        if n.meta[OP_CLASS].op_class == CAST:
+            asked = explicit_dtype(n)
+            if isinstance(asked, tuple) and usable(asked[1]):
+                return f"casts to the dtype of {asked[1].name}", asked[1]
+            first = input_nodes(n)[0] if input_nodes(n) else None
+            if asked is None and usable(first):
+                return "dtype-preserving conversion of its input", first
+        return None

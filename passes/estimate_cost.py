@@ -1,0 +1,202 @@
+"""Roofline time of every node in float32 and in the low dtype, on a target device.
+
+time = max(FLOPs / peak[dtype], bytes / bandwidth) + launch, from the shapes capture recorded.
+Matmul-class ops use the Tensor Core (or AVX512-BF16) peak of their dtype and, on GPUs, lose what
+tile and wave quantization waste; everything else runs at the fp32 vector rate and is usually
+bandwidth-bound, where half-size values are what low precision buys. Views cost a dispatch only.
+The fp32 baseline uses TF32 where torch allows it for matmuls on a GPU that has it.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx
+
+from mpgraph.device_specs import DeviceSpec
+from mpgraph.graph_utils import input_nodes, is_view
+from mpgraph.meta import OP_CLASS, TENSOR, TensorInfo
+from mpgraph.op_table import TENSOR_CORE
+from mpgraph.pass_infra import Pass, PassResult
+
+COST = "mpgraph.cost"
+_NO_KERNEL_METHODS = {"size", "dim", "numel", "contiguous", "detach"}
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: float
+    bytes_fp32: float
+    bytes_low: float
+    t_fp32: float
+    t_low: float
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _infos(value) -> list[TensorInfo]:
+    if isinstance(value, TensorInfo):
+        return [value]
+    if isinstance(value, tuple):
+        return [i for i in value if isinstance(i, TensorInfo)]
+    return []
+
+
+def _matmul_dims(node: torch.fx.Node, gm) -> Optional[tuple[int, int, int, int]]:
+    """(batch, M, N, K) of a matmul-class node, from recorded shapes."""
+    out = _infos(node.meta.get(TENSOR))
+    ins = [i for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))]
+    if not out or not ins:
+        return None
+    o = out[0].shape
+    name = str(node.target)
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if isinstance(mod, torch.nn.Linear):
+            k = mod.in_features
+            return 1, math.prod(o[:-1]), o[-1], k
+        return None
+    if "addmm" in name:  # aten.addmm(bias, a, b) / torch.addmm
+        a = _infos(node.args[1].meta.get(TENSOR))[0].shape if isinstance(node.args[1], torch.fx.Node) else None
+        return (1, o[0], o[1], a[-1]) if a else None
+    a = ins[0].shape
+    if len(o) == 0 or len(a) == 0:
+        return None
+    k = a[-1]
+    m = o[-2] if len(o) >= 2 else 1
+    return math.prod(o[:-2]) if len(o) > 2 else 1, m, o[-1], k
+
+
+def _conv_flops(node: torch.fx.Node, gm) -> Optional[float]:
+    out = _infos(node.meta.get(TENSOR))
+    weight = None
+    if node.op == "call_module":
+        weight = getattr(gm.get_submodule(node.target), "weight", None)
+        shape = tuple(weight.shape) if weight is not None else None
+    else:
+        w = node.args[1] if len(node.args) > 1 else None
+        infos = _infos(w.meta.get(TENSOR)) if isinstance(w, torch.fx.Node) else []
+        shape = infos[0].shape if infos else None
+    if not out or shape is None:
+        return None
+    transposed = "transpose" in str(node.target).lower() or (
+        node.op == "call_module" and "Transpose" in type(gm.get_submodule(node.target)).__name__)
+    if transposed:
+        inp = _infos(input_nodes(node)[0].meta.get(TENSOR))
+        return 2.0 * inp[0].numel * math.prod(shape[1:]) if inp else None
+    return 2.0 * out[0].numel * math.prod(shape[1:])
+
+
+def _sdpa_flops(node: torch.fx.Node) -> Optional[float]:
+    q = _infos(node.args[0].meta.get(TENSOR)) if isinstance(node.args[0], torch.fx.Node) else []
+    k = _infos(node.args[1].meta.get(TENSOR)) if isinstance(node.args[1], torch.fx.Node) else []
+    if not q or not k:
+        return None
+    return 4.0 * q[0].numel * k[0].shape[-2]
+
+
+def node_flops(node: torch.fx.Node, gm) -> tuple[float, bool, Optional[tuple]]:
+    """(FLOPs, is matmul-class, GEMM dims for quantization or None)."""
+    op_class = node.meta[OP_CLASS].op_class
+    out = _infos(node.meta.get(TENSOR))
+    elementwise = float(sum(i.numel for i in out) or
+                        sum(i.numel for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))))
+    if op_class != TENSOR_CORE:
+        return elementwise, False, None
+    target = str(node.target).lower()
+    kind = type(gm.get_submodule(node.target)).__name__.lower() if node.op == "call_module" else target
+    if "conv" in kind:
+        f = _conv_flops(node, gm)
+        return (f if f is not None else elementwise), True, None
+    if "scaled_dot_product" in kind:
+        f = _sdpa_flops(node)
+        return (f if f is not None else elementwise), True, None
+    if "multiheadattention" in kind:
+        x = out[0] if out else None
+        return (8.0 * x.numel * x.shape[-1] if x else elementwise), True, None
+    dims = _matmul_dims(node, gm)
+    if dims is None:
+        return elementwise, True, None
+    b, m, n, k = dims
+    return 2.0 * b * m * n * k, True, dims
+
+
+def _quantization(spec: DeviceSpec, dims: Optional[tuple]) -> float:
+    """Fraction of the GPU's GEMM throughput a (batch, M, N) problem can use (tile and wave)."""
+    if spec.kind != "gpu" or dims is None:
+        return 1.0
+    b, m, n, _ = dims
+    t = spec.tile
+    tiles = b * math.ceil(m / t) * math.ceil(n / t)
+    waves = math.ceil(tiles / spec.sms)
+    return (b * m * n) / (waves * spec.sms * t * t)
+
+
+def tf32_enabled() -> bool:
+    return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+
+
+class EstimateCost(Pass):
+    """Analysis: writes ``mpgraph.cost`` (NodeCost) on every call node that touches float32."""
+
+    def __init__(self, spec: DeviceSpec, low_dtype: torch.dtype, tf32: Optional[bool] = None):
+        self.spec = spec
+        self.low = low_dtype
+        self.tf32 = tf32_enabled() if tf32 is None else tf32
+
+    def requires(self, gm):
+        for node in gm.graph.nodes:
+            if node.op.startswith("call_") and OP_CLASS not in node.meta:
+                raise self.fail("run ClassifyOps first", node)
+
+    def _bytes(self, node, dtype) -> float:
+        total = 0.0
+        for info in [i for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))] \
+                + _infos(node.meta.get(TENSOR)):
+            size = _size(dtype) if info.dtype == torch.float32 else _size(info.dtype)
+            total += info.numel * size
+        if node.op == "call_module":
+            for p in gm_params(self._gm, node.target):
+                total += p.numel() * (_size(dtype) if p.dtype == torch.float32 else p.element_size())
+        return total
+
+    def cost(self, node, gm) -> NodeCost:
+        self._gm = gm
+        spec = self.spec
+        no_kernel = is_view(node) or node.target in (operator.getitem, getattr) \
+            or (node.op == "call_method" and node.target in _NO_KERNEL_METHODS) \
+            or not _infos(node.meta.get(TENSOR))
+        if no_kernel:
+            return NodeCost(0.0, 0.0, 0.0, spec.launch, spec.launch)
+        flops, matmul, dims = node_flops(node, gm)
+        times = []
+        for dtype in (torch.float32, self.low):
+            if matmul:
+                peak = spec.matmul_peak(dtype, tf32=self.tf32) or spec.elementwise_peak(dtype) / 2
+                peak *= _quantization(spec, dims)
+            else:
+                peak = spec.elementwise_peak(dtype)
+            nbytes = self._bytes(node, dtype)
+            times.append((max(flops / peak, nbytes / spec.bandwidth) + spec.launch, nbytes))
+        (t32, b32), (tlow, blow) = times
+        return NodeCost(flops, b32, blow, t32, tlow)
+
+    def cast_cost(self, numel: int) -> float:
+        """One fp32<->low cast: read one, write the other (6 bytes per element for fp16), a launch."""
+        return numel * (4 + _size(self.low)) / self.spec.bandwidth + self.spec.launch
+
+    def call(self, gm):
+        for node in gm.graph.nodes:
+            if node.op.startswith("call_"):
+                node.meta[COST] = self.cost(node, gm)
+        return PassResult(gm, False)
+
+
+def gm_params(gm, target: str) -> list[torch.Tensor]:
+    module = gm.get_submodule(target)
+    return list(module.parameters()) + list(module.buffers())

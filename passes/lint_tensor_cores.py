@@ -1,0 +1,102 @@
+"""Tensor Core eligibility of every matmul and convolution, with the padding that would fix it.
+
+fp16/bf16 Tensor Cores want GEMM dimensions M, N, K (and conv channels C, K) in multiples of 16
+bytes: 8 elements; TF32 wants 4. cuBLAS >= 11 still runs misaligned shapes, but off the fast path
+(NVIDIA's "Matrix Multiplication Background", Table 1). For each matmul-class node this records
+its dimensions, which of them miss the multiple, the padded sizes, and the estimated gain of
+padding on the target: misaligned work at the CUDA-core rate against padded work at the Tensor
+Core rate. On a CPU target the finding is kept (it matters where the model is deployed) but no
+gain is estimated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from mpgraph.device_specs import DeviceSpec
+from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, TensorInfo
+from mpgraph.op_table import TENSOR_CORE
+from mpgraph.pass_infra import Pass, PassResult
+
+from .estimate_cost import _matmul_dims, tf32_enabled
+
+TENSOR_CORES = "mpgraph.tensor_core"
+
+
+@dataclass(frozen=True)
+class TensorCoreFinding:
+    dims: dict = field(hash=False)       # e.g. {"M": 128, "N": 4095, "K": 1023}
+    multiple: int
+    padding: dict = field(hash=False)    # misaligned dims -> padded size
+    gain: Optional[float]                # estimated speed-up from padding, on the target
+    text: str
+
+
+def _gemm_dims(node, gm) -> Optional[dict]:
+    kind = type(gm.get_submodule(node.target)).__name__ if node.op == "call_module" else str(node.target)
+    if "conv" in kind.lower():
+        if node.op == "call_module":
+            w = gm.get_submodule(node.target).weight
+            shape = tuple(w.shape)
+            groups = gm.get_submodule(node.target).groups
+        else:
+            arg = node.args[1] if len(node.args) > 1 else None
+            info = arg.meta.get(TENSOR) if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(info, TensorInfo):
+                return None
+            shape, groups = info.shape, 1
+        return {"C": shape[1] * groups, "K": shape[0]}
+    if "scaled_dot_product" in kind or "multihead" in kind.lower():
+        return None
+    dims = _matmul_dims(node, gm)
+    if dims is None:
+        return None
+    _, m, n, k = dims
+    return {"M": m, "N": n, "K": k}
+
+
+class LintTensorCores(Pass):
+    """Analysis: writes ``mpgraph.tensor_core`` on matmul-class nodes (after the dtype decision)."""
+
+    def __init__(self, spec: DeviceSpec, tf32: Optional[bool] = None):
+        self.spec = spec
+        self.tf32 = tf32_enabled() if tf32 is None else tf32
+
+    def call(self, gm):
+        for node in gm.graph.nodes:
+            if node.op.startswith("call_") and node.meta.get(OP_CLASS) \
+                    and node.meta[OP_CLASS].op_class == TENSOR_CORE:
+                finding = self.finding(node, gm)
+                if finding is not None:
+                    node.meta[TENSOR_CORES] = finding
+        return PassResult(gm, False)
+
+    def finding(self, node, gm) -> Optional[TensorCoreFinding]:
+        decision = node.meta.get(PRECISION)
+        dtype = decision.dtype if decision is not None else None
+        if dtype in (torch.float16, torch.bfloat16):
+            multiple, how = 8, f"{str(dtype)[6:]} Tensor Cores want multiples of 8"
+        elif dtype == torch.float32 and self.tf32:
+            multiple, how = 4, "TF32 Tensor Cores want multiples of 4"
+        else:
+            return None
+        dims = _gemm_dims(node, gm)
+        if not dims:
+            return None
+        padding = {k: math.ceil(v / multiple) * multiple for k, v in dims.items() if v % multiple}
+        if not padding:
+            return TensorCoreFinding(dims, multiple, {}, None, f"aligned ({how})")
+        gain = None
+        if self.spec.kind == "gpu":
+            work = math.prod(dims.values())
+            padded = math.prod(padding.get(k, v) for k, v in dims.items())
+            fast = self.spec.matmul_peak(dtype, tf32=self.tf32) or self.spec.peak["fp32"]
+            gain = (work / self.spec.peak["fp32"]) / (padded / fast)
+        pads = ", ".join(f"{k} {dims[k]}->{v}" for k, v in padding.items())
+        text = f"eligible but misaligned: pad {pads} ({how})"
+        if gain is not None:
+            text += f"; est. {gain:.1f}x faster on {self.spec.name}"
+        return TensorCoreFinding(dims, multiple, padding, gain, text)

@@ -1,0 +1,146 @@
+"""Device specs, the roofline estimate, the cost-optimal decision and the Tensor Core lint."""
+import pytest
+import torch
+import torch.nn as nn
+
+import mpgraph
+from mpgraph.device import auto_dtype, cpu_flags, measure_cpu, resolve_target, target_names
+from mpgraph.device_specs import GPU_SPECS, DeviceSpec
+from mpgraph.meta import PRECISION
+from mpgraph.passes.estimate_cost import COST
+
+from conftest import SharedInput, casts
+
+H100 = "h100"
+
+
+def test_device_table_sanity():
+    for key, spec in GPU_SPECS.items():
+        assert spec.kind == "gpu" and spec.source, key
+        assert all(v > 0 for v in spec.peak.values()), key
+        assert spec.bandwidth > 0 and spec.sms > 0 and spec.launch > 0, key
+        assert spec.peak["fp16"] >= spec.peak["fp32"], key  # Tensor Cores
+        if "tf32" in spec.peak:
+            assert spec.peak["fp32"] <= spec.peak["tf32"] <= spec.peak["fp16"], key
+    assert GPU_SPECS["h200"].bandwidth > GPU_SPECS["h100-sxm"].bandwidth
+    assert "bf16" not in GPU_SPECS["t4"].peak and "bf16" not in GPU_SPECS["v100"].peak
+
+
+def test_named_targets_and_bad_names():
+    assert resolve_target("h100") is GPU_SPECS["h100-sxm"]
+    assert resolve_target("A100") is GPU_SPECS["a100-80gb"]
+    assert resolve_target("cpu").kind == "cpu"
+    with pytest.raises(ValueError, match="unknown target 'b200'.*h100"):
+        resolve_target("b200")
+    assert {"cpu", "h100", "a100", "t4"} <= set(target_names())
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags() and "amx_bf16" not in cpu_flags(),
+                    reason="this CPU has no fast bf16 instructions")
+def test_cpu_detection_here_reports_bf16_fast_and_fp16_slow():
+    spec = measure_cpu()
+    assert spec.peak["bf16"] > 1.2 * spec.peak["fp32"]
+    assert spec.peak["fp16"] < spec.peak["fp32"]
+    dtype, why = auto_dtype(spec)
+    assert dtype == torch.bfloat16 and "bf16" in why
+
+
+def test_auto_dtype_per_target():
+    assert auto_dtype(GPU_SPECS["t4"])[0] == torch.float16
+    assert auto_dtype(GPU_SPECS["v100"])[0] == torch.float16
+    assert auto_dtype(GPU_SPECS["h100-sxm"])[0] == torch.bfloat16
+    slow = DeviceSpec("old CPU", "cpu", {"fp32": 100e9, "bf16": 20e9, "fp16": 1e9}, 20e9, 4, 1e-6)
+    assert auto_dtype(slow)[0] is None
+
+
+def test_auto_keeps_fp32_where_low_precision_is_slower_and_says_so():
+    slow = DeviceSpec("old CPU", "cpu", {"fp32": 100e9, "bf16": 20e9, "fp16": 1e9}, 20e9, 4, 1e-6)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    gm = mpgraph.convert(model, torch.randn(32, 64), dtype="auto", target=slow)
+    assert gm.plan.low_nodes == [] and gm.plan.casts == []
+    assert "kept float32: low precision is slower than float32" in gm.plan.summary()
+    gm = mpgraph.convert(model, torch.randn(32, 64), dtype="auto", target="t4", strategy="rules")
+    assert gm.plan.dtype == torch.float16
+
+
+def _sandwich(n):
+    return nn.Sequential(nn.LayerNorm(n), nn.Linear(n, n), nn.LayerNorm(n)).eval()
+
+
+def test_small_matmul_stays_fp32_and_large_goes_fp16_on_h100():
+    small = mpgraph.convert(_sandwich(8), torch.randn(8, 8), dtype="fp16", target=H100)
+    assert small.plan.node("_1").dtype == "float32" and small.plan.casts == []
+    assert "saves the casts" in small.plan.node("_1").reason
+    big = mpgraph.convert(_sandwich(4096), torch.randn(256, 4096), dtype="fp16", target=H100,
+                          check=False)  # fp16 matmuls are very slow on this CPU: plan only
+    rec = big.plan.node("_1")
+    assert rec.dtype == "float16" and rec.t_low < rec.t_fp32 / 5
+    assert len(big.plan.casts) == 2
+
+
+def test_isolated_relu_between_fp32_ops_is_never_wrapped_in_casts():
+    model = nn.Sequential(nn.LayerNorm(512), nn.ReLU(), nn.LayerNorm(512)).eval()
+    for target in (H100, "cpu", "t4"):
+        gm = mpgraph.convert(model, torch.randn(64, 512), dtype="fp16", target=target, check=False)
+        assert gm.plan.node("_1").dtype == "float32" and gm.plan.casts == [], target
+
+
+def test_shared_value_read_by_three_low_matmuls_gets_one_cast():
+    class Wide(SharedInput):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(2048, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 2048)
+
+    gm = mpgraph.convert(Wide().eval(), torch.randn(512, 2048), dtype="fp16", target=H100, check=False)
+    assert {gm.plan.node(n).dtype for n in ("q", "k", "v")} == {"float16"}
+    x_casts = [c for c in casts(gm) if c.args[0].name == "x"]
+    assert len(x_casts) == 1 and len(x_casts[0].users) == 3
+
+
+def test_misaligned_linear_is_flagged_with_its_padding():
+    gm = mpgraph.convert(nn.Sequential(nn.Linear(1023, 4095)), torch.randn(64, 1023), dtype="fp16",
+                         target=H100, check=False)
+    finding = gm.plan.node("_0").tensor_core
+    assert finding.startswith("eligible but misaligned")
+    assert "N 4095->4096" in finding and "K 1023->1024" in finding and "faster on NVIDIA H100" in finding
+    assert "1 matmuls misaligned" in gm.plan.summary()
+    aligned = mpgraph.convert(nn.Sequential(nn.Linear(1024, 4096)), torch.randn(64, 1024),
+                              dtype="fp16", target=H100, check=False)
+    assert aligned.plan.node("_0").tensor_core.startswith("aligned")
+
+
+def test_roofline_numbers_for_a_linear_and_a_cast():
+    gm = mpgraph.convert(_sandwich(1024), torch.randn(512, 1024), dtype="fp16", target=H100,
+                         check=False)
+    node = next(n for n in gm.graph.nodes if n.name == "_1")
+    cost = node.meta[COST]
+    assert cost.flops == 2 * 512 * 1024 * 1024
+    spec = GPU_SPECS["h100-sxm"]
+    # 512x1024 output = 4x8 = 32 tiles of 128x128 on 132 SMs: one wave, 32/132 of the GPU busy
+    quantization = (512 * 1024) / (1 * 132 * 128 * 128)
+    compute = cost.flops / (spec.peak["fp16"] * quantization)
+    memory = cost.bytes_low / spec.bandwidth
+    assert cost.bytes_low == 2 * (512 * 1024 + 1024 * 1024 + 1024 + 512 * 1024)  # x, W, b, y in fp16
+    assert cost.t_low == pytest.approx(max(compute, memory) + spec.launch, rel=0.05)
+    rec = gm.plan.node("_1")
+    assert rec.t_fp32 == cost.t_fp32 and rec.t_low == cost.t_low
+
+
+def test_cost_optimal_is_never_estimated_slower_than_the_rules(bert, token_ids):
+    ids, mask = token_ids
+    for target in ("cpu", H100, "t4"):
+        opt = mpgraph.convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype="fp16",
+                              target=target)
+        rules_plan = mpgraph.convert(bert, (ids,), example_kwargs={"attention_mask": mask},
+                                     dtype="fp16", target=target, strategy="rules").plan
+        # the rules' plan priced with the same model
+        rule_time = sum(r.t_low if r.dtype == "float16" else r.t_fp32
+                        for r in rules_plan.nodes if r.t_fp32 is not None)
+        assert opt.plan.estimate["plan_s"] <= rule_time * (1 + 1e-9) + _cast_time(rules_plan, target)
+        low_in_opt = {r.name for r in opt.plan.low_nodes}
+        assert low_in_opt <= {r.name for r in rules_plan.low_nodes}  # never less precise
+
+
+def _cast_time(plan, target):
+    spec = resolve_target(target)
+    return sum(c.numel * 6 / spec.bandwidth + spec.launch for c in plan.casts)
