@@ -146,6 +146,32 @@ def _remove_noop_casts(graph, ir) -> int:
     return removed
 
 
+def _weights_in_input_dtype(graph, ir) -> int:
+    """Weights the exporter's optimiser recomputed in float32 (eval batch norm folded into a
+    bf16 Conv) go back to the dtype of the activations they multiply: converted once, here."""
+    import ml_dtypes
+    import numpy as np
+
+    np_type = {ir.DataType.FLOAT16: np.float16, ir.DataType.BFLOAT16: ml_dtypes.bfloat16}
+    fixed = 0
+    for node in graph:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or node.inputs[0] is None:
+            continue
+        want = node.inputs[0].dtype
+        if want not in np_type:
+            continue
+        for value in node.inputs[1:]:
+            if value is None or not value.is_initializer() or value.dtype != ir.DataType.FLOAT \
+                    or value.const_value is None:
+                continue
+            if any(user.inputs[0] is None or user.inputs[0].dtype != want for user, _ in value.uses()):
+                continue
+            value.const_value = ir.tensor(value.const_value.numpy().astype(np_type[want]), name=value.name)
+            value.dtype = want
+            fixed += 1
+    return fixed
+
+
 def _attention_softmax_fp32(graph, ir) -> int:
     """Attention with fp16/bf16 inputs computes its softmax in float32, as the plan says."""
     changed = 0
@@ -238,6 +264,7 @@ def _provenance(plan: Plan, exporter: str) -> dict[str, str]:
 def _postprocess(model, plan: Plan, exporter: str, ir) -> tuple[dict, tuple[int, int, list[str]]]:
     graph = model.graph
     edits = {"removed no-op casts": _remove_noop_casts(graph, ir),
+             "folded weights stored in the activation dtype": _weights_in_input_dtype(graph, ir),
              "attention softmax set to float32": _attention_softmax_fp32(graph, ir),
              "decomposed softmax wrapped in float32 casts": _softmax_fp32(graph, ir)}
     matched = _match_casts(graph, plan, ir)

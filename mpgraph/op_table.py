@@ -42,16 +42,21 @@ OP_CLASSES = (TENSOR_CORE, FOLLOW, FP32_COMPUTE, FP32_ONLY, CAST, UNKNOWN)
 class OpEntry:
     op_class: str
     reason: str
-    bf16: Optional[str] = None  # class to use instead when the low dtype is bfloat16
+    bf16: Optional[str] = None       # class to use instead when the low dtype is bfloat16
+    inference: Optional[str] = None  # class to use instead with fixed statistics (eval batch norm)
+    inference_reason: str = ""
 
-    def class_for(self, low_dtype: torch.dtype) -> str:
+    def class_for(self, low_dtype: torch.dtype, inference: bool = False) -> str:
+        if inference and self.inference is not None:
+            return self.inference
         if low_dtype == torch.bfloat16 and self.bf16 is not None:
             return self.bf16
         return self.op_class
 
 
-def _group(targets, op_class: str, reason: str, bf16: Optional[str] = None) -> dict[Any, OpEntry]:
-    entry = OpEntry(op_class, reason, bf16)
+def _group(targets, op_class: str, reason: str, bf16: Optional[str] = None,
+           inference: Optional[str] = None, inference_reason: str = "") -> dict[Any, OpEntry]:
+    entry = OpEntry(op_class, reason, bf16, inference, inference_reason)
     return {t: entry for t in targets}
 
 
@@ -86,6 +91,8 @@ _DROPOUT = "dropout scales by 1/(1-p) at most: follows its input"
 _COMPARE = "comparison or selection: output is bool/int or one of its inputs"
 _CREATE = "allocates a tensor like its input: takes the input's dtype"
 _NORM = "normalisation: mean/variance accumulate over many elements, kept in fp32"
+_BN = "batch norm in training: batch mean/variance accumulate over many elements, kept in fp32"
+_BN_EVAL = "batch norm with fixed statistics: a per-channel affine map, follows its input"
 _SOFTMAX = "softmax: exp of logits and a sum over the axis, kept in fp32"
 _EXP = "range-expanding (|f(x)| >> |x|): overflows fp16; bf16 has fp32's range"
 _LOG = "log family: precision near 1 matters, kept in fp32 (autocast does the same)"
@@ -99,9 +106,10 @@ MODULE_TABLE: dict[Any, OpEntry] = {
     **_group(_mods("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
                    "ConvTranspose3d", "LazyConv1d", "LazyConv2d", "LazyConv3d"), TENSOR_CORE, _CONV),
     **_group(_mods("MultiheadAttention"), TENSOR_CORE, _MHA),
-    **_group(_mods("LayerNorm", "GroupNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
-                   "SyncBatchNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
+    **_group(_mods("LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
                    "LocalResponseNorm", "RMSNorm"), FP32_COMPUTE, _NORM),
+    **_group(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"), FP32_COMPUTE, _BN,
+             inference=FOLLOW, inference_reason=_BN_EVAL),
     **_group(_mods("Softmax", "LogSoftmax", "Softmin", "Softmax2d"), FP32_COMPUTE, _SOFTMAX),
     **_group(_mods("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "ELU", "SELU", "CELU", "GELU",
                    "SiLU", "Mish", "Hardswish", "Hardsigmoid", "Hardtanh", "Sigmoid", "Tanh",
@@ -139,9 +147,11 @@ FUNCTION_TABLE: dict[Any, OpEntry] = {
               F.conv_transpose3d, torch.conv1d, torch.conv2d, torch.conv3d], TENSOR_CORE, _CONV),
     **_group([F.scaled_dot_product_attention], TENSOR_CORE, _SDPA),
     # fp32 compute
-    **_group([F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm, F.local_response_norm,
-              torch.layer_norm, torch.group_norm, torch.batch_norm]
+    **_group([F.layer_norm, F.group_norm, F.instance_norm, F.local_response_norm,
+              torch.layer_norm, torch.group_norm]
              + ([F.rms_norm] if hasattr(F, "rms_norm") else []), FP32_COMPUTE, _NORM),
+    **_group([F.batch_norm, torch.batch_norm], FP32_COMPUTE, _BN, inference=FOLLOW,
+             inference_reason=_BN_EVAL),
     **_group([F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax],
              FP32_COMPUTE, _SOFTMAX),
     # fp32 only
@@ -234,9 +244,9 @@ ATEN_TABLE: dict[Any, OpEntry] = {
              TENSOR_CORE, _CONV),
     **_group(_aten("scaled_dot_product_attention"), TENSOR_CORE, _SDPA),
     **_group(_aten("layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
-                   "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-                   "_native_batch_norm_legit_no_training", "instance_norm", "rms_norm",
-                   "_fused_rms_norm"), FP32_COMPUTE, _NORM),
+                   "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                   "instance_norm", "rms_norm", "_fused_rms_norm"), FP32_COMPUTE, _NORM),
+    **_group(_aten("batch_norm"), FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL),
     **_group(_aten("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"),
              FP32_COMPUTE, _SOFTMAX),
     **_group(_aten("exp", "exp_", "expm1", "pow", "pow_", "rsqrt", "reciprocal", "sinh", "cosh",

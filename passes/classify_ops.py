@@ -15,6 +15,16 @@ _NON_CALL = {
 }
 
 
+def fixed_statistics(node, gm) -> bool:
+    """True for a batch norm that normalises with its running statistics (eval mode)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return not module.training and getattr(module, "running_mean", None) is not None
+    # F.batch_norm, torch.batch_norm and aten.batch_norm all take ``training`` sixth
+    training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else None)
+    return training is False
+
+
 class ClassifyOps(Pass):
     """Analysis: writes ``mpgraph.op_class``. The class may depend on the low dtype (bf16 vs fp16)."""
 
@@ -30,6 +40,9 @@ class ClassifyOps(Pass):
             key, entry = self.table.lookup(node, gm)
             if entry is None:
                 info = OpInfo(UNKNOWN, f"{key} is not in the op table: kept in float32", key)
+            elif entry.inference is not None and fixed_statistics(node, gm):
+                info = OpInfo(entry.class_for(self.low_dtype, inference=True),
+                              entry.inference_reason or entry.reason, key)
             else:
                 info = OpInfo(entry.class_for(self.low_dtype), entry.reason, key)
             node.meta[OP_CLASS] = info

@@ -23,10 +23,15 @@ def test_mlp_needs_exactly_the_io_casts():
 
 
 def test_conv_bn_relu_pool_cast_placement():
+    # eval-mode batch norm is a per-channel affine map: the whole net runs low, casts only at I/O
     gm = convert(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16), dtype=BF16)
-    # batch norm is fp32 in this version: conv output goes up, the flattened features come down
+    assert _casts(gm) == [("x", BF16), ("fc", torch.float32)]
+    assert gm.plan.node("bn").dtype == "bfloat16" and gm.plan.node("bn").op_class == "follow"
+    # in training mode it accumulates batch statistics: fp32, conv output goes up, features come down
+    gm = convert(ConvBnReluPool().train(), torch.randn(2, 3, 16, 16), dtype=BF16)
     assert _casts(gm) == [("x", BF16), ("conv", torch.float32), ("flatten", BF16),
                           ("fc", torch.float32)]
+    assert gm.plan.node("bn").dtype == "float32"
 
 
 def test_one_cast_per_value_shared_by_all_readers():
