@@ -21,6 +21,9 @@ import torch
 from .device_specs import ALIASES, GPU_SPECS, DeviceSpec
 
 log = logging.getLogger(__name__)
+# GELU counted as this many FLOPs per element when measuring the CPU's vector-math rate; the cost
+# model counts transcendental ops the same way (estimate_cost.FLOPS_PER_ELEMENT)
+VECTOR_FLOPS_PER_ELEMENT = 20
 _CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_fp16", "avx512_fp16", "avx512f", "avx2")
 
 
@@ -77,6 +80,9 @@ def _measure_cpu() -> dict:
         y = torch.empty_like(x)
         t = _best_time(lambda: y.copy_(x), 5)
         bandwidth = 2 * x.numel() * 4 / t
+        z = torch.randn(4 * 1024 * 1024)
+        t = _best_time(lambda: torch.nn.functional.gelu(z), 3)
+        peak["vector"] = VECTOR_FLOPS_PER_ELEMENT * z.numel() / t
         small = torch.ones(8)
         t = _best_time(lambda: [torch.add(small, small) for _ in range(200)], 3)
         launch = t / 200
@@ -86,7 +92,7 @@ def _measure_cpu() -> dict:
 def measure_cpu(cache: bool = True) -> DeviceSpec:
     """This CPU as a DeviceSpec, from a micro-benchmark (cached on disk)."""
     flags = sorted(cpu_flags() & set(_CPU_FLAGS))
-    key = f"{_cpu_name()}|{','.join(flags)}|{torch.get_num_threads()}|{torch.__version__}"
+    key = f"v2|{_cpu_name()}|{','.join(flags)}|{torch.get_num_threads()}|{torch.__version__}"
     path = os.path.join(_cache_dir(), f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
     data = None
     if cache and os.path.exists(path):

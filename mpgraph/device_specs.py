@@ -35,8 +35,9 @@ class DeviceSpec:
         return self.peak.get(key) if key else None
 
     def elementwise_peak(self, dtype: torch.dtype) -> float:
-        """Non-matmul arithmetic runs on the CUDA cores / vector units at about the fp32 rate."""
-        return self.peak["fp32"]
+        """Non-matmul arithmetic: the CUDA cores' fp32 rate on GPUs; on CPUs the measured rate of
+        vector math (``peak["vector"]``, far below the AMX/AVX512 matmul peak)."""
+        return self.peak.get("vector", self.peak["fp32"])
 
 
 # Each entry: datasheet figures, dense. Launch overhead: ~5 us per eager op on GPUs (CUDA launch

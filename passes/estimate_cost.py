@@ -23,6 +23,17 @@ from mpgraph.op_table import TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
 COST = "mpgraph.cost"
+# Arithmetic per output element of non-matmul ops, by name fragment (transcendentals are dozens of
+# vector instructions); anything else counts 1. Matches device.VECTOR_FLOPS_PER_ELEMENT for GELU.
+FLOPS_PER_ELEMENT = {"gelu": 20, "tanh": 20, "erf": 20, "exp": 20, "sigmoid": 20, "silu": 20,
+                     "mish": 30, "softplus": 30, "softmax": 25, "log": 20, "pow": 20, "rsqrt": 10,
+                     "sqrt": 10, "layer_norm": 10, "group_norm": 10, "rms_norm": 8, "batch_norm": 4,
+                     "div": 4}
+# CPUs reach their matmul peak only when the reduction dimension is long (AMX/AVX512 tiles)
+_CPU_FULL_K = 256
+# oneDNN reorders NCHW activations to its blocked layout and back around every CPU convolution:
+# about this many plain copies' worth of memory traffic (fitted on ResNet-50's convs here)
+_CPU_CONV_LAYOUT = 3.5
 _NO_KERNEL_METHODS = {"size", "dim", "numel", "contiguous", "detach"}
 
 
@@ -92,12 +103,27 @@ def _conv_flops(node: torch.fx.Node, gm) -> Optional[float]:
     return 2.0 * out[0].numel * math.prod(shape[1:])
 
 
-def _sdpa_flops(node: torch.fx.Node) -> Optional[float]:
+def _conv_reduction(node: torch.fx.Node, gm) -> int:
+    """Cin/groups x kernel: the reduction length of a convolution's implicit GEMM."""
+    if node.op == "call_module":
+        w = getattr(gm.get_submodule(node.target), "weight", None)
+        return math.prod(w.shape[1:]) if w is not None else _CPU_FULL_K
+    w = node.args[1] if len(node.args) > 1 else None
+    infos = _infos(w.meta.get(TENSOR)) if isinstance(w, torch.fx.Node) else []
+    return math.prod(infos[0].shape[1:]) if infos else _CPU_FULL_K
+
+
+def _sdpa_shapes(node: torch.fx.Node):
     q = _infos(node.args[0].meta.get(TENSOR)) if isinstance(node.args[0], torch.fx.Node) else []
     k = _infos(node.args[1].meta.get(TENSOR)) if isinstance(node.args[1], torch.fx.Node) else []
-    if not q or not k:
-        return None
-    return 4.0 * q[0].numel * k[0].shape[-2]
+    return (q[0].shape, k[0].shape) if q and k else None
+
+
+def _per_element(node: torch.fx.Node, gm) -> int:
+    name = (type(gm.get_submodule(node.target)).__name__ if node.op == "call_module"
+            else str(getattr(node.target, "__name__", node.target))).lower()
+    return max((f for key, f in FLOPS_PER_ELEMENT.items() if key.replace("_", "") in name.replace("_", "")),
+               default=1)
 
 
 def node_flops(node: torch.fx.Node, gm) -> tuple[float, bool, Optional[tuple]]:
@@ -107,15 +133,19 @@ def node_flops(node: torch.fx.Node, gm) -> tuple[float, bool, Optional[tuple]]:
     elementwise = float(sum(i.numel for i in out) or
                         sum(i.numel for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))))
     if op_class != TENSOR_CORE:
-        return elementwise, False, None
+        return elementwise * _per_element(node, gm), False, None
     target = str(node.target).lower()
     kind = type(gm.get_submodule(node.target)).__name__.lower() if node.op == "call_module" else target
     if "conv" in kind:
         f = _conv_flops(node, gm)
-        return (f if f is not None else elementwise), True, None
+        return (f if f is not None else elementwise), True, ("conv", _conv_reduction(node, gm))
     if "scaled_dot_product" in kind:
-        f = _sdpa_flops(node)
-        return (f if f is not None else elementwise), True, None
+        shapes = _sdpa_shapes(node)
+        if shapes is None:
+            return elementwise, True, None
+        q, k = shapes
+        # QK^T and PV: batched GEMMs whose reduction dims are the head size and the key length
+        return 4.0 * math.prod(q) * k[-2], True, ("sdpa", q, k)
     if "multiheadattention" in kind:
         x = out[0] if out else None
         return (8.0 * x.numel * x.shape[-1] if x else elementwise), True, None
@@ -128,8 +158,14 @@ def node_flops(node: torch.fx.Node, gm) -> tuple[float, bool, Optional[tuple]]:
 
 def _quantization(spec: DeviceSpec, dims: Optional[tuple]) -> float:
     """Fraction of the GPU's GEMM throughput a (batch, M, N) problem can use (tile and wave)."""
-    if spec.kind != "gpu" or dims is None:
+    if dims is None:
         return 1.0
+    if dims[0] == "sdpa":
+        return min(1.0, dims[1][-1] / _CPU_FULL_K) if spec.kind == "cpu" else 1.0
+    if dims[0] == "conv":
+        return 1.0  # on CPUs the layout reorder dominates instead (see EstimateCost.cost)
+    if spec.kind != "gpu":
+        return min(1.0, dims[3] / _CPU_FULL_K)
     b, m, n, _ = dims
     t = spec.tile
     tiles = b * math.ceil(m / t) * math.ceil(n / t)
@@ -174,6 +210,10 @@ class EstimateCost(Pass):
         if no_kernel:
             return NodeCost(0.0, 0.0, 0.0, spec.launch, spec.launch)
         flops, matmul, dims = node_flops(node, gm)
+        softmax = 0.0
+        if dims is not None and dims[0] == "sdpa":  # the softmax over the score matrix
+            q, k = dims[1], dims[2]
+            softmax = math.prod(q[:-1]) * k[-2] * FLOPS_PER_ELEMENT["softmax"]
         times = []
         for dtype in (torch.float32, self.low):
             if matmul:
@@ -182,7 +222,10 @@ class EstimateCost(Pass):
             else:
                 peak = spec.elementwise_peak(dtype)
             nbytes = self._bytes(node, dtype)
-            times.append((max(flops / peak, nbytes / spec.bandwidth) + spec.launch, nbytes))
+            compute = flops / peak + softmax / spec.elementwise_peak(dtype)
+            if spec.kind == "cpu" and dims is not None and dims[0] == "conv":
+                compute += _CPU_CONV_LAYOUT * nbytes / spec.bandwidth
+            times.append((max(compute, nbytes / spec.bandwidth) + spec.launch, nbytes))
         (t32, b32), (tlow, blow) = times
         return NodeCost(flops, b32, blow, t32, tlow)
 
