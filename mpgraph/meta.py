@@ -14,6 +14,9 @@ OP_CLASS = "mpgraph.op_class"        # OpInfo
 PRECISION = "mpgraph.precision"      # Decision
 INSERTED_BY = "mpgraph.inserted_by"  # name of the pass that created the node
 WEIGHTS = "mpgraph.weights"          # on gm.meta: WeightRecord list written by StoreWeights
+COST = "mpgraph.cost"                # NodeCost written by EstimateCost
+TENSOR_CORES = "mpgraph.tensor_core"  # TensorCoreFinding written by LintTensorCores
+ESTIMATE = "mpgraph.estimate"        # on gm.meta: {"target", "fp32_s", "plan_s"} of the optimal plan
 CAPTURE = "mpgraph.capture"          # on gm.meta: which tracer produced the graph
 
 
@@ -46,6 +49,7 @@ class OpInfo:
     op_class: str
     reason: str
     key: str  # the table key that matched, e.g. "nn.Linear" or "aten.linear"
+    params_as_values: bool = False  # see OpEntry.params_as_values
 
 
 @dataclass(frozen=True)
@@ -86,3 +90,15 @@ class WeightRecord:
     dtype: torch.dtype
     numel: int
     shared: bool    # True when the float32 original is kept too (some readers stay float32)
+
+
+def planned_dtype(info: ValueInfo, decision: Optional[Decision]):
+    """The dtype(s) a value has in the converted graph: the decision for what was float32,
+    the recorded dtype for everything else (a tuple of them for multi-output ops)."""
+    if isinstance(info, tuple):
+        return tuple(planned_dtype(i, decision) for i in info)
+    if not isinstance(info, TensorInfo):
+        return None
+    if info.dtype == torch.float32 and decision is not None and decision.dtype is not None:
+        return decision.dtype
+    return info.dtype

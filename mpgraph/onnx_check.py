@@ -9,7 +9,6 @@ rounded to bf16 after each node (storage-exact; arithmetic inside a node is floa
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -243,10 +242,9 @@ def _locate(path: str, feeds: dict, workdir: str, torch_values: Optional[dict], 
             val = values.get(out.name)
             if val is None or out.name not in names:
                 continue
-            if not np.isfinite(val.astype(np.float64)).all() and all(
-                    np.isfinite(np.asarray(i, dtype=np.float64)).all() for i in ins):
-                return _describe(node, f"first produces inf/NaN (|x| max of inputs "
-                                       f"{max((float(np.abs(np.asarray(i, dtype=np.float64)).max()) for i in ins if np.asarray(i).size), default=0):.3g})")
+            if not _finite(val) and all(_finite(i) for i in ins):
+                largest = max((_absmax(i) for i in ins), default=0.0)
+                return _describe(node, f"first produces inf/NaN (inputs' largest |x| {largest:.3g})")
             if torch_values and out.name in torch_values:
                 ref = torch_values[out.name]
                 if tuple(ref.shape) == tuple(val.shape):
@@ -254,6 +252,15 @@ def _locate(path: str, feeds: dict, workdir: str, torch_values: Optional[dict], 
                     if err > tol:
                         return _describe(node, f"first differs from PyTorch (rel. L2 {err:.2e})")
     return "no single node found; the difference builds up over the graph"
+
+
+def _finite(x) -> bool:
+    return bool(np.isfinite(np.asarray(x, dtype=np.float64)).all())
+
+
+def _absmax(x) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    return float(np.abs(x).max()) if x.size else 0.0
 
 
 def _describe(node, what: str) -> str:
@@ -333,8 +340,8 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         try:
             session = ort_session(run_path, device=device)
         except Exception as e:
-            if "BFLOAT16" not in json.dumps([v.dtype.name for v in model.graph.initializers.values()]) \
-                    and "NOT_IMPLEMENTED" not in str(e):
+            has_bf16 = any(v.dtype == ir.DataType.BFLOAT16 for v in model.graph.initializers.values())
+            if not has_bf16 and "NOT_IMPLEMENTED" not in str(e):
                 raise ExportError(f"onnxruntime cannot load {shown}: {e}") from e
             log.info("onnxruntime cannot run the bf16 file natively (%s); using the emulation", e)
             run_path = _bf16_emulation(path, os.path.join(workdir, "emulated.onnx"))

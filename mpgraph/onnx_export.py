@@ -300,7 +300,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     if target is None:
         target = "cuda" if torch.cuda.is_available() else DEFAULT_TARGET
     path = _check_destination(path)
-    low = resolve_dtype(dtype)
+    low = dtype if isinstance(dtype, str) and dtype.lower() == "auto" else resolve_dtype(dtype)
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     reference = None
     if is_converted(model_or_converted):

@@ -45,6 +45,10 @@ class OpEntry:
     bf16: Optional[str] = None       # class to use instead when the low dtype is bfloat16
     inference: Optional[str] = None  # class to use instead with fixed statistics (eval batch norm)
     inference_reason: str = ""
+    # a parameter operand is a value combined with the activations (a position embedding added,
+    # a class token concatenated), not a weight: it keeps float32 and so does the op, which keeps
+    # a residual stream that starts at such an op in float32, as autocast's type promotion does
+    params_as_values: bool = False
 
     def class_for(self, low_dtype: torch.dtype, inference: bool = False) -> str:
         if inference and self.inference is not None:
@@ -55,8 +59,9 @@ class OpEntry:
 
 
 def _group(targets, op_class: str, reason: str, bf16: Optional[str] = None,
-           inference: Optional[str] = None, inference_reason: str = "") -> dict[Any, OpEntry]:
-    entry = OpEntry(op_class, reason, bf16, inference, inference_reason)
+           inference: Optional[str] = None, inference_reason: str = "",
+           params_as_values: bool = False) -> dict[Any, OpEntry]:
+    entry = OpEntry(op_class, reason, bf16, inference, inference_reason, params_as_values)
     return {t: entry for t in targets}
 
 
@@ -86,6 +91,7 @@ _MHA = "projection and attention matmuls dominate; runs as one module (see READM
 _LAYOUT = "moves or selects elements without arithmetic: exact in any dtype"
 _ACT = "activation bounded by |x| (or by a constant): cannot overflow"
 _ARITH = "elementwise arithmetic: follows its inputs (calibrated ranges are issue #5's job)"
+_JOIN = "joins or selects between tensors without arithmetic: follows its inputs"
 _POOL = "max/average over a window: result within the input's range"
 _DROPOUT = "dropout scales by 1/(1-p) at most: follows its input"
 _COMPARE = "comparison or selection: output is bool/int or one of its inputs"
@@ -182,8 +188,7 @@ FUNCTION_TABLE: dict[Any, OpEntry] = {
              FOLLOW, _POOL),
     **_group([F.interpolate, F.upsample], FOLLOW,
              "interpolation is a convex combination of inputs: range-preserving"),
-    **_group([torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.cat,
-              torch.concat, torch.stack, torch.split, torch.chunk, torch.squeeze, torch.unsqueeze,
+    **_group([torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.split, torch.chunk, torch.squeeze, torch.unsqueeze,
               torch.narrow, torch.select, torch.gather, torch.index_select, torch.flip,
               torch.roll, torch.t, torch.tile, torch.repeat_interleave, torch.unbind,
               torch.movedim, torch.broadcast_to, torch.tril, torch.triu, torch.diagonal,
@@ -194,9 +199,10 @@ FUNCTION_TABLE: dict[Any, OpEntry] = {
               operator.iadd, operator.isub, operator.imul, operator.itruediv, torch.add,
               torch.sub, torch.mul, torch.div, torch.true_divide, torch.rsub, torch.addcmul,
               torch.addcdiv, torch.lerp, torch.maximum, torch.minimum, torch.fmax, torch.fmin,
-              torch.square], FOLLOW, _ARITH),
+              torch.square], FOLLOW, _ARITH, params_as_values=True),
+    **_group([torch.cat, torch.concat, torch.stack, torch.where], FOLLOW, _JOIN, params_as_values=True),
     **_group([torch.max, torch.min, torch.amax, torch.amin, torch.argmax, torch.argmin,
-              torch.where, torch.masked_fill, torch.eq, torch.ne, torch.lt, torch.gt, torch.le,
+              torch.masked_fill, torch.eq, torch.ne, torch.lt, torch.gt, torch.le,
               torch.ge, torch.isnan, torch.isinf, torch.isfinite, operator.eq, operator.ne,
               operator.lt, operator.gt, operator.le, operator.ge, torch.topk, torch.sort,
               torch.argsort], FOLLOW, _COMPARE),
@@ -228,7 +234,7 @@ METHOD_TABLE: dict[str, OpEntry] = {
     **_group(["add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "__add__", "__radd__",
               "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
               "__neg__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "addcmul",
-              "addcdiv", "lerp", "maximum", "minimum", "square"], FOLLOW, _ARITH),
+              "addcdiv", "lerp", "maximum", "minimum", "square"], FOLLOW, _ARITH, params_as_values=True),
     **_group(["max", "min", "amax", "amin", "argmax", "argmin", "masked_fill", "masked_fill_",
               "where", "eq", "ne", "lt", "gt", "le", "ge", "__eq__", "__ne__", "__lt__", "__gt__",
               "__le__", "__ge__", "topk", "sort", "argsort", "isnan", "isinf"], FOLLOW, _COMPARE),
@@ -279,7 +285,7 @@ ATEN_TABLE: dict[Any, OpEntry] = {
              "interpolation is a convex combination of inputs: range-preserving"),
     **_group(_aten("view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
                    "expand_as", "unsqueeze", "squeeze", "contiguous", "clone", "slice",
-                   "select", "narrow", "cat", "concat", "stack", "split", "split_with_sizes",
+                   "select", "narrow", "split", "split_with_sizes",
                    "chunk", "unbind", "index", "index_select", "gather", "embedding", "flatten",
                    "unflatten", "alias", "detach", "lift_fresh_copy", "constant_pad_nd", "pad",
                    "flip", "roll", "repeat", "tile", "repeat_interleave", "tril", "triu",
@@ -290,8 +296,9 @@ ATEN_TABLE: dict[Any, OpEntry] = {
              FOLLOW, _LAYOUT),
     **_group(_aten("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "rsub",
                    "addcmul", "addcdiv", "lerp", "maximum", "minimum", "square"),
-             FOLLOW, _ARITH),
-    **_group(_aten("max", "min", "amax", "amin", "argmax", "argmin", "where", "masked_fill",
+             FOLLOW, _ARITH, params_as_values=True),
+    **_group(_aten("cat", "concat", "stack", "where"), FOLLOW, _JOIN, params_as_values=True),
+    **_group(_aten("max", "min", "amax", "amin", "argmax", "argmin", "masked_fill",
                    "masked_fill_", "eq", "ne", "lt", "gt", "le", "ge", "isnan", "isinf",
                    "topk", "sort", "argsort", "logical_and", "logical_or", "logical_not",
                    "__and__", "__or__", "bitwise_and", "bitwise_or"), FOLLOW, _COMPARE),

@@ -12,8 +12,8 @@ import torch
 import torch.fx
 
 from .graph_utils import module_path, target_name
-from .meta import (CAPTURE, INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, TensorInfo,
-                   WeightRecord)
+from .meta import (CAPTURE, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, TENSOR,
+                   TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord, planned_dtype)
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
@@ -67,7 +67,7 @@ class Plan:
                    target: str = "", strategy: str = "", kept_fp32: Optional[str] = None) -> "Plan":
         plan = cls(dtype=dtype, capture=gm.meta.get(CAPTURE, "unknown"), keep_io_types=keep_io_types,
                    weights=list(gm.meta.get(WEIGHTS, [])), target=target, strategy=strategy,
-                   kept_fp32=kept_fp32, estimate=dict(gm.meta.get("mpgraph.estimate", {})))
+                   kept_fp32=kept_fp32, estimate=dict(gm.meta.get(ESTIMATE, {})))
         plan.order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
@@ -87,8 +87,8 @@ class Plan:
             model_cast = _model_cast(node)
             if model_cast is not None:
                 plan.model_casts.append(model_cast)
-            cost = node.meta.get("mpgraph.cost")
-            finding = node.meta.get("mpgraph.tensor_core")
+            cost = node.meta.get(COST)
+            finding = node.meta.get(TENSOR_CORES)
             plan.nodes.append(NodeRecord(
                 name=node.name, op=node.op, target=target_name(node), module=module_path(node),
                 op_class=op_info.op_class if op_info else "unknown",
@@ -169,13 +169,8 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _real_dtype(node: torch.fx.Node) -> Optional[torch.dtype]:
-    """The dtype a node's value has in the converted graph."""
-    info, decision = node.meta.get(TENSOR), node.meta.get(PRECISION)
-    if not isinstance(info, TensorInfo):
-        return None
-    if info.dtype == torch.float32 and decision is not None and decision.dtype is not None:
-        return decision.dtype
-    return info.dtype
+    info = node.meta.get(TENSOR)
+    return planned_dtype(info, node.meta.get(PRECISION)) if isinstance(info, TensorInfo) else None
 
 
 def _model_cast(node: torch.fx.Node) -> Optional[CastRecord]:

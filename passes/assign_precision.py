@@ -212,6 +212,9 @@ class AssignPrecision(Pass):
         if not runtime:
             return Decision(FP32, "no low-precision input: stays float32")
         kinds = {dec[a].dtype for a in runtime}
+        if op_info.params_as_values and any(a in stored for a in inputs):
+            return Decision(FP32, "combines activations with a float32 parameter (a position "
+                                  "embedding, a class token): stays float32")
         if kinds != {self.low}:
             return Decision(FP32, "reads a float32 input: stays float32")
         why = self._overflow_reason(node, gm, stored)

@@ -22,15 +22,14 @@ from mpgraph.device_specs import DeviceSpec
 from mpgraph.edges import required_dtype
 from mpgraph.graph_utils import input_nodes, is_inplace
 from mpgraph.op_table import CAST
-from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, Decision, TensorInfo, is_float32_tensor
+from mpgraph.meta import COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, Decision, TensorInfo, is_float32_tensor
 from mpgraph.mincut import FP32 as CUT_FP32, LOW as CUT_LOW, Problem, solve
 from mpgraph.pass_infra import PassResult
 
 from .assign_precision import AssignPrecision, _short, explicit_dtype
-from .estimate_cost import COST, EstimateCost
+from .estimate_cost import EstimateCost
 
 FP32 = torch.float32
-ESTIMATE = "mpgraph.estimate"  # on gm.meta: {"target", "fp32_s", "plan_s"}
 _OUTPUT = "<graph output>"
 
 

@@ -11,25 +11,13 @@ import torch
 from mpgraph.edges import required_dtype
 from mpgraph.errors import ConversionError
 from mpgraph.graph_utils import input_nodes, run_recording
-from mpgraph.meta import INSERTED_BY, PRECISION, TENSOR, TensorInfo
+from mpgraph.meta import INSERTED_BY, PRECISION, TENSOR, planned_dtype
 from mpgraph.pass_infra import Pass, PassResult
 
 
 def expected_dtypes(node):
     """The dtype(s) a node must produce: its decision for float32 values, else what was recorded."""
-    info = node.meta.get(TENSOR)
-    decision = node.meta.get(PRECISION)
-
-    def one(i):
-        if not isinstance(i, TensorInfo):
-            return None
-        if i.dtype == torch.float32 and decision is not None and decision.dtype is not None:
-            return decision.dtype
-        return i.dtype
-
-    if isinstance(info, tuple):
-        return tuple(one(i) for i in info)
-    return one(info)
+    return planned_dtype(node.meta.get(TENSOR), node.meta.get(PRECISION))
 
 
 def _actual(value):

@@ -44,6 +44,7 @@ class ClassifyOps(Pass):
                 info = OpInfo(entry.class_for(self.low_dtype, inference=True),
                               entry.inference_reason or entry.reason, key)
             else:
-                info = OpInfo(entry.class_for(self.low_dtype), entry.reason, key)
+                info = OpInfo(entry.class_for(self.low_dtype), entry.reason, key,
+                              entry.params_as_values)
             node.meta[OP_CLASS] = info
         return PassResult(gm, False)

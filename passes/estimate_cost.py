@@ -18,11 +18,10 @@ import torch.fx
 
 from mpgraph.device_specs import DeviceSpec
 from mpgraph.graph_utils import input_nodes, is_view
-from mpgraph.meta import OP_CLASS, TENSOR, TensorInfo
+from mpgraph.meta import COST, OP_CLASS, TENSOR, TensorInfo
 from mpgraph.op_table import TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
-COST = "mpgraph.cost"
 # Arithmetic per output element of non-matmul ops, by name fragment (transcendentals are dozens of
 # vector instructions); anything else counts 1. Matches device.VECTOR_FLOPS_PER_ELEMENT for GELU.
 FLOPS_PER_ELEMENT = {"gelu": 20, "tanh": 20, "erf": 20, "exp": 20, "sigmoid": 20, "silu": 20,
@@ -190,19 +189,18 @@ class EstimateCost(Pass):
             if node.op.startswith("call_") and OP_CLASS not in node.meta:
                 raise self.fail("run ClassifyOps first", node)
 
-    def _bytes(self, node, dtype) -> float:
+    def _bytes(self, node, gm, dtype) -> float:
         total = 0.0
         for info in [i for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))] \
                 + _infos(node.meta.get(TENSOR)):
             size = _size(dtype) if info.dtype == torch.float32 else _size(info.dtype)
             total += info.numel * size
         if node.op == "call_module":
-            for p in gm_params(self._gm, node.target):
+            for p in gm_params(gm, node.target):
                 total += p.numel() * (_size(dtype) if p.dtype == torch.float32 else p.element_size())
         return total
 
     def cost(self, node, gm) -> NodeCost:
-        self._gm = gm
         spec = self.spec
         no_kernel = is_view(node) or node.target in (operator.getitem, getattr) \
             or (node.op == "call_method" and node.target in _NO_KERNEL_METHODS) \
@@ -221,7 +219,7 @@ class EstimateCost(Pass):
                 peak *= _quantization(spec, dims)
             else:
                 peak = spec.elementwise_peak(dtype)
-            nbytes = self._bytes(node, dtype)
+            nbytes = self._bytes(node, gm, dtype)
             compute = flops / peak + softmax / spec.elementwise_peak(dtype)
             if spec.kind == "cpu" and dims is not None and dims[0] == "conv":
                 compute += _CPU_CONV_LAYOUT * nbytes / spec.bandwidth

@@ -17,13 +17,11 @@ from typing import Optional
 import torch
 
 from mpgraph.device_specs import DeviceSpec
-from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, TensorInfo
+from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, TENSOR_CORES, TensorInfo
 from mpgraph.op_table import TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
 from .estimate_cost import _matmul_dims, tf32_enabled
-
-TENSOR_CORES = "mpgraph.tensor_core"
 
 
 @dataclass(frozen=True)

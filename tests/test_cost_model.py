@@ -6,8 +6,7 @@ import torch.nn as nn
 import mpgraph
 from mpgraph.device import auto_dtype, cpu_flags, measure_cpu, resolve_target, target_names
 from mpgraph.device_specs import GPU_SPECS, DeviceSpec
-from mpgraph.meta import PRECISION
-from mpgraph.passes.estimate_cost import COST
+from mpgraph.meta import COST, PRECISION
 
 from conftest import SharedInput, casts
 

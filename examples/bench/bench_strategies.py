@@ -23,8 +23,7 @@ import torch
 
 import mpgraph
 from mpgraph.graph_utils import flat_inputs
-from mpgraph.meta import OP_CLASS, PRECISION
-from mpgraph.passes.estimate_cost import COST
+from mpgraph.meta import COST, OP_CLASS, PRECISION
 
 BF16 = torch.bfloat16
 

@@ -124,3 +124,28 @@ def test_converting_a_converted_module_adds_nothing():
     assert len(twice.plan.casts) == 0
     assert len(twice.plan.weights) == 0
     torch.testing.assert_close(twice(x), once(x))
+
+
+class ClassToken(nn.Module):
+    """ViT's embedding: patches from a matmul, a class token concatenated, a position added."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.cls = nn.Parameter(torch.randn(1, 1, 16))
+        self.pos = nn.Parameter(torch.randn(1, 5, 16))
+        self.norm = nn.LayerNorm(16)
+        self.mlp = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.cat([self.cls.expand(1, -1, -1), self.proj(x)], dim=1) + self.pos
+        return h + self.mlp(self.norm(h))  # a residual stream starting at the embedding
+
+
+def test_parameters_combined_with_activations_keep_the_residual_stream_fp32():
+    gm = convert(ClassToken().eval(), torch.randn(1, 4, 16), dtype=BF16)
+    d = _dtypes(gm)
+    assert d["cat"] == FP32 and d["add"] == FP32 and d["add_1"] == FP32
+    assert "float32 parameter" in gm.plan.node("cat").reason
+    assert d["proj"] == d["mlp"] == BF16
+    assert gm.cls.dtype == FP32 and gm.pos.dtype == FP32
