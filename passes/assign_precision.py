@@ -9,8 +9,12 @@ its inputs already have float32 casts: one cast fewer, none added. Parameters an
 from parameters alone are not decided here: they take the dtype their readers need, at
 conversion time, so no weight is ever cast at run time.
 
-The cost-model issue replaces this pass behind the same contract (reads ``mpgraph.op_class`` and
-``mpgraph.tensor``, writes ``mpgraph.precision``).
+A parameter combined with activations by arithmetic or concatenation (a class token, a position
+embedding) is a float32 value there, not a weight, as in autocast's type promotion; so a residual
+stream that starts at such an op stays float32.
+
+``AssignPrecisionOptimal`` runs this pass first and treats its float32 decisions as bounds
+(same contract: reads ``mpgraph.op_class`` and ``mpgraph.tensor``, writes ``mpgraph.precision``).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import torch.fx
 from mpgraph.edges import required_dtype
 from mpgraph.graph_utils import input_nodes, is_inplace, module_path, mutated_nodes
 from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, Decision, is_float32_tensor
-from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE, UNKNOWN
+from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
 log = logging.getLogger(__name__)
@@ -199,9 +203,7 @@ class AssignPrecision(Pass):
             if why:
                 return Decision(FP32, why, pinned=True)
             return Decision(self.low, op_info.reason)
-        if cls == UNKNOWN:
-            return Decision(FP32, op_info.reason, pinned=True)
-        if cls != FOLLOW:
+        if cls != FOLLOW:  # fp32_compute, fp32_only, unknown
             return Decision(FP32, op_info.reason, pinned=True)
 
         # follow
