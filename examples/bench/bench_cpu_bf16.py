@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 
 import torch
 
 import mpgraph
+from interleave import interleaved_medians  # examples/bench/interleave.py
 
 SIZES = {"bert": {"throughput": (8, 128), "latency": (1, 16)},
          "gpt2": {"throughput": (4, 128), "latency": (1, 16)}}
@@ -49,18 +49,12 @@ def bench(name: str, size: tuple[int, int], rounds: int) -> list[dict]:
             return model(x)
 
     variants = {"fp32": model, "autocast": autocast_call, "to(bfloat16)": full, "mpgraph": converted}
-    times = {k: [] for k in variants}
     with torch.no_grad():
         ref = model(ids).last_hidden_state
         errors = {k: rel_l2(f(ids).last_hidden_state, ref) for k, f in variants.items()}
         for f in variants.values():  # warm-up
             f(ids)
-        for _ in range(rounds):
-            for k, f in variants.items():
-                t = time.perf_counter()
-                f(ids)
-                times[k].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
+        med = interleaved_medians(variants, ids, rounds)
     rows = []
     for k in variants:
         rows.append({"model": name, "size": f"{batch}x{seq}", "variant": k, "ms": med[k] * 1e3,

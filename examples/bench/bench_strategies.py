@@ -22,6 +22,7 @@ import warnings
 import torch
 
 import mpgraph
+from interleave import interleaved_medians  # examples/bench/interleave.py
 from mpgraph.graph_utils import flat_inputs
 from mpgraph.meta import COST, OP_CLASS, PRECISION
 
@@ -80,7 +81,6 @@ def run_size(name: str, batch: int, rounds: int, compile_: bool) -> list[dict]:
         variants["autocast + compile"] = torch.compile(autocast)
         variants["rules + compile"] = torch.compile(rules)
         variants["optimal + compile"] = torch.compile(optimal)
-    times = {k: [] for k in variants}
     with torch.no_grad():
         ref = _out(model(x))
         errors = {}
@@ -90,12 +90,7 @@ def run_size(name: str, batch: int, rounds: int, compile_: bool) -> list[dict]:
             if "compile" in k:
                 print(f"#   {name} {k}: first call {time.perf_counter() - t:.1f}s", flush=True)
             f(x)
-        for _ in range(rounds):
-            for k, f in variants.items():
-                t = time.perf_counter()
-                f(x)
-                times[k].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
+        med = interleaved_medians(variants, x, rounds)
     size = "throughput" if batch > 1 else "latency"
     print(f"# {name} batch {batch}: rules: {rules.plan.summary()}", flush=True)
     print(f"# {name} batch {batch}: optimal: {optimal.plan.summary()}", flush=True)
