@@ -33,4 +33,8 @@ def required_dtype(consumer: torch.fx.Node, producer: torch.fx.Node, root: torch
         return None
     if consumer.args and consumer.args[0] is producer and is_inplace(consumer, root):
         return None  # an in-place op writes into this very value: it cannot read a copy
+    if decision.param_dtype is not None:
+        produced = decision_of(producer)
+        if produced is not None and produced.stored:
+            return decision.param_dtype
     return decision.dtype

@@ -50,6 +50,7 @@ class OpInfo:
     reason: str
     key: str  # the table key that matched, e.g. "nn.Linear" or "aten.linear"
     params_as_values: bool = False  # see OpEntry.params_as_values
+    low_io: bool = False            # see OpEntry.low_io
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Decision:
     stored: bool = False    # a parameter, or computed from parameters only: materialised at
                             # conversion time in the dtype its readers need, never cast at run time
     reads_any: bool = False  # takes its inputs in whatever dtype they come (explicit casts)
+    param_dtype: Optional[torch.dtype] = None  # dtype its parameters are read in, if not ``dtype``
 
 
 def tensor_info(node) -> ValueInfo:

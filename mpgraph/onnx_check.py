@@ -98,6 +98,18 @@ def _flops(node) -> Optional[float]:
     return None
 
 
+def _float32_statistics(node) -> bool:
+    """LayerNormalization (and GroupNormalization from opset 21) with stash_type=1, the default,
+    compute mean and variance in float32 whatever their input type."""
+    if node.op_type == "LayerNormalization":
+        attr = node.attributes.get("stash_type")
+        return attr is None or attr.value == 1
+    if node.op_type == "GroupNormalization":
+        attr = node.attributes.get("stash_type")
+        return attr is not None and attr.value == 1
+    return False
+
+
 def inspect_model(model) -> OnnxStats:
     """Count precision casts, matmul FLOPs by dtype, fp32-only ops in low precision, bad casts."""
     ir = _ir()
@@ -128,7 +140,7 @@ def inspect_model(model) -> OnnxStats:
                 attr = node.attributes.get("softmax_precision")
                 if attr is None or attr.value != int(ir.DataType.FLOAT):
                     stats.low_fp32_ops.append(f"{node.name} (Attention softmax in {dtype.name})")
-        if node.op_type in _FP32_ONLY_OPS and dtype in low:
+        if node.op_type in _FP32_ONLY_OPS and dtype in low and not _float32_statistics(node):
             stats.low_fp32_ops.append(f"{node.name} ({node.op_type} reads {dtype.name})")
     return stats
 

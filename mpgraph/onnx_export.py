@@ -147,15 +147,18 @@ def _remove_noop_casts(graph, ir) -> int:
 
 
 def _weights_in_input_dtype(graph, ir) -> int:
-    """Weights the exporter's optimiser recomputed in float32 (eval batch norm folded into a
-    bf16 Conv) go back to the dtype of the activations they multiply: converted once, here."""
+    """Float32 initializers of ops whose ONNX type constraint ties them to the activations'
+    type go to that type, converted once, here: weights the exporter's optimiser recomputed in
+    float32 (eval batch norm folded into a bf16 Conv), and the float32 scale/bias of a layer or
+    group norm the plan runs with low I/O (ONNX keeps its statistics in float32: stash_type=1)."""
     import ml_dtypes
     import numpy as np
 
     np_type = {ir.DataType.FLOAT16: np.float16, ir.DataType.BFLOAT16: ml_dtypes.bfloat16}
     fixed = 0
     for node in graph:
-        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or node.inputs[0] is None:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul", "LayerNormalization",
+                                "GroupNormalization") or node.inputs[0] is None:
             continue
         want = node.inputs[0].dtype
         if want not in np_type:

@@ -49,6 +49,10 @@ class OpEntry:
     # a class token concatenated), not a weight: it keeps float32 and so does the op, which keeps
     # a residual stream that starts at such an op in float32, as autocast's type promotion does
     params_as_values: bool = False
+    # may read and write the low dtype while computing in float32 inside the kernel, with float32
+    # parameters (PyTorch's mixed-dtype layer/group norm): used where its input is already low
+    # and all its readers want low, so the values are those of casting around it, minus 2 casts
+    low_io: bool = False
 
     def class_for(self, low_dtype: torch.dtype, inference: bool = False) -> str:
         if inference and self.inference is not None:
@@ -60,8 +64,8 @@ class OpEntry:
 
 def _group(targets, op_class: str, reason: str, bf16: Optional[str] = None,
            inference: Optional[str] = None, inference_reason: str = "",
-           params_as_values: bool = False) -> dict[Any, OpEntry]:
-    entry = OpEntry(op_class, reason, bf16, inference, inference_reason, params_as_values)
+           params_as_values: bool = False, low_io: bool = False) -> dict[Any, OpEntry]:
+    entry = OpEntry(op_class, reason, bf16, inference, inference_reason, params_as_values, low_io)
     return {t: entry for t in targets}
 
 
@@ -112,8 +116,9 @@ MODULE_TABLE: dict[Any, OpEntry] = {
     **_group(_mods("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
                    "ConvTranspose3d", "LazyConv1d", "LazyConv2d", "LazyConv3d"), TENSOR_CORE, _CONV),
     **_group(_mods("MultiheadAttention"), TENSOR_CORE, _MHA),
-    **_group(_mods("LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
-                   "LocalResponseNorm", "RMSNorm"), FP32_COMPUTE, _NORM),
+    **_group(_mods("LayerNorm", "GroupNorm"), FP32_COMPUTE, _NORM, low_io=True),
+    **_group(_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm",
+                   "RMSNorm"), FP32_COMPUTE, _NORM),
     **_group(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"), FP32_COMPUTE, _BN,
              inference=FOLLOW, inference_reason=_BN_EVAL),
     **_group(_mods("Softmax", "LogSoftmax", "Softmin", "Softmax2d"), FP32_COMPUTE, _SOFTMAX),
@@ -153,8 +158,9 @@ FUNCTION_TABLE: dict[Any, OpEntry] = {
               F.conv_transpose3d, torch.conv1d, torch.conv2d, torch.conv3d], TENSOR_CORE, _CONV),
     **_group([F.scaled_dot_product_attention], TENSOR_CORE, _SDPA),
     # fp32 compute
-    **_group([F.layer_norm, F.group_norm, F.instance_norm, F.local_response_norm,
-              torch.layer_norm, torch.group_norm]
+    **_group([F.layer_norm, F.group_norm, torch.layer_norm, torch.group_norm], FP32_COMPUTE, _NORM,
+             low_io=True),
+    **_group([F.instance_norm, F.local_response_norm]
              + ([F.rms_norm] if hasattr(F, "rms_norm") else []), FP32_COMPUTE, _NORM),
     **_group([F.batch_norm, torch.batch_norm], FP32_COMPUTE, _BN, inference=FOLLOW,
              inference_reason=_BN_EVAL),
@@ -249,9 +255,10 @@ ATEN_TABLE: dict[Any, OpEntry] = {
                    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
              TENSOR_CORE, _CONV),
     **_group(_aten("scaled_dot_product_attention"), TENSOR_CORE, _SDPA),
-    **_group(_aten("layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
-                   "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-                   "instance_norm", "rms_norm", "_fused_rms_norm"), FP32_COMPUTE, _NORM),
+    **_group(_aten("layer_norm", "group_norm"), FP32_COMPUTE, _NORM, low_io=True),
+    **_group(_aten("native_layer_norm", "native_group_norm", "_native_batch_norm_legit",
+                   "_native_batch_norm_legit_no_training", "instance_norm", "rms_norm",
+                   "_fused_rms_norm"), FP32_COMPUTE, _NORM),
     **_group(_aten("batch_norm"), FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL),
     **_group(_aten("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"),
              FP32_COMPUTE, _SOFTMAX),

@@ -124,20 +124,36 @@ class AssignPrecision(Pass):
 
     # -- the decision ----------------------------------------------------------------------
     def call(self, gm):
-        graph = gm.graph
-        order = list(graph.nodes)
-        mutated = mutated_nodes(graph, gm)
+        order = list(gm.graph.nodes)
+        mutated = mutated_nodes(gm.graph, gm)
+        # Layer/group norms reading low values first try low I/O; one whose readers then want
+        # float32 anyway is pinned to float32 and the sweep rerun (at most once per norm).
+        self._norms_fp32: set[torch.fx.Node] = set()
+        while True:
+            dec, stored = self._sweep(order, gm, mutated)
+            self._refine(order, gm, dec, stored)
+            unwanted = {n for n in order if dec[n].param_dtype is not None
+                        and any(required_dtype(u, n, gm, self.keep_io_types, dec.get) == FP32
+                                for u in n.users)}
+            if not unwanted:
+                break
+            self._norms_fp32 |= unwanted
+        self._decide_stored(order, gm, dec, stored)
+        for node in order:
+            node.meta[PRECISION] = dec[node]
+        return PassResult(gm, False)
+
+    def _sweep(self, order, gm, mutated):
+        """One forward pass over the graph: every node's decision from its inputs' decisions."""
         dec: dict[torch.fx.Node, Decision] = {}
         stored: set[torch.fx.Node] = set()
         convertible = (FP32, self.low)
-
         for node in order:
             info = node.meta[TENSOR]
             if node.op == "placeholder":
                 dec[node] = Decision(FP32, "graph input keeps its dtype", pinned=True) \
                     if is_float32_tensor(info) else Decision(None, "not a float32 tensor")
-                continue
-            if node.op == "get_attr":
+            elif node.op == "get_attr":
                 if is_float32_tensor(info) and node in mutated:
                     dec[node] = Decision(FP32, "buffer written in place: keeps its dtype", pinned=True)
                 elif is_float32_tensor(info):
@@ -146,17 +162,11 @@ class AssignPrecision(Pass):
                                          stored=True)
                 else:
                     dec[node] = Decision(None, "not a float32 tensor")
-                continue
-            if node.op == "output":
+            elif node.op == "output":
                 dec[node] = Decision(None, "graph output")
-                continue
-            dec[node] = self._decide(node, gm, dec, stored, convertible)
-
-        self._refine(order, gm, dec, stored)
-        self._decide_stored(order, gm, dec, stored)
-        for node in order:
-            node.meta[PRECISION] = dec[node]
-        return PassResult(gm, False)
+            else:
+                dec[node] = self._decide(node, gm, dec, stored, convertible)
+        return dec, stored
 
     def _decide(self, node, gm, dec, stored, convertible) -> Decision:
         op_info = node.meta[OP_CLASS]
@@ -203,6 +213,11 @@ class AssignPrecision(Pass):
             if why:
                 return Decision(FP32, why, pinned=True)
             return Decision(self.low, op_info.reason)
+        if op_info.low_io and runtime and node not in self._norms_fp32 \
+                and all(dec[a].dtype == self.low for a in runtime):
+            return Decision(self.low, f"reads and writes {_short(self.low)}, computes in float32 "
+                                      "inside with float32 parameters (the values of casting "
+                                      "around it, without the casts)", param_dtype=FP32)
         if cls != FOLLOW:  # fp32_compute, fp32_only, unknown
             return Decision(FP32, op_info.reason, pinned=True)
 

@@ -65,7 +65,9 @@ class AssignPrecisionOptimal(AssignPrecision):
             why = f"cost: {_us(c.t_fp32)} in float32, {_us(c.t_low)} in {_short(self.low)}"
             if dtype != alone:
                 why += f"; {_short(dtype)} saves the casts {_short(alone)} would need"
-            dec[n] = Decision(dtype, why)
+            if dec[n].param_dtype is not None and dtype == self.low:
+                why += f"; {dec[n].reason}"
+            dec[n] = Decision(dtype, why, param_dtype=dec[n].param_dtype if dtype == self.low else None)
         for n, (how, _) in tied.items():
             dec[n] = Decision(low_of[labels[n]], f"{how} ({_short(low_of[labels[n]])})", pinned=True,
                               reads_any=dec[n].reads_any)

@@ -140,7 +140,8 @@ class StoreWeights(Pass):
                 calls[node.target].append(node)
         edits = 0
         for target, nodes in calls.items():
-            low = [n for n in nodes if n.meta[PRECISION].dtype == self.low]
+            low = [n for n in nodes if n.meta[PRECISION].dtype == self.low
+                   and n.meta[PRECISION].param_dtype in (None, self.low)]
             if not low:
                 continue
             module = gm.get_submodule(target)

@@ -248,3 +248,26 @@ def test_cli_export(tmp_path, capsys):
     assert "has no callable 'nope'" in capsys.readouterr().err
     assert cli.main(["export", f"{factory}:build", "-o", str(tmp_path / "no" / "m.onnx")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("low", ["fp16", "bf16"])
+def test_norm_with_low_io_exports_and_validates(low, tmp_path):
+    class ConvNextish(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+            self.norm = nn.LayerNorm(8)
+            self.fc = nn.Linear(8, 16)
+
+        def forward(self, x):
+            return self.fc(self.norm(self.conv(x).permute(0, 2, 3, 1)))
+
+    model, x = ConvNextish().eval(), torch.randn(2, 8, 6, 6)
+    result = export_onnx(model, x, tmp_path / "n.onnx", dtype=low)
+    assert result.plan.node("norm").dtype == {"fp16": "float16", "bf16": "bfloat16"}[low]
+    assert result.casts_in_file == 2 and result.validation is not None
+    norm = next(n for n in load_with_types(str(tmp_path / "n.onnx")).graph
+                if n.op_type == "LayerNormalization")
+    assert norm.inputs[0].dtype == LOW[low]
+    stash = norm.attributes.get("stash_type")
+    assert stash is None or stash.value == 1  # statistics in float32

@@ -149,3 +149,39 @@ def test_parameters_combined_with_activations_keep_the_residual_stream_fp32():
     assert "float32 parameter" in gm.plan.node("cat").reason
     assert d["proj"] == d["mlp"] == BF16
     assert gm.cls.dtype == FP32 and gm.pos.dtype == FP32
+
+
+class ConvNextish(nn.Module):
+    """conv -> channels-last LayerNorm -> linear: the norm's input and readers are all low."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.conv(x).permute(0, 2, 3, 1)))
+
+
+def test_norm_between_low_ops_reads_and_writes_low_with_the_same_values():
+    model, x = ConvNextish().eval(), torch.randn(2, 8, 6, 6)
+    gm = convert(model, x, dtype=BF16)
+    rec = gm.plan.node("norm")
+    assert rec.dtype == "bfloat16" and rec.op_class == "fp32_compute"
+    assert "computes in float32 inside" in rec.reason
+    assert gm.norm.weight.dtype == FP32 and gm.conv.weight.dtype == BF16  # fp32 parameters
+    assert [c.value for c in gm.plan.casts] == ["x", "fc"]
+    pinned = convert(model, x, dtype=BF16, overrides={"norm": "fp32"})
+    assert len(pinned.plan.casts) == 4  # up before the norm, down after it
+    with torch.no_grad():
+        assert torch.equal(gm(x), pinned(x))  # PyTorch's mixed-dtype layer norm: same values
+
+
+def test_norm_whose_reader_wants_fp32_stays_fp32():
+    class NormIntoSum(ConvNextish):
+        def forward(self, x):
+            return self.norm(self.conv(x).permute(0, 2, 3, 1)).sum(-1)
+
+    gm = convert(NormIntoSum().eval(), torch.randn(2, 8, 6, 6), dtype=BF16)
+    assert gm.plan.node("norm").dtype == "float32"
