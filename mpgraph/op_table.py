@@ -45,9 +45,9 @@ class OpEntry:
     bf16: Optional[str] = None       # class to use instead when the low dtype is bfloat16
     inference: Optional[str] = None  # class to use instead with fixed statistics (eval batch norm)
     inference_reason: str = ""
-    # a parameter operand is a value combined with the activations (a position embedding added,
-    # a class token concatenated), not a weight: it keeps float32 and so does the op, which keeps
-    # a residual stream that starts at such an op in float32, as autocast's type promotion does
+    # a parameter operand is a value added to or joined with the activations (a position
+    # embedding, a class token), not a weight: it keeps float32 and so does the op, which keeps a
+    # residual stream that starts at such an op in float32, as autocast's type promotion does
     params_as_values: bool = False
     # may read and write the low dtype while computing in float32 inside the kernel, with float32
     # parameters (PyTorch's mixed-dtype layer/group norm): used where its input is already low
@@ -96,6 +96,7 @@ _LAYOUT = "moves or selects elements without arithmetic: exact in any dtype"
 _ACT = "activation bounded by |x| (or by a constant): cannot overflow"
 _ARITH = "elementwise arithmetic: follows its inputs (calibrated ranges are issue #5's job)"
 _JOIN = "joins or selects between tensors without arithmetic: follows its inputs"
+_SCALE = "elementwise scaling: a parameter operand is a weight (a layer scale), stored like one"
 _POOL = "max/average over a window: result within the input's range"
 _DROPOUT = "dropout scales by 1/(1-p) at most: follows its input"
 _COMPARE = "comparison or selection: output is bool/int or one of its inputs"
@@ -201,11 +202,11 @@ FUNCTION_TABLE: dict[Any, OpEntry] = {
               torch.masked_select, torch.take_along_dim, F.pad, F.embedding, F.pixel_shuffle,
               F.pixel_unshuffle, operator.getitem, getattr, torch.clone, torch.detach],
              FOLLOW, _LAYOUT),
-    **_group([operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
-              operator.iadd, operator.isub, operator.imul, operator.itruediv, torch.add,
-              torch.sub, torch.mul, torch.div, torch.true_divide, torch.rsub, torch.addcmul,
-              torch.addcdiv, torch.lerp, torch.maximum, torch.minimum, torch.fmax, torch.fmin,
-              torch.square], FOLLOW, _ARITH, params_as_values=True),
+    **_group([operator.add, operator.sub, operator.iadd, operator.isub, torch.add, torch.sub,
+              torch.rsub, torch.addcmul, torch.addcdiv, torch.lerp, torch.maximum, torch.minimum,
+              torch.fmax, torch.fmin], FOLLOW, _ARITH, params_as_values=True),
+    **_group([operator.mul, operator.truediv, operator.neg, operator.imul, operator.itruediv,
+              torch.mul, torch.div, torch.true_divide, torch.square], FOLLOW, _SCALE),
     **_group([torch.cat, torch.concat, torch.stack, torch.where], FOLLOW, _JOIN, params_as_values=True),
     **_group([torch.max, torch.min, torch.amax, torch.amin, torch.argmax, torch.argmin,
               torch.masked_fill, torch.eq, torch.ne, torch.lt, torch.gt, torch.le,
@@ -237,10 +238,11 @@ METHOD_TABLE: dict[str, OpEntry] = {
               "masked_select", "__getitem__", "detach", "clone", "size", "dim", "numel",
               "type_as", "tile", "diagonal", "masked_scatter", "scatter", "index_fill",
               "copy_", "fill_", "zero_"], FOLLOW, _LAYOUT),
-    **_group(["add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "__add__", "__radd__",
-              "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-              "__neg__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "addcmul",
-              "addcdiv", "lerp", "maximum", "minimum", "square"], FOLLOW, _ARITH, params_as_values=True),
+    **_group(["add", "add_", "sub", "sub_", "__add__", "__radd__", "__sub__", "__rsub__",
+              "__iadd__", "__isub__", "addcmul", "addcdiv", "lerp", "maximum", "minimum"],
+             FOLLOW, _ARITH, params_as_values=True),
+    **_group(["mul", "mul_", "div", "div_", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__neg__", "__imul__", "__itruediv__", "square"], FOLLOW, _SCALE),
     **_group(["max", "min", "amax", "amin", "argmax", "argmin", "masked_fill", "masked_fill_",
               "where", "eq", "ne", "lt", "gt", "le", "ge", "__eq__", "__ne__", "__lt__", "__gt__",
               "__le__", "__ge__", "topk", "sort", "argsort", "isnan", "isinf"], FOLLOW, _COMPARE),
@@ -301,9 +303,9 @@ ATEN_TABLE: dict[Any, OpEntry] = {
                    "zero_", "slice_scatter", "select_scatter", "as_strided", "unfold",
                    "sym_size", "sym_numel", "sym_stride", "_assert_tensor_metadata"),
              FOLLOW, _LAYOUT),
-    **_group(_aten("add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "rsub",
-                   "addcmul", "addcdiv", "lerp", "maximum", "minimum", "square"),
-             FOLLOW, _ARITH, params_as_values=True),
+    **_group(_aten("add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "lerp", "maximum",
+                   "minimum"), FOLLOW, _ARITH, params_as_values=True),
+    **_group(_aten("mul", "mul_", "div", "div_", "square"), FOLLOW, _SCALE),
     **_group(_aten("cat", "concat", "stack", "where"), FOLLOW, _JOIN, params_as_values=True),
     **_group(_aten("max", "min", "amax", "amin", "argmax", "argmin", "masked_fill",
                    "masked_fill_", "eq", "ne", "lt", "gt", "le", "ge", "isnan", "isinf",

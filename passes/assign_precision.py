@@ -9,9 +9,10 @@ its inputs already have float32 casts: one cast fewer, none added. Parameters an
 from parameters alone are not decided here: they take the dtype their readers need, at
 conversion time, so no weight is ever cast at run time.
 
-A parameter combined with activations by arithmetic or concatenation (a class token, a position
-embedding) is a float32 value there, not a weight, as in autocast's type promotion; so a residual
-stream that starts at such an op stays float32.
+A parameter added to or concatenated with activations (a class token, a position embedding) is a
+float32 value there, not a weight, as in autocast's type promotion; so a residual stream that
+starts at such an op stays float32. A parameter that scales activations (a layer scale) is a
+weight, stored in the dtype its reader computes in.
 
 ``AssignPrecisionOptimal`` runs this pass first and treats its float32 decisions as bounds
 (same contract: reads ``mpgraph.op_class`` and ``mpgraph.tensor``, writes ``mpgraph.precision``).
@@ -230,7 +231,7 @@ class AssignPrecision(Pass):
             return Decision(FP32, "no low-precision input: stays float32")
         kinds = {dec[a].dtype for a in runtime}
         if op_info.params_as_values and any(a in stored for a in inputs):
-            return Decision(FP32, "combines activations with a float32 parameter (a position "
+            return Decision(FP32, "adds or joins a float32 parameter to activations (a position "
                                   "embedding, a class token): stays float32")
         if kinds != {self.low}:
             return Decision(FP32, "reads a float32 input: stays float32")
