@@ -8,7 +8,8 @@ import torch
 from mpgraph.device_specs import DeviceSpec
 from mpgraph.op_table import OpTable
 from mpgraph.pass_infra import Pass
-from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, CheckDtypes, ClassifyOps,
+from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, ChannelsLast, CheckDtypes,
+                            ClassifyOps,
                             EstimateCost, FuseTanhGelu, InsertCasts, LintTensorCores,
                             RetargetDtypeAsserts, StoreWeights)
 
@@ -34,6 +35,7 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
         LintTensorCores(spec),                # analysis: Tensor Core alignment findings
         StoreWeights(low_dtype, keep_io_types),   # rewrite: weights stored once
         InsertCasts(keep_io_types),           # rewrite: shared casts
+        ChannelsLast(),                       # rewrite: NHWC layout for low-precision 2-D convs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts
     ]
     if check:

@@ -4,6 +4,7 @@ Installed as ``mpgraph.passes``. The default pipeline is built by ``mpgraph.pipe
 """
 from .assign_precision import AssignPrecision
 from .assign_precision_optimal import AssignPrecisionOptimal
+from .channels_last import ChannelsLast
 from .check_dtypes import CheckDtypes
 from .classify_ops import ClassifyOps
 from .estimate_cost import EstimateCost
@@ -14,6 +15,6 @@ from .propagate_tensor_info import PropagateTensorInfo
 from .retarget_dtype_asserts import RetargetDtypeAsserts
 from .store_weights import StoreWeights
 
-__all__ = ["AssignPrecision", "AssignPrecisionOptimal", "CheckDtypes", "ClassifyOps", "EstimateCost",
+__all__ = ["AssignPrecision", "AssignPrecisionOptimal", "ChannelsLast", "CheckDtypes", "ClassifyOps", "EstimateCost",
            "FuseTanhGelu", "InsertCasts", "LintTensorCores", "PropagateTensorInfo",
            "RetargetDtypeAsserts", "StoreWeights"]

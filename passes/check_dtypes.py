@@ -38,8 +38,8 @@ class CheckDtypes(Pass):
     def call(self, gm):
         gm.graph.lint()
         for node in gm.graph.nodes:
-            if node.meta.get(INSERTED_BY) and node.op == "call_method" \
-                    and node.args[0].meta.get(INSERTED_BY) and node.args[0].op == "call_method":
+            if node.meta.get(INSERTED_BY) == "InsertCasts" \
+                    and node.args[0].meta.get(INSERTED_BY) == "InsertCasts":
                 raise ConversionError(f"cast of a cast (round trip): {node.format_node()}")
         actual = {}
         run_recording(gm, self.args, self.kwargs, lambda n, v: actual.__setitem__(n, _actual(v)))
