@@ -221,7 +221,8 @@ class EstimateCost(Pass):
                 peak = spec.elementwise_peak(dtype)
             nbytes = self._bytes(node, gm, dtype)
             compute = flops / peak + softmax / spec.elementwise_peak(dtype)
-            if spec.kind == "cpu" and dims is not None and dims[0] == "conv":
+            if spec.kind == "cpu" and dims is not None and dims[0] == "conv" and dtype == torch.float32:
+                # NCHW reorders; low-precision convs run channels_last (the ChannelsLast pass)
                 compute += _CPU_CONV_LAYOUT * nbytes / spec.bandwidth
             times.append((max(compute, nbytes / spec.bandwidth) + spec.launch, nbytes))
         (t32, b32), (tlow, blow) = times
