@@ -147,3 +147,23 @@ def target_name(node: torch.fx.Node) -> str:
     if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(t)
     return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
+
+
+def fetch_attr(root: torch.nn.Module, target: str):
+    """The object at a dotted attribute path (a get_attr target)."""
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_attr(root: torch.nn.Module, target: str, value) -> None:
+    """Replace the parameter, buffer or plain attribute at a dotted path, keeping its kind."""
+    path, _, leaf = target.rpartition(".")
+    owner = root.get_submodule(path) if path else root
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = value
+    elif leaf in owner._buffers:
+        owner._buffers[leaf] = value
+    else:
+        setattr(owner, leaf, value)

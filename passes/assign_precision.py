@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import input_nodes, is_inplace, module_path, mutated_nodes
+from mpgraph.graph_utils import fetch_attr, input_nodes, is_inplace, module_path, mutated_nodes
 from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, Decision, is_float32_tensor
 from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
@@ -103,7 +103,7 @@ class AssignPrecision(Pass):
             out += list(gm.get_submodule(node.target).named_parameters())
         for a in input_nodes(node):
             if a in stored and a.op == "get_attr":
-                value = _fetch_attr(gm, a.target)
+                value = fetch_attr(gm, a.target)
                 if isinstance(value, torch.Tensor):
                     out.append((a.target, value))
         return out
@@ -272,10 +272,3 @@ class AssignPrecision(Pass):
             dtype = self.low if self.low in needs else FP32
             dec[node] = Decision(dtype, f"computed from parameters only: {_short(dtype)} for its "
                                         "readers", stored=True)
-
-
-def _fetch_attr(root: torch.nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from mpgraph.graph_utils import fetch_attr, set_attr
 from mpgraph.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, Decision, OpInfo, TensorInfo
 from mpgraph.op_table import FOLLOW, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
@@ -28,13 +29,6 @@ def _is_conv2d(node: torch.fx.Node, gm) -> bool:
         info = weight.meta.get(TENSOR) if isinstance(weight, torch.fx.Node) else None
         return isinstance(info, TensorInfo) and len(info.shape) == 4
     return False
-
-
-def _fetch(root, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
@@ -80,13 +74,4 @@ class ChannelsLast(Pass):
         weight = conv.args[1]
         if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" \
                 and all(_is_conv2d(u, gm) for u in weight.users):
-            owner_path, _, leaf = weight.target.rpartition(".")
-            owner = gm.get_submodule(owner_path) if owner_path else gm
-            value = _fetch(gm, weight.target)
-            converted = _to_channels_last(value)
-            if leaf in owner._parameters:
-                owner._parameters[leaf] = converted
-            elif leaf in owner._buffers:
-                owner._buffers[leaf] = converted
-            else:
-                setattr(owner, leaf, converted)
+            set_attr(gm, weight.target, _to_channels_last(fetch_attr(gm, weight.target)))

@@ -15,6 +15,7 @@ import torch
 import torch.fx
 
 from mpgraph.edges import required_dtype
+from mpgraph.graph_utils import fetch_attr, set_attr
 from mpgraph.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo, WeightRecord
 from mpgraph.pass_infra import Pass, PassResult
 
@@ -33,16 +34,6 @@ def _converted(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(value, torch.nn.Parameter):
         return torch.nn.Parameter(data, requires_grad=value.requires_grad)
     return data
-
-
-def _set_attr(root: torch.nn.Module, target: str, value) -> None:
-    owner, leaf = _owner(root, target)
-    if leaf in owner._parameters:
-        owner._parameters[leaf] = value
-    elif leaf in owner._buffers:
-        owner._buffers[leaf] = value
-    else:
-        setattr(owner, leaf, value)
 
 
 def _add_attr(root: torch.nn.Module, target: str, value, like: str) -> None:
@@ -96,7 +87,7 @@ class StoreWeights(Pass):
                         low_users.append((node, user))
                     else:
                         other = True
-            original = _fetch(gm, target)
+            original = fetch_attr(gm, target)
             if not low_users:
                 for node in nodes:
                     node.meta[PRECISION] = Decision(torch.float32, "parameter read in float32",
@@ -104,7 +95,7 @@ class StoreWeights(Pass):
                 continue
             low_value = _converted(original, self.low)
             if not other:
-                _set_attr(gm, target, low_value)
+                set_attr(gm, target, low_value)
                 for node in nodes:
                     node.meta[TENSOR] = TensorInfo(node.meta[TENSOR].shape, self.low)
                     node.meta[PRECISION] = Decision(self.low, f"stored as {_short(self.low)}",
@@ -158,15 +149,8 @@ class StoreWeights(Pass):
                     n.target = new_target
                 target = new_target
             for name, t in tensors:
-                _set_attr(module, name, _converted(t, self.low))
+                set_attr(module, name, _converted(t, self.low))
                 records.append(WeightRecord(f"{target}.{name}", f"{target}.{name}", self.low,
                                             t.numel(), shared))
             edits += 1
         return edits
-
-
-def _fetch(root, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -73,6 +73,19 @@ class SoftmaxAttention(nn.Module):
         return out, out.sum(dim=-1)
 
 
+class ConvNextish(nn.Module):
+    """conv -> channels-last LayerNorm -> linear: the norm's input and readers are all low."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.conv(x).permute(0, 2, 3, 1)))
+
+
 @pytest.fixture
 def bert():
     from transformers import BertConfig, BertModel

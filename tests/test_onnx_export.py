@@ -14,7 +14,7 @@ pytest.importorskip("onnxruntime")
 import mpgraph  # noqa: E402
 from mpgraph.onnx_check import inspect_model, load_with_types, validate_onnx  # noqa: E402
 
-from conftest import MLP, ConvBnReluPool, SoftmaxAttention  # noqa: E402
+from conftest import MLP, ConvBnReluPool, ConvNextish, SoftmaxAttention  # noqa: E402
 
 convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
 export_onnx = functools.partial(mpgraph.export_onnx, strategy="rules")
@@ -252,16 +252,6 @@ def test_cli_export(tmp_path, capsys):
 
 @pytest.mark.parametrize("low", ["fp16", "bf16"])
 def test_norm_with_low_io_exports_and_validates(low, tmp_path):
-    class ConvNextish(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
-            self.norm = nn.LayerNorm(8)
-            self.fc = nn.Linear(8, 16)
-
-        def forward(self, x):
-            return self.fc(self.norm(self.conv(x).permute(0, 2, 3, 1)))
-
     model, x = ConvNextish().eval(), torch.randn(2, 8, 6, 6)
     result = export_onnx(model, x, tmp_path / "n.onnx", dtype=low)
     assert result.plan.node("norm").dtype == {"fp16": "float16", "bf16": "bfloat16"}[low]

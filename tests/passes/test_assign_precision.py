@@ -6,7 +6,7 @@ import mpgraph
 from mpgraph.meta import PRECISION
 from mpgraph.passes import AssignPrecision, ClassifyOps
 
-from conftest import MLP, SoftmaxAttention
+from conftest import MLP, ConvNextish, SoftmaxAttention
 
 convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
 
@@ -149,19 +149,6 @@ def test_parameters_combined_with_activations_keep_the_residual_stream_fp32():
     assert "float32 parameter" in gm.plan.node("cat").reason
     assert d["proj"] == d["mlp"] == BF16
     assert gm.cls.dtype == FP32 and gm.pos.dtype == FP32
-
-
-class ConvNextish(nn.Module):
-    """conv -> channels-last LayerNorm -> linear: the norm's input and readers are all low."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
-        self.norm = nn.LayerNorm(8)
-        self.fc = nn.Linear(8, 16)
-
-    def forward(self, x):
-        return self.fc(self.norm(self.conv(x).permute(0, 2, 3, 1)))
 
 
 def test_norm_between_low_ops_reads_and_writes_low_with_the_same_values():
