@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.fx
@@ -123,12 +123,6 @@ def run_recording(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node) 
         return RecordingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
 
 
-def iter_tensors(value) -> Iterator[torch.Tensor]:
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
-
-
 def module_path(node: torch.fx.Node) -> str:
     """The dotted path of the module that produced this node, or '' at the top level."""
     if node.op in ("call_module", "get_attr"):
@@ -157,13 +151,25 @@ def fetch_attr(root: torch.nn.Module, target: str):
     return obj
 
 
+def owner_of(root: torch.nn.Module, target: str) -> tuple[torch.nn.Module, str]:
+    """(the submodule that holds a dotted attribute path, the attribute's own name)."""
+    path, _, leaf = target.rpartition(".")
+    return (root.get_submodule(path) if path else root), leaf
+
+
 def set_attr(root: torch.nn.Module, target: str, value) -> None:
     """Replace the parameter, buffer or plain attribute at a dotted path, keeping its kind."""
-    path, _, leaf = target.rpartition(".")
-    owner = root.get_submodule(path) if path else root
+    owner, leaf = owner_of(root, target)
     if leaf in owner._parameters:
         owner._parameters[leaf] = value
     elif leaf in owner._buffers:
         owner._buffers[leaf] = value
     else:
         setattr(owner, leaf, value)
+
+
+def with_data(value: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as the same kind of tensor as ``value``: a Parameter stays a Parameter."""
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(data, requires_grad=value.requires_grad)
+    return data

@@ -70,8 +70,9 @@ class Decision:
     param_dtype: Optional[torch.dtype] = None  # dtype its parameters are read in, if not ``dtype``
 
 
-def tensor_info(node) -> ValueInfo:
-    return node.meta.get(TENSOR)
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    """"bfloat16" for torch.bfloat16: how plans, reasons and reports name a dtype."""
+    return None if dtype is None else str(dtype).replace("torch.", "")
 
 
 def is_float32_tensor(info: ValueInfo) -> bool:

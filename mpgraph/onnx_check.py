@@ -38,7 +38,7 @@ def _ir():
     return ir
 
 
-def _ir_dtype(dtype: torch.dtype):
+def ir_dtype(dtype: torch.dtype):
     ir = _ir()
     return {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16,
             torch.bfloat16: ir.DataType.BFLOAT16, torch.float64: ir.DataType.DOUBLE,
@@ -110,25 +110,34 @@ def _float32_statistics(node) -> bool:
     return False
 
 
+def is_precision_cast(node) -> bool:
+    """A Cast from one float type to another: not to or from integers, not to the same type."""
+    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs \
+            or node.inputs[0] is None:
+        return False
+    ir = _ir()
+    floats = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+    src, to = node.inputs[0].dtype, ir.DataType(node.attributes["to"].value)
+    return src in floats and to in floats and src != to
+
+
 def inspect_model(model) -> OnnxStats:
     """Count precision casts, matmul FLOPs by dtype, fp32-only ops in low precision, bad casts."""
     ir = _ir()
     low = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
-    floats = low | {ir.DataType.FLOAT, ir.DataType.DOUBLE}
     stats = OnnxStats()
     for node in model.graph.all_nodes() if hasattr(model.graph, "all_nodes") else model.graph:
         x = node.inputs[0] if node.inputs else None
         dtype = x.dtype if x is not None else None
-        if node.op_type == "Cast" and x is not None and dtype in floats:
+        if is_precision_cast(node):
             to = ir.DataType(node.attributes["to"].value)
-            if to in floats and to != dtype:
-                stats.casts += 1
-                if x.is_initializer() or (x.producer() is not None and x.producer().op_type == "Constant"):
-                    stats.runtime_weight_casts.append(node.name)
-                prev = x.producer()
-                if prev is not None and prev.op_type == "Cast" and prev.inputs[0] is not None \
-                        and prev.inputs[0].dtype == to:
-                    stats.round_trips.append(f"{prev.name} -> {node.name}")
+            stats.casts += 1
+            prev = x.producer()
+            if x.is_initializer() or (prev is not None and prev.op_type == "Constant"):
+                stats.runtime_weight_casts.append(node.name)
+            if prev is not None and prev.op_type == "Cast" and prev.inputs[0] is not None \
+                    and prev.inputs[0].dtype == to:
+                stats.round_trips.append(f"{prev.name} -> {node.name}")
         if node.op_type in _MATMUL_OPS:
             f = _flops(node)
             stats.matmul_nodes += 1
@@ -340,7 +349,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         for kind, values, tensors in (("input", graph_inputs, inputs),
                                       ("output", list(model.graph.outputs), torch_out)):
             for v, t in zip(values, tensors):
-                if v.dtype != _ir_dtype(t.dtype):
+                if v.dtype != ir_dtype(t.dtype):
                     problems.append(f"graph {kind} {v.name} is {v.dtype.name}, PyTorch has {t.dtype}")
         if problems:
             raise ExportError(f"{shown} does not match the plan:\n  " + "\n  ".join(problems))

@@ -24,7 +24,9 @@ import torch
 from .api import convert, resolve_dtype
 from .capture import normalize_inputs
 from .errors import ExportError, MpgraphError
-from .plan import Plan, dtype_name
+from .meta import dtype_name
+from .onnx_check import ir_dtype, is_precision_cast
+from .plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +125,6 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
 
 
 # -- edits on the IR so that the file states the plan ------------------------------------------
-def _float_types(ir):
-    return {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
-
-
 def _cast_to(node, ir):
     return ir.DataType(node.attributes["to"].value)
 
@@ -213,20 +211,9 @@ def _softmax_fp32(graph, ir) -> int:
     return wrapped
 
 
-def _float_casts(graph, ir) -> list:
-    """Cast nodes that change one float type into another (precision casts)."""
-    floats = _float_types(ir)
-    return [n for n in graph if n.op_type == "Cast" and n.domain in ("", "ai.onnx")
-            and n.inputs[0] is not None and n.inputs[0].dtype in floats
-            and _cast_to(n, ir) in floats and _cast_to(n, ir) != n.inputs[0].dtype]
-
-
-_IR_NAMES = {"float32": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "float64": "DOUBLE"}
-
-
 def _match_casts(graph, plan: Plan, ir) -> tuple[int, int, list[str]]:
     """Pair the file's precision casts with the plan's, in order; annotate each with its origin."""
-    ours = [n for n in _float_casts(graph, ir) if ORIGIN not in n.metadata_props]
+    ours = [n for n in graph if is_precision_cast(n) and ORIGIN not in n.metadata_props]
     expected = plan.cast_sequence()
     differences = []
     for i, node in enumerate(ours):
@@ -236,7 +223,7 @@ def _match_casts(graph, plan: Plan, ir) -> tuple[int, int, list[str]]:
             continue
         rec = expected[i]
         got = (node.inputs[0].dtype.name, _cast_to(node, ir).name)
-        want = (_IR_NAMES[rec.src], _IR_NAMES[rec.dst])
+        want = (ir_dtype(getattr(torch, rec.src)).name, ir_dtype(getattr(torch, rec.dst)).name)
         if got != want:
             differences.append(f"Cast {node.name} is {got[0]}->{got[1]}, plan cast {rec.name} is "
                                f"{want[0]}->{want[1]}")

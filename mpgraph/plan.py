@@ -13,11 +13,7 @@ import torch.fx
 
 from .graph_utils import module_path, target_name
 from .meta import (CAPTURE, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, TENSOR,
-                   TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord, planned_dtype)
-
-
-def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
-    return None if dtype is None else str(dtype).replace("torch.", "")
+                   TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord, dtype_name, planned_dtype)
 
 
 @dataclass(frozen=True)

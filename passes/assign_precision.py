@@ -30,7 +30,7 @@ import torch.fx
 
 from mpgraph.edges import required_dtype
 from mpgraph.graph_utils import fetch_attr, input_nodes, is_inplace, module_path, mutated_nodes
-from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, Decision, is_float32_tensor
+from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, Decision, dtype_name, is_float32_tensor
 from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
@@ -40,10 +40,6 @@ _CALLS = ("call_function", "call_method", "call_module")
 _METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                   "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
                   "bool": torch.bool}
-
-
-def _short(dtype: Optional[torch.dtype]) -> str:
-    return str(dtype).replace("torch.", "") if dtype is not None else "-"
 
 
 def explicit_dtype(node: torch.fx.Node):
@@ -115,12 +111,12 @@ class AssignPrecision(Pass):
         for a in list(node.args) + list(node.kwargs.values()):
             if isinstance(a, numbers.Real) and not isinstance(a, bool) and abs(a) > self.low_max \
                     and abs(a) != float("inf"):
-                return f"constant {a:g} overflows {_short(self.low)} (max {self.low_max:g})"
+                return f"constant {a:g} overflows {dtype_name(self.low)} (max {self.low_max:g})"
         for name, t in self._weights_of(node, gm, stored):
             if t.is_floating_point():
                 m = _tensor_absmax(t)
                 if m > self.low_max:
-                    return f"weight {name} absmax {m:.3g} overflows {_short(self.low)}"
+                    return f"weight {name} absmax {m:.3g} overflows {dtype_name(self.low)}"
         return None
 
     # -- the decision ----------------------------------------------------------------------
@@ -189,7 +185,7 @@ class AssignPrecision(Pass):
         if node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, gm):
             self_dtype = dec[node.args[0]].dtype
             if self_dtype in convertible:
-                reason = f"in place on a {_short(self_dtype)} value"
+                reason = f"in place on a {dtype_name(self_dtype)} value"
                 if cls != FOLLOW and self_dtype != FP32:
                     reason += f" (its class {cls} asks for float32, but it writes into a low value)"
                     log.warning("%s: %s", node.name, reason)
@@ -199,7 +195,7 @@ class AssignPrecision(Pass):
         if cls == CAST or (cls == FOLLOW and isinstance(asked, torch.dtype) and "dtype" in node.kwargs):
             if isinstance(asked, torch.dtype):
                 out = FP32 if is_float32_tensor(node.meta[TENSOR]) else None
-                return Decision(out, f"explicit cast to {_short(asked)} in the model", pinned=True,
+                return Decision(out, f"explicit cast to {dtype_name(asked)} in the model", pinned=True,
                                 reads_any=True)
             if isinstance(asked, tuple):
                 like = dec[asked[1]].dtype
@@ -216,7 +212,7 @@ class AssignPrecision(Pass):
             return Decision(self.low, op_info.reason)
         if op_info.low_io and runtime and node not in self._norms_fp32 \
                 and all(dec[a].dtype == self.low for a in runtime):
-            return Decision(self.low, f"reads and writes {_short(self.low)}, computes in float32 "
+            return Decision(self.low, f"reads and writes {dtype_name(self.low)}, computes in float32 "
                                       "inside with float32 parameters (the values of casting "
                                       "around it, without the casts)", param_dtype=FP32)
         if cls != FOLLOW:  # fp32_compute, fp32_only, unknown
@@ -238,7 +234,7 @@ class AssignPrecision(Pass):
         why = self._overflow_reason(node, gm, stored)
         if why:
             return Decision(FP32, why, pinned=True)
-        return Decision(self.low, f"all float inputs are {_short(self.low)}")
+        return Decision(self.low, f"all float inputs are {dtype_name(self.low)}")
 
     def _refine(self, order, gm, dec, stored) -> None:
         """Move low follow ops to float32 where that removes a cast and adds none."""
@@ -270,5 +266,5 @@ class AssignPrecision(Pass):
                 continue
             needs = {required_dtype(u, node, gm, self.keep_io_types, dec.get) for u in node.users}
             dtype = self.low if self.low in needs else FP32
-            dec[node] = Decision(dtype, f"computed from parameters only: {_short(dtype)} for its "
+            dec[node] = Decision(dtype, f"computed from parameters only: {dtype_name(dtype)} for its "
                                         "readers", stored=True)

@@ -22,11 +22,12 @@ from mpgraph.device_specs import DeviceSpec
 from mpgraph.edges import required_dtype
 from mpgraph.graph_utils import input_nodes, is_inplace
 from mpgraph.op_table import CAST
-from mpgraph.meta import COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, Decision, TensorInfo, is_float32_tensor
+from mpgraph.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, Decision, TensorInfo,
+                          dtype_name, is_float32_tensor)
 from mpgraph.mincut import FP32 as CUT_FP32, LOW as CUT_LOW, Problem, solve
 from mpgraph.pass_infra import PassResult
 
-from .assign_precision import AssignPrecision, _short, explicit_dtype
+from .assign_precision import AssignPrecision, explicit_dtype
 from .estimate_cost import EstimateCost
 
 FP32 = torch.float32
@@ -62,14 +63,14 @@ class AssignPrecisionOptimal(AssignPrecision):
             c = n.meta[COST]
             dtype = low_of[labels[n]]
             alone = self.low if c.t_low < c.t_fp32 else FP32
-            why = f"cost: {_us(c.t_fp32)} in float32, {_us(c.t_low)} in {_short(self.low)}"
+            why = f"cost: {_us(c.t_fp32)} in float32, {_us(c.t_low)} in {dtype_name(self.low)}"
             if dtype != alone:
-                why += f"; {_short(dtype)} saves the casts {_short(alone)} would need"
+                why += f"; {dtype_name(dtype)} saves the casts {dtype_name(alone)} would need"
             if dec[n].param_dtype is not None and dtype == self.low:
                 why += f"; {dec[n].reason}"
             dec[n] = Decision(dtype, why, param_dtype=dec[n].param_dtype if dtype == self.low else None)
         for n, (how, _) in tied.items():
-            dec[n] = Decision(low_of[labels[n]], f"{how} ({_short(low_of[labels[n]])})", pinned=True,
+            dec[n] = Decision(low_of[labels[n]], f"{how} ({dtype_name(low_of[labels[n]])})", pinned=True,
                               reads_any=dec[n].reads_any)
         stored = {n for n in order if dec[n].stored}
         self._decide_stored(order, gm, dec, stored)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from mpgraph.graph_utils import fetch_attr, set_attr
+from mpgraph.graph_utils import fetch_attr, set_attr, with_data
 from mpgraph.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, Decision, OpInfo, TensorInfo
 from mpgraph.op_table import FOLLOW, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
@@ -32,10 +32,7 @@ def _is_conv2d(node: torch.fx.Node, gm) -> bool:
 
 
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
-    data = value.detach().contiguous(memory_format=CL)
-    if isinstance(value, torch.nn.Parameter):
-        return torch.nn.Parameter(data, requires_grad=value.requires_grad)
-    return data
+    return with_data(value, value.detach().contiguous(memory_format=CL))
 
 
 class ChannelsLast(Pass):

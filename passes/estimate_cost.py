@@ -45,10 +45,6 @@ class NodeCost:
     t_low: float
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def _infos(value) -> list[TensorInfo]:
     if isinstance(value, TensorInfo):
         return [value]
@@ -156,7 +152,8 @@ def node_flops(node: torch.fx.Node, gm) -> tuple[float, bool, Optional[tuple]]:
 
 
 def _quantization(spec: DeviceSpec, dims: Optional[tuple]) -> float:
-    """Fraction of the GPU's GEMM throughput a (batch, M, N) problem can use (tile and wave)."""
+    """Fraction of the matmul peak a problem can use: tile and wave quantization on GPUs, the
+    reduction length of GEMMs and attention on CPUs."""
     if dims is None:
         return 1.0
     if dims[0] == "sdpa":
@@ -193,11 +190,11 @@ class EstimateCost(Pass):
         total = 0.0
         for info in [i for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))] \
                 + _infos(node.meta.get(TENSOR)):
-            size = _size(dtype) if info.dtype == torch.float32 else _size(info.dtype)
+            size = dtype.itemsize if info.dtype == torch.float32 else info.dtype.itemsize
             total += info.numel * size
         if node.op == "call_module":
             for p in gm_params(gm, node.target):
-                total += p.numel() * (_size(dtype) if p.dtype == torch.float32 else p.element_size())
+                total += p.numel() * (dtype.itemsize if p.dtype == torch.float32 else p.element_size())
         return total
 
     def cost(self, node, gm) -> NodeCost:
@@ -230,7 +227,7 @@ class EstimateCost(Pass):
 
     def cast_cost(self, numel: int) -> float:
         """One fp32<->low cast: read one, write the other (6 bytes per element for fp16), a launch."""
-        return numel * (4 + _size(self.low)) / self.spec.bandwidth + self.spec.launch
+        return numel * (4 + self.low.itemsize) / self.spec.bandwidth + self.spec.launch
 
     def call(self, gm):
         for node in gm.graph.nodes:

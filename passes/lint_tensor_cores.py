@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from mpgraph.device_specs import DeviceSpec
-from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, TENSOR_CORES, TensorInfo
+from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, TENSOR_CORES, TensorInfo, dtype_name
 from mpgraph.op_table import TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
@@ -76,7 +76,7 @@ class LintTensorCores(Pass):
         decision = node.meta.get(PRECISION)
         dtype = decision.dtype if decision is not None else None
         if dtype in (torch.float16, torch.bfloat16):
-            multiple, how = 8, f"{str(dtype)[6:]} Tensor Cores want multiples of 8"
+            multiple, how = 8, f"{dtype_name(dtype)} Tensor Cores want multiples of 8"
         elif dtype == torch.float32 and self.tf32:
             multiple, how = 4, "TF32 Tensor Cores want multiples of 4"
         else:

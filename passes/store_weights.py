@@ -15,30 +15,19 @@ import torch
 import torch.fx
 
 from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import fetch_attr, set_attr
-from mpgraph.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo, WeightRecord
+from mpgraph.graph_utils import fetch_attr, owner_of, set_attr, with_data
+from mpgraph.meta import (INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo,
+                          WeightRecord, dtype_name)
 from mpgraph.pass_infra import Pass, PassResult
 
 
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _owner(root: torch.nn.Module, target: str):
-    path, _, leaf = target.rpartition(".")
-    return (root.get_submodule(path) if path else root), leaf
-
-
 def _converted(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    data = value.detach().to(dtype)
-    if isinstance(value, torch.nn.Parameter):
-        return torch.nn.Parameter(data, requires_grad=value.requires_grad)
-    return data
+    return with_data(value, value.detach().to(dtype))
 
 
 def _add_attr(root: torch.nn.Module, target: str, value, like: str) -> None:
-    owner, leaf = _owner(root, target)
-    _, old_leaf = _owner(root, like)
+    owner, leaf = owner_of(root, target)
+    _, old_leaf = owner_of(root, like)
     if isinstance(value, torch.nn.Parameter):
         owner.register_parameter(leaf, value)
     elif old_leaf in owner._buffers:
@@ -48,10 +37,10 @@ def _add_attr(root: torch.nn.Module, target: str, value, like: str) -> None:
 
 
 def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
-    base = f"{target}_{_short(dtype)}"
+    base = f"{target}_{dtype_name(dtype)}"
     name, i = base, 1
     while True:
-        owner, leaf = _owner(root, name)
+        owner, leaf = owner_of(root, name)
         if not hasattr(owner, leaf):
             return name
         name, i = f"{base}_{i}", i + 1
@@ -98,7 +87,7 @@ class StoreWeights(Pass):
                 set_attr(gm, target, low_value)
                 for node in nodes:
                     node.meta[TENSOR] = TensorInfo(node.meta[TENSOR].shape, self.low)
-                    node.meta[PRECISION] = Decision(self.low, f"stored as {_short(self.low)}",
+                    node.meta[PRECISION] = Decision(self.low, f"stored as {dtype_name(self.low)}",
                                                     stored=True)
                 records.append(WeightRecord(target, target, self.low, original.numel(), False))
                 edits += 1
@@ -108,7 +97,7 @@ class StoreWeights(Pass):
             records.append(WeightRecord(new_target, target, self.low, original.numel(), True))
             for node in nodes:
                 node.meta[PRECISION] = Decision(torch.float32, "parameter read in float32 "
-                                                f"(a {_short(self.low)} copy serves low readers)",
+                                                f"(a {dtype_name(self.low)} copy serves low readers)",
                                                 stored=True)
             copies = {}
             for node, user in low_users:
@@ -116,7 +105,7 @@ class StoreWeights(Pass):
                     with gm.graph.inserting_after(node):
                         new = gm.graph.get_attr(new_target)
                     new.meta.update({TENSOR: TensorInfo(node.meta[TENSOR].shape, self.low),
-                                     PRECISION: Decision(self.low, f"{_short(self.low)} copy of "
+                                     PRECISION: Decision(self.low, f"{dtype_name(self.low)} copy of "
                                                          f"{target}", stored=True),
                                      OP_CLASS: node.meta[OP_CLASS], INSERTED_BY: self.name})
                     copies[node] = new
