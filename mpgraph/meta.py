@@ -18,6 +18,8 @@ COST = "mpgraph.cost"                # NodeCost written by EstimateCost
 TENSOR_CORES = "mpgraph.tensor_core"  # TensorCoreFinding written by LintTensorCores
 ESTIMATE = "mpgraph.estimate"        # on gm.meta: {"target", "fp32_s", "plan_s"} of the optimal plan
 CAPTURE = "mpgraph.capture"          # on gm.meta: which tracer produced the graph
+RANGE = "mpgraph.range"              # ValueRange written by Calibrate
+SAFETY = "mpgraph.safety"            # tuple of SafetyFinding written by NumericSafety
 
 
 @dataclass(frozen=True)
@@ -105,3 +107,24 @@ def planned_dtype(info: ValueInfo, decision: Optional[Decision]):
     if info.dtype == torch.float32 and decision is not None and decision.dtype is not None:
         return decision.dtype
     return info.dtype
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """What calibration saw of one float value over all batches (tuple outputs: over all parts)."""
+
+    absmax: float          # largest finite magnitude
+    min_nonzero: float     # smallest non-zero magnitude (inf when the value was always zero)
+    nonfinite: int         # inf/NaN elements seen in float32
+    batch_absmax: tuple    # absmax per calibration batch, for evidence ("on 3/8 batches")
+
+    def batches_over(self, limit: float) -> int:
+        return sum(1 for m in self.batch_absmax if m > limit)
+
+
+@dataclass(frozen=True)
+class SafetyFinding:
+    """A numeric-safety rule that keeps a node in float32, with its evidence."""
+
+    rule: str        # "range", "constant", "weight", "unproven_range"
+    evidence: str    # e.g. "absmax 7.1e4 > limit 3.28e4 on 3/8 batches"

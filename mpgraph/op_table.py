@@ -106,6 +106,7 @@ _BN = "batch norm in training: batch mean/variance accumulate over many elements
 _BN_EVAL = "batch norm with fixed statistics: a per-channel affine map, follows its input"
 _SOFTMAX = "softmax: exp of logits and a sum over the axis, kept in fp32"
 _EXP = "range-expanding (|f(x)| >> |x|): overflows fp16; bf16 has fp32's range"
+RANGE_EXPANDING_REASON = _EXP  # NumericSafety lowers these in fp16 when calibration proves them safe
 _LOG = "log family: precision near 1 matters, kept in fp32 (autocast does the same)"
 _REDUCE = "reduction over many elements: accumulation error and overflow in low precision"
 _LOSS = "loss: reductions of logs/exps, kept in fp32"

@@ -1,17 +1,17 @@
 """The default pipeline: a plain list of pass instances, readable top to bottom."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
 from mpgraph.device_specs import DeviceSpec
 from mpgraph.op_table import OpTable
 from mpgraph.pass_infra import Pass
-from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, ChannelsLast, CheckDtypes,
-                            ClassifyOps,
-                            EstimateCost, FuseTanhGelu, InsertCasts, LintTensorCores,
-                            RetargetDtypeAsserts, StoreWeights)
+from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
+                            CheckDtypes, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
+                            LintTensorCores, NumericSafety, RetargetDtypeAsserts, StoreWeights)
+from mpgraph.passes.calibrate import Call
 
 STRATEGIES = ("optimal", "rules")
 
@@ -19,8 +19,11 @@ STRATEGIES = ("optimal", "rules")
 def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs: dict, *,
                      spec: DeviceSpec, strategy: str = "optimal", keep_io_types: bool = True,
                      op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
-                     keep_fp32: Optional[str] = None, check: bool = True) -> list[Pass]:
-    """Passes after capture (which already recorded shapes and dtypes)."""
+                     keep_fp32: Optional[str] = None, check: bool = True,
+                     calibration: Optional[Iterable] = None, progress: Optional[bool] = None
+                     ) -> list[Pass]:
+    """Passes after capture (which already recorded shapes and dtypes). Without ``calibration``
+    batches the example inputs are the calibration data."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "optimal":
@@ -29,7 +32,10 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
         decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32)
     passes: list[Pass] = [
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
+        Calibrate(calibration if calibration is not None else [Call(example_args, example_kwargs)],
+                  progress, example=(example_args, example_kwargs)),  # analysis: value ranges
         ClassifyOps(low_dtype, op_table),     # analysis: op class per node
+        NumericSafety(low_dtype),             # analysis: float32 findings with their evidence
         EstimateCost(spec, low_dtype),        # analysis: roofline time per node, both dtypes
         decide,                               # decision: dtype per node (min-cut or rules)
         LintTensorCores(spec),                # analysis: Tensor Core alignment findings

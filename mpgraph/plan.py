@@ -12,8 +12,8 @@ import torch
 import torch.fx
 
 from .graph_utils import module_path, target_name
-from .meta import (CAPTURE, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, TENSOR,
-                   TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord, dtype_name, planned_dtype)
+from .meta import (CAPTURE, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, RANGE, SAFETY,
+                   TENSOR, TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord, dtype_name, planned_dtype)
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class NodeRecord:
     t_fp32: Optional[float] = None   # estimated seconds on the target, in float32
     t_low: Optional[float] = None    # ... and in the low dtype
     tensor_core: str = ""            # Tensor Core alignment finding for matmuls and convs
+    safety: tuple[str, ...] = ()     # numeric-safety findings ("rule: evidence") keeping it float32
+    absmax: Optional[float] = None   # calibrated absmax of its output
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class Plan:
     # in the converted graph: not ours, but an exported file contains them too
     model_casts: list[CastRecord] = field(default_factory=list)
     order: list[str] = field(default_factory=list, repr=False)  # node names in graph order
+    calibration_batches: int = 0     # batches the value ranges were calibrated on
+    # the tolerance search's report: tolerance, error, pinned [(node, attributed error)],
+    # rounds, estimated seconds before/after pinning (the speed given up); None without one
+    tolerance: Optional[dict] = None
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
@@ -92,7 +98,10 @@ class Plan:
                 reason=decision.reason if decision else "",
                 t_fp32=cost.t_fp32 if cost is not None else None,
                 t_low=cost.t_low if cost is not None else None,
-                tensor_core=finding.text if finding is not None else ""))
+                tensor_core=finding.text if finding is not None else "",
+                safety=tuple(f"{f.rule}: {f.evidence}" for f in node.meta.get(SAFETY, ())),
+                absmax=rng.absmax if (rng := node.meta.get(RANGE)) is not None else None))
+        plan.calibration_batches = int(gm.meta.get(RANGE, 0))
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -107,6 +116,11 @@ class Plan:
             if record.name == name:
                 return record
         raise KeyError(f"no node {name!r} in the plan")
+
+    @property
+    def safety_nodes(self) -> list[NodeRecord]:
+        """Nodes kept float32 by a numeric-safety finding (not by their op class alone)."""
+        return [r for r in self.nodes if r.dtype == "float32" and r.reason.startswith("numeric safety")]
 
     @property
     def compute_nodes(self) -> list[NodeRecord]:
@@ -130,6 +144,13 @@ class Plan:
                 f"({stored / 1e6:.2f}M values) stored as {low}; captured with {self.capture}")
         if self.kept_fp32:
             text += f"; kept float32: {self.kept_fp32}"
+        if self.safety_nodes:
+            text += (f"; {len(self.safety_nodes)} nodes kept float32 for numeric safety "
+                     f"(calibrated on {self.calibration_batches} batches)")
+        if self.tolerance:
+            t = self.tolerance
+            text += (f"; tolerance {t['tolerance']:g}: error {t['error']:.3g} with "
+                     f"{len(t['pinned'])} nodes pinned to float32")
         if self.estimate.get("plan_s"):
             text += (f"; estimated {self.estimate['fp32_s'] / self.estimate['plan_s']:.2f}x float32 "
                      f"speed on {self.target} ({self.strategy})")
@@ -155,6 +176,7 @@ class Plan:
             "dtype": dtype_name(self.dtype), "capture": self.capture,
             "keep_io_types": self.keep_io_types, "target": self.target, "strategy": self.strategy,
             "estimate": self.estimate, "summary": self.summary(),
+            "calibration_batches": self.calibration_batches, "tolerance": self.tolerance,
             "nodes": [asdict(r) for r in self.nodes],
             "casts": [{**asdict(c), "consumers": list(c.consumers)} for c in self.casts],
             "weights": [{**asdict(w), "dtype": dtype_name(w.dtype)} for w in self.weights],

@@ -4,6 +4,7 @@ Installed as ``mpgraph.passes``. The default pipeline is built by ``mpgraph.pipe
 """
 from .assign_precision import AssignPrecision
 from .assign_precision_optimal import AssignPrecisionOptimal
+from .calibrate import Calibrate, CalibrationError
 from .channels_last import ChannelsLast
 from .check_dtypes import CheckDtypes
 from .classify_ops import ClassifyOps
@@ -11,10 +12,12 @@ from .estimate_cost import EstimateCost
 from .fuse_tanh_gelu import FuseTanhGelu
 from .insert_casts import InsertCasts
 from .lint_tensor_cores import LintTensorCores
+from .numeric_safety import NumericSafety
 from .propagate_tensor_info import PropagateTensorInfo
 from .retarget_dtype_asserts import RetargetDtypeAsserts
 from .store_weights import StoreWeights
 
-__all__ = ["AssignPrecision", "AssignPrecisionOptimal", "ChannelsLast", "CheckDtypes", "ClassifyOps", "EstimateCost",
-           "FuseTanhGelu", "InsertCasts", "LintTensorCores", "PropagateTensorInfo",
+__all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "CalibrationError", "ChannelsLast",
+           "CheckDtypes", "ClassifyOps", "EstimateCost", "FuseTanhGelu", "InsertCasts",
+           "LintTensorCores", "NumericSafety", "PropagateTensorInfo",
            "RetargetDtypeAsserts", "StoreWeights"]

@@ -1,7 +1,7 @@
 """Decide the dtype every node computes in: rule-based propagation, first version.
 
-Hard rules first (Tensor-Core ops go low, fp32 classes stay fp32, user overrides, constants and
-weights that overflow the low dtype, in-place writes), then ``follow`` ops take their inputs'
+Hard rules first (Tensor-Core ops go low, fp32 classes stay fp32, user overrides, the
+numeric-safety findings of NumericSafety, in-place writes), then ``follow`` ops take their inputs'
 precision in one forward sweep (low only when every runtime float input is low, so a chain of
 follow ops between two matmuls stays low and a low value never meets a float32 one unconverted).
 A backward refinement then moves a low follow op to float32 when all its readers are float32 and
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import numbers
 import operator
 from typing import Optional
 
@@ -29,8 +28,8 @@ import torch
 import torch.fx
 
 from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import fetch_attr, input_nodes, is_inplace, module_path, mutated_nodes
-from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, Decision, dtype_name, is_float32_tensor
+from mpgraph.graph_utils import input_nodes, is_inplace, module_path, mutated_nodes
+from mpgraph.meta import OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
 from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
@@ -55,12 +54,6 @@ def explicit_dtype(node: torch.fx.Node):
     return None
 
 
-def _tensor_absmax(t: torch.Tensor) -> float:
-    if t.device.type == "meta" or t.numel() == 0:
-        return 0.0
-    return float(t.detach().abs().max())
-
-
 class AssignPrecision(Pass):
     """Decision pass: writes ``mpgraph.precision`` on every node; never edits the graph.
 
@@ -73,7 +66,6 @@ class AssignPrecision(Pass):
         self.low = low_dtype
         self.keep_io_types = keep_io_types
         self.overrides = dict(overrides or {})
-        self.low_max = torch.finfo(low_dtype).max
 
     def requires(self, gm):
         for node in gm.graph.nodes:
@@ -92,32 +84,11 @@ class AssignPrecision(Pass):
                 raise ValueError(f"override {key!r}: dtype must be float32 or {self.low}, got {value!r}")
         return None
 
-    def _weights_of(self, node, gm, stored) -> list[tuple[str, torch.Tensor]]:
-        """The parameters a node reads: its module's, or the stored get_attr values it takes."""
-        out = []
-        if node.op == "call_module":
-            out += list(gm.get_submodule(node.target).named_parameters())
-        for a in input_nodes(node):
-            if a in stored and a.op == "get_attr":
-                value = fetch_attr(gm, a.target)
-                if isinstance(value, torch.Tensor):
-                    out.append((a.target, value))
-        return out
-
-    def _overflow_reason(self, node, gm, stored) -> Optional[str]:
-        """Why running this node in low precision would overflow, from what is known statically."""
-        if self.low == torch.bfloat16:
-            return None  # bf16 has fp32's exponent range
-        for a in list(node.args) + list(node.kwargs.values()):
-            if isinstance(a, numbers.Real) and not isinstance(a, bool) and abs(a) > self.low_max \
-                    and abs(a) != float("inf"):
-                return f"constant {a:g} overflows {dtype_name(self.low)} (max {self.low_max:g})"
-        for name, t in self._weights_of(node, gm, stored):
-            if t.is_floating_point():
-                m = _tensor_absmax(t)
-                if m > self.low_max:
-                    return f"weight {name} absmax {m:.3g} overflows {dtype_name(self.low)}"
-        return None
+    @staticmethod
+    def _safety_reason(node, rules=("range", "constant", "weight", "unproven_range")) -> Optional[str]:
+        """The numeric-safety findings (NumericSafety) that keep this node float32, if any."""
+        found = [f for f in node.meta.get(SAFETY, ()) if f.rule in rules]
+        return "numeric safety: " + "; ".join(f.evidence for f in found) if found else None
 
     # -- the decision ----------------------------------------------------------------------
     def call(self, gm):
@@ -179,6 +150,11 @@ class AssignPrecision(Pass):
         if self.keep_fp32:
             return Decision(FP32, self.keep_fp32, pinned=True)
         forced = self._override(node)
+        if forced == self.low and self._safety_reason(node):
+            log.warning("%s: override to %s refused: %s", node.name, dtype_name(self.low),
+                        self._safety_reason(node))
+            return Decision(FP32, self._safety_reason(node) + " (the override to "
+                            f"{dtype_name(self.low)} was refused)", pinned=True)
         if forced is not None:
             return Decision(forced, "user override", pinned=True)
 
@@ -206,17 +182,19 @@ class AssignPrecision(Pass):
                             reads_any=True)
 
         if cls == TENSOR_CORE:
-            why = self._overflow_reason(node, gm, stored)
+            why = self._safety_reason(node)
             if why:
                 return Decision(FP32, why, pinned=True)
             return Decision(self.low, op_info.reason)
         if op_info.low_io and runtime and node not in self._norms_fp32 \
-                and all(dec[a].dtype == self.low for a in runtime):
+                and all(dec[a].dtype == self.low for a in runtime) \
+                and not self._safety_reason(node, rules=("range",)):
             return Decision(self.low, f"reads and writes {dtype_name(self.low)}, computes in float32 "
                                       "inside with float32 parameters (the values of casting "
                                       "around it, without the casts)", param_dtype=FP32)
         if cls != FOLLOW:  # fp32_compute, fp32_only, unknown
-            return Decision(FP32, op_info.reason, pinned=True)
+            why = self._safety_reason(node, rules=("unproven_range",))
+            return Decision(FP32, f"{op_info.reason}; {why}" if why else op_info.reason, pinned=True)
 
         # follow
         if inputs and all(a in stored for a in inputs):
@@ -231,7 +209,7 @@ class AssignPrecision(Pass):
                                   "embedding, a class token): stays float32")
         if kinds != {self.low}:
             return Decision(FP32, "reads a float32 input: stays float32")
-        why = self._overflow_reason(node, gm, stored)
+        why = self._safety_reason(node)
         if why:
             return Decision(FP32, why, pinned=True)
         return Decision(self.low, f"all float inputs are {dtype_name(self.low)}")

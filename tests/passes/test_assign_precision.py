@@ -48,13 +48,22 @@ def test_pow_chain_is_low_in_bf16_but_fp32_in_fp16_with_two_casts():
     gm = convert(GeluLike(), torch.randn(4, 8), dtype=BF16)
     assert _dtypes(gm)["pow_1"] == BF16
     assert len(gm.plan.casts) == 2  # just the graph input and output
-    gm = convert(GeluLike(), torch.randn(4, 8), dtype=FP16)
+    # inputs large enough that h**3 passes fp16's limit: calibration cannot prove pow safe
+    gm = convert(GeluLike(), 100 * torch.randn(4, 8), dtype=FP16)
     d = _dtypes(gm)
     assert d["pow_1"] == FP32 and d["tanh"] == FP32
+    assert "not proven safe: absmax" in gm.plan.node("pow_1").reason
     # 0.5 * h was moved to fp32 by the refinement: it reads h's shared fp32 cast, no extra cast
     assert d["mul"] == FP32
     inner = [c for c in gm.plan.casts if c.value not in ("x", "down")]
     assert [(c.value, c.dst) for c in inner] == [("up", "float32"), ("mul_3", "float16")]
+
+
+def test_pow_proven_safe_by_calibration_goes_fp16():
+    gm = convert(GeluLike(), torch.randn(4, 8), dtype=FP16)
+    d = _dtypes(gm)
+    assert d["pow_1"] == d["tanh"] == d["up"] == d["down"] == FP16
+    assert len(gm.plan.casts) == 2  # just the graph input and output
 
 
 class MaskFill(nn.Module):

@@ -1,0 +1,157 @@
+"""Record the range of every float value over calibration batches.
+
+The float32 graph runs node by node (a torch.fx Interpreter) on each batch; for every floating
+value we keep its finite absolute max (per batch, so findings can say "on 3/8 batches"), its
+smallest non-zero magnitude and its count of inf/NaN elements. The safety rules read these: a
+range seen in float32 is the range the low-precision graph has to hold. Without calibration data
+``convert`` passes the example inputs, so every plan has ranges from at least one real run.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from typing import Any, Iterable, NamedTuple, Optional
+
+import torch
+import torch.fx
+
+from mpgraph.graph_utils import flat_inputs, run_recording
+from mpgraph.meta import RANGE, ValueRange
+from mpgraph.pass_infra import Pass, PassResult
+
+log = logging.getLogger(__name__)
+_PROGRESS_MIN_BATCHES = 8  # show a progress bar (on a terminal) from this many batches up
+
+
+class CalibrationError(ValueError):
+    """A calibration batch that does not fit the captured graph, or no batches at all."""
+
+
+class Call(NamedTuple):
+    """A batch given as positional and keyword arguments (how convert passes its example)."""
+
+    args: tuple
+    kwargs: dict
+
+
+def as_call(batch: Any) -> tuple[tuple, dict]:
+    """One calibration batch as (args, kwargs): a tensor, a tuple/list of arguments, a dict of
+    keyword arguments, or a Call."""
+    if isinstance(batch, Call):
+        return tuple(batch.args), dict(batch.kwargs)
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _float_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() and value.device.type != "meta" else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _float_tensors(v)]
+    return []
+
+
+def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
+    """(finite absmax, smallest non-zero finite magnitude, count of inf/NaN) of one tensor."""
+    if t.numel() == 0:
+        return 0.0, math.inf, 0
+    a = t.detach().abs().double()
+    finite = torch.isfinite(a)
+    nonfinite = int(a.numel() - int(finite.sum()))
+    absmax = float(a.masked_fill(~finite, 0).max())
+    small = a.masked_fill(~finite | (a == 0), math.inf).min()
+    return absmax, float(small), nonfinite
+
+
+def _progress(batches, show: Optional[bool]):
+    total = len(batches) if hasattr(batches, "__len__") else None
+    if show is None:
+        show = total is not None and total >= _PROGRESS_MIN_BATCHES and sys.stderr.isatty()
+    if not show:
+        return batches
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # no tqdm: progress through logging instead
+        return _logged(batches, total)
+    return tqdm(batches, total=total, desc="mpgraph calibration", unit="batch")
+
+
+def _logged(batches, total):
+    for i, b in enumerate(batches):
+        log.info("calibration batch %d%s", i + 1, f"/{total}" if total else "")
+        yield b
+
+
+class Calibrate(Pass):
+    """Analysis: writes ``mpgraph.range`` (a ValueRange) on every node with a float output."""
+
+    def __init__(self, batches: Iterable, progress: Optional[bool] = None,
+                 example: Optional[tuple[tuple, dict]] = None):
+        if isinstance(batches, (torch.Tensor, dict)):
+            raise CalibrationError("calibration must be an iterable of batches (e.g. a list of "
+                                   "input tensors or tuples), not one batch")
+        self.batches = batches
+        self.progress = progress
+        self.example = example  # (args, kwargs) of capture, to explain a batch that does not fit
+
+    def _check_fits(self, gm, i: int, args: tuple, kwargs: dict) -> None:
+        try:
+            got = flat_inputs(gm, args, kwargs)
+        except (TypeError, ValueError) as e:
+            raise CalibrationError(f"calibration batch {i} does not match the model's "
+                                   f"arguments: {e}") from None
+        if self.example is None:
+            return
+        want = flat_inputs(gm, *self.example)
+        for j, (g, w) in enumerate(zip(got, want)):
+            if isinstance(w, torch.Tensor) and not isinstance(g, torch.Tensor):
+                raise CalibrationError(f"calibration batch {i}, input {j}: expected a tensor like "
+                                       f"the example input, got {type(g).__name__}")
+            if isinstance(w, torch.Tensor) and (g.dim() != w.dim() or g.dtype != w.dtype):
+                raise CalibrationError(
+                    f"calibration batch {i}, input {j}: shape {tuple(g.shape)} {g.dtype} does not "
+                    f"fit the example input's {tuple(w.shape)} {w.dtype} (same rank and dtype needed)")
+
+    def call(self, gm):
+        per_batch: dict[torch.fx.Node, list[float]] = {}
+        smallest: dict[torch.fx.Node, float] = {}
+        bad: dict[torch.fx.Node, int] = {}
+        count = 0
+        for i, batch in enumerate(_progress(self.batches, self.progress)):
+            args, kwargs = as_call(batch)
+            self._check_fits(gm, i, args, kwargs)
+            seen: dict[torch.fx.Node, float] = {}
+            last = ["(graph inputs)"]
+
+            def record(node, value):
+                last[0] = node.name
+                tensors = _float_tensors(value)
+                if not tensors or (count and node.op == "get_attr" and node in per_batch):
+                    return
+                stats = [tensor_stats(t) for t in tensors]
+                seen[node] = max(s[0] for s in stats)
+                smallest[node] = min([smallest.get(node, math.inf)] + [s[1] for s in stats])
+                bad[node] = bad.get(node, 0) + sum(s[2] for s in stats)
+
+            try:
+                run_recording(gm, args, kwargs, record)
+            except Exception as e:  # noqa: BLE001 - re-raised with the batch and node named
+                raise CalibrationError(f"calibration batch {i} failed after node {last[0]}: "
+                                       f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
+            for node, m in seen.items():
+                per_batch.setdefault(node, []).append(m)
+            count += 1
+        if count == 0:
+            raise CalibrationError("calibration is empty: pass at least one batch of inputs")
+        for node in gm.graph.nodes:
+            node.meta.pop(RANGE, None)
+            if node in per_batch:
+                node.meta[RANGE] = ValueRange(max(per_batch[node]), smallest[node], bad[node],
+                                              tuple(per_batch[node]))
+        gm.meta[RANGE] = count
+        log.debug("calibrated %d values over %d batches", len(per_batch), count)
+        return PassResult(gm, False)

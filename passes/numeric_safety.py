@@ -1,0 +1,168 @@
+"""Numeric safety: the findings that keep a node in float32, each with its evidence.
+
+Runs after ClassifyOps and Calibrate; the precision assignment treats every finding as a hard
+constraint on a node that would otherwise compute in low precision. Rules:
+
+- ``range``: a value whose calibrated absmax exceeds ``finfo(low).max / RANGE_MARGIN`` is produced
+  and read in float32 (a low reader would overflow at its input cast). The margin of 2 is one
+  binade of headroom: calibration sees a sample, and a value twice as large as any seen is the
+  smallest excursion that still overflows an fp16 value already at half its range (one doubling,
+  e.g. a residual add of two such values). bf16 shares float32's exponent, so this rule only
+  fires there for values near float32's own limit.
+- ``constant``: a Python-number operand that overflows the low dtype (|c| > max, e.g. -1e9 masks,
+  ``finfo(float32).min``) or underflows it to zero (0 < |c| < smallest subnormal: eps 1e-12 in fp16).
+- ``weight``: a parameter or buffer read in low precision that overflows, or that underflows:
+  a small tensor (<= 16 values, an eps or a scale) with any value flushed to zero, or a larger one
+  with more than 1% of its non-zero values flushed.
+- ``unproven_range``: range-expanding ops (exp, pow, ...) are float32-only in fp16 unless
+  calibration proves them safe: their output stayed finite and under the limit on every batch,
+  in which case they become ``follow`` ops (the finding is then the evidence for lowering).
+
+Long reductions (sum, mean, var, norms, cumsum) are float32-only by op class in every low dtype,
+so no rule is needed for them here; matmul and conv accumulate in float32 on every backend we
+target (Tensor Cores, AVX512-BF16/AMX, ONNX Runtime), so large K is a precision cost the tolerance
+search measures rather than an overflow rule.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Optional
+
+import torch
+import torch.fx
+
+from mpgraph.graph_utils import fetch_attr, input_nodes
+from mpgraph.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, dtype_name
+from mpgraph.op_table import CAST, FOLLOW, FP32_ONLY, RANGE_EXPANDING_REASON
+from mpgraph.pass_infra import Pass, PassResult
+
+log = logging.getLogger(__name__)
+
+RANGE_MARGIN = 2.0             # limit = finfo(low).max / margin (see the module docstring)
+SMALL_TENSOR = 16              # up to this many values: any underflow counts
+UNDERFLOW_FRACTION = 0.01      # larger tensors: this share of non-zero values flushed to zero
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+def smallest_subnormal(dtype: torch.dtype) -> float:
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps  # 2**-24 for fp16, 2**-133 for bf16
+
+
+def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype) -> list[SafetyFinding]:
+    if not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":
+        return []
+    a = t.detach().abs().double()
+    a = a[torch.isfinite(a)]
+    if a.numel() == 0:
+        return []
+    top, tiny = torch.finfo(low).max, smallest_subnormal(low)
+    if float(a.max()) > top:
+        return [SafetyFinding("weight", f"{name} absmax {float(a.max()):.3g} overflows "
+                                        f"{dtype_name(low)} (max {top:.5g})")]
+    nonzero = a[a > 0]
+    flushed = int((nonzero < tiny / 2).sum())  # rounds to zero in the low dtype
+    if flushed and (t.numel() <= SMALL_TENSOR or flushed > UNDERFLOW_FRACTION * nonzero.numel()):
+        return [SafetyFinding("weight", f"{name}: {flushed} of {nonzero.numel()} non-zero values "
+                                        f"(smallest {float(nonzero.min()):.3g}) underflow "
+                                        f"{dtype_name(low)} to zero")]
+    return []
+
+
+class NumericSafety(Pass):
+    """Analysis: writes ``mpgraph.safety`` (a tuple of SafetyFinding) on nodes that must stay
+    float32; relaxes calibrated-safe range-expanding ops to ``follow`` in fp16."""
+
+    def __init__(self, low_dtype: torch.dtype, margin: float = RANGE_MARGIN):
+        if margin < 1:
+            raise ValueError(f"margin must be >= 1, got {margin}")
+        self.low = low_dtype
+        self.limit = torch.finfo(low_dtype).max / margin
+        self.top = torch.finfo(low_dtype).max
+        self.tiny = smallest_subnormal(low_dtype)
+
+    def requires(self, gm):
+        for node in gm.graph.nodes:
+            if node.op in _CALLS and OP_CLASS not in node.meta:
+                raise self.fail("run ClassifyOps first", node)
+
+    def _range_evidence(self, node) -> Optional[str]:
+        r = node.meta.get(RANGE)
+        if r is None or r.absmax <= self.limit:
+            return None
+        return (f"{node.name} absmax {r.absmax:.3g} > limit {self.limit:.3g} "
+                f"({dtype_name(self.low)} max / {self.top / self.limit:g}) on "
+                f"{r.batches_over(self.limit)}/{len(r.batch_absmax)} batches")
+
+    def _constant_findings(self, node) -> list[SafetyFinding]:
+        out = []
+        for a in list(node.args) + list(node.kwargs.values()):
+            if not isinstance(a, numbers.Real) or isinstance(a, bool) or a in (float("inf"), float("-inf")):
+                continue
+            if abs(a) > self.top:
+                out.append(SafetyFinding("constant", f"constant {a:g} overflows {dtype_name(self.low)} "
+                                                     f"(max {self.top:.5g})"))
+            elif 0 < abs(a) < self.tiny / 2:
+                out.append(SafetyFinding("constant", f"constant {a:g} underflows {dtype_name(self.low)} "
+                                                     f"to 0 (smallest {self.tiny:.3g})"))
+        return out
+
+    def _weight_findings(self, node, gm) -> list[SafetyFinding]:
+        out = []
+        if node.op == "call_module":
+            mod = gm.get_submodule(node.target)
+            for name, t in list(mod.named_parameters()) + list(mod.named_buffers()):
+                out += _tensor_findings(f"{node.target}.{name}", t, self.low)
+        for a in input_nodes(node):
+            if a.op == "get_attr":
+                value = fetch_attr(gm, a.target)
+                if isinstance(value, torch.Tensor):
+                    out += _tensor_findings(str(a.target), value, self.low)
+        return out
+
+    def _relax(self, node) -> Optional[SafetyFinding]:
+        """A range-expanding op in fp16: follow when calibration proves it, else a finding."""
+        info: OpInfo = node.meta[OP_CLASS]
+        r = node.meta.get(RANGE)
+        if r is not None and r.nonfinite == 0 and r.absmax <= self.limit:
+            node.meta[OP_CLASS] = OpInfo(FOLLOW, f"{info.reason}; calibration: absmax "
+                                                 f"{r.absmax:.3g} <= limit {self.limit:.3g} on all "
+                                                 f"{len(r.batch_absmax)} batches",
+                                         info.key, info.params_as_values, info.low_io)
+            return None
+        seen = "not calibrated" if r is None else (
+            f"absmax {r.absmax:.3g} > limit {self.limit:.3g} on "
+            f"{r.batches_over(self.limit)}/{len(r.batch_absmax)} batches" if r.absmax > self.limit
+            else f"{r.nonfinite} inf/NaN values in float32")
+        return SafetyFinding("unproven_range", f"range-expanding op not proven safe: {seen}")
+
+    def call(self, gm):
+        findings: dict[torch.fx.Node, list[SafetyFinding]] = {}
+        for node in gm.graph.nodes:
+            node.meta.pop(SAFETY, None)
+        for node in gm.graph.nodes:
+            if node.op not in _CALLS:
+                continue
+            info: OpInfo = node.meta[OP_CLASS]
+            if info.op_class == CAST:
+                continue
+            found = []
+            if info.op_class == FP32_ONLY and info.reason.startswith(RANGE_EXPANDING_REASON) \
+                    and self.low == torch.float16:
+                relaxed = self._relax(node)
+                found += [relaxed] if relaxed else []
+            found += self._constant_findings(node) + self._weight_findings(node, gm)
+            own = self._range_evidence(node)
+            if own:
+                found.append(SafetyFinding("range", f"output {own}"))
+            for a in input_nodes(node):
+                ev = self._range_evidence(a) if a.op != "get_attr" else None
+                if ev:
+                    found.append(SafetyFinding("range", f"input {ev}"))
+            if found:
+                findings[node] = found
+        for node, found in findings.items():
+            node.meta[SAFETY] = tuple(found)
+            log.debug("%s: %s", node.name, "; ".join(f.evidence for f in found))
+        return PassResult(gm, False)
