@@ -6,7 +6,8 @@ checks the result by running it, and returns a GraphModule carrying ``.plan``.
 """
 from .api import convert, resolve_dtype
 from .capture import capture
-from .errors import CaptureError, ConversionError, ExportError, MpgraphError, PassError
+from .errors import (CalibrationError, CaptureError, ConversionError, ExportError, MpgraphError,
+                     PassError, ToleranceError)
 from .op_table import OpEntry, OpTable
 from .pass_infra import Pass, PassResult, run_passes
 from .plan import CastRecord, NodeRecord, Plan
@@ -28,4 +29,4 @@ def ort_session(*args, **kwargs):
 __version__ = "0.1.0"
 __all__ = ["convert", "capture", "resolve_dtype", "Plan", "NodeRecord", "CastRecord", "OpTable",
            "OpEntry", "Pass", "PassResult", "run_passes", "CaptureError", "ConversionError",
-           "PassError", "MpgraphError", "ExportError", "export_onnx", "ort_session"]
+           "PassError", "MpgraphError", "ExportError", "CalibrationError", "ToleranceError", "export_onnx", "ort_session"]

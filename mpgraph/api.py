@@ -1,9 +1,10 @@
 """The public entry point: ``convert``."""
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -12,7 +13,9 @@ from .device import auto_dtype, resolve_target
 from .device_specs import DeviceSpec
 from .op_table import OpTable
 from .pass_infra import run_passes
+from .passes.calibrate import as_call
 from .plan import Plan
+from .tolerance import check_tolerance, meet_tolerance
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,9 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             example_kwargs: Optional[dict] = None, keep_io_types: bool = True,
             target: Union[None, str, DeviceSpec] = None, strategy: str = "optimal",
             op_table: Optional[Union[OpTable, dict]] = None,
-            overrides: Optional[dict] = None, check: bool = True) -> torch.fx.GraphModule:
+            overrides: Optional[dict] = None, check: bool = True,
+            calibration: Optional[Iterable] = None, tolerance: Optional[float] = None,
+            progress: Optional[bool] = None) -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
     The example inputs are run once to learn every value's shape and dtype (and once more to
@@ -58,6 +63,15 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     precision is slower. ``op_table`` extends the built-in op classes (a dict from module type /
     function / method name / ATen op to a class name or OpEntry); ``overrides`` maps node names
     or module-path globs to "fp32" or the low dtype. The caller's model is never modified.
+
+    ``calibration`` is an iterable of input batches (each like ``example_inputs``: a tensor, a
+    tuple of arguments or a dict of keyword arguments); the float32 graph runs on each and every
+    value's range is recorded; values that would overflow the low dtype, and range-expanding ops
+    not proven safe, stay float32 (the plan names each with its evidence). Without it the example
+    inputs are the calibration data. ``tolerance`` is the relative L2 error of the outputs allowed
+    on the calibration data: nodes are pinned to float32, most error-adding first, until it holds
+    (``plan.tolerance`` reports them). ``progress`` shows a progress bar over calibration batches
+    (default: on a terminal, from 8 batches up).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
@@ -74,15 +88,32 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
                          "arguments) to learn which values are float32 and their shapes")
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    if tolerance is not None:
+        tolerance = check_tolerance(tolerance)
+        if calibration is not None:
+            calibration = list(calibration)  # measured once per round of the search
     table = op_table if isinstance(op_table, OpTable) else OpTable.default(op_table)
     gm = capture(model, args, kwargs)
 
-    from .pipeline import default_pipeline
-    passes = default_pipeline(low, args, kwargs, spec=spec, strategy=strategy,
-                              keep_io_types=keep_io_types, op_table=table, overrides=overrides,
-                              keep_fp32=keep_fp32, check=check)
-    gm = run_passes(passes, gm)
+    from .pipeline import default_pipeline, prepare_pipeline
+    gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress), gm)
+    base = copy.deepcopy(gm) if tolerance is not None else None
+
+    def build(graph, pins: Optional[dict] = None):
+        passes = default_pipeline(low, args, kwargs, spec=spec, strategy=strategy,
+                                  keep_io_types=keep_io_types, op_table=table,
+                                  overrides={**(overrides or {}), **(pins or {})},
+                                  keep_fp32=keep_fp32, check=check)
+        return run_passes(passes, graph)
+
+    gm = build(gm)
+    report = None
+    if tolerance is not None:
+        calls = [as_call(b) for b in calibration] if calibration is not None else [(args, kwargs)]
+        gm, report = meet_tolerance(base, lambda pins: build(copy.deepcopy(base), pins), gm, calls,
+                                    tolerance, low)
     gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
                               kept_fp32=keep_fp32)
+    gm.plan.tolerance = report
     log.info("%s", gm.plan.summary())
     return gm

@@ -47,3 +47,11 @@ class ConversionError(MpgraphError):
 
 class ExportError(MpgraphError):
     """ONNX export failed, or the exported file does not match the plan or its numbers."""
+
+
+class CalibrationError(MpgraphError, ValueError):
+    """Calibration data that cannot be used: no batches, or a batch that does not fit the model."""
+
+
+class ToleranceError(MpgraphError, ValueError):
+    """The stated tolerance cannot be met, not even with every node in float32."""

@@ -16,14 +16,23 @@ from mpgraph.passes.calibrate import Call
 STRATEGIES = ("optimal", "rules")
 
 
+def prepare_pipeline(example_args: tuple, example_kwargs: dict,
+                     calibration: Optional[Iterable] = None,
+                     progress: Optional[bool] = None) -> list[Pass]:
+    """Passes that run once on the captured graph, whatever is decided later: rewrites that
+    do not depend on the dtype, and calibration (the example inputs when no batches are given)."""
+    batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
+    return [
+        FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
+        Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges
+    ]
+
+
 def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs: dict, *,
                      spec: DeviceSpec, strategy: str = "optimal", keep_io_types: bool = True,
                      op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
-                     keep_fp32: Optional[str] = None, check: bool = True,
-                     calibration: Optional[Iterable] = None, progress: Optional[bool] = None
-                     ) -> list[Pass]:
-    """Passes after capture (which already recorded shapes and dtypes). Without ``calibration``
-    batches the example inputs are the calibration data."""
+                     keep_fp32: Optional[str] = None, check: bool = True) -> list[Pass]:
+    """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "optimal":
@@ -31,9 +40,6 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
     else:
         decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32)
     passes: list[Pass] = [
-        FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
-        Calibrate(calibration if calibration is not None else [Call(example_args, example_kwargs)],
-                  progress, example=(example_args, example_kwargs)),  # analysis: value ranges
         ClassifyOps(low_dtype, op_table),     # analysis: op class per node
         NumericSafety(low_dtype),             # analysis: float32 findings with their evidence
         EstimateCost(spec, low_dtype),        # analysis: roofline time per node, both dtypes

@@ -119,8 +119,8 @@ class Plan:
 
     @property
     def safety_nodes(self) -> list[NodeRecord]:
-        """Nodes kept float32 by a numeric-safety finding (not by their op class alone)."""
-        return [r for r in self.nodes if r.dtype == "float32" and r.reason.startswith("numeric safety")]
+        """Float32 nodes with numeric-safety findings (``safety`` says which rules and why)."""
+        return [r for r in self.nodes if r.dtype == "float32" and r.safety]
 
     @property
     def compute_nodes(self) -> list[NodeRecord]:
@@ -145,7 +145,7 @@ class Plan:
         if self.kept_fp32:
             text += f"; kept float32: {self.kept_fp32}"
         if self.safety_nodes:
-            text += (f"; {len(self.safety_nodes)} nodes kept float32 for numeric safety "
+            text += (f"; {len(self.safety_nodes)} float32 nodes with numeric-safety findings "
                      f"(calibrated on {self.calibration_batches} batches)")
         if self.tolerance:
             t = self.tolerance

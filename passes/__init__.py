@@ -4,7 +4,7 @@ Installed as ``mpgraph.passes``. The default pipeline is built by ``mpgraph.pipe
 """
 from .assign_precision import AssignPrecision
 from .assign_precision_optimal import AssignPrecisionOptimal
-from .calibrate import Calibrate, CalibrationError
+from .calibrate import Calibrate
 from .channels_last import ChannelsLast
 from .check_dtypes import CheckDtypes
 from .classify_ops import ClassifyOps
@@ -17,7 +17,7 @@ from .propagate_tensor_info import PropagateTensorInfo
 from .retarget_dtype_asserts import RetargetDtypeAsserts
 from .store_weights import StoreWeights
 
-__all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "CalibrationError", "ChannelsLast",
+__all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
            "CheckDtypes", "ClassifyOps", "EstimateCost", "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "NumericSafety", "PropagateTensorInfo",
            "RetargetDtypeAsserts", "StoreWeights"]

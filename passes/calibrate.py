@@ -16,16 +16,13 @@ from typing import Any, Iterable, NamedTuple, Optional
 import torch
 import torch.fx
 
+from mpgraph.errors import CalibrationError
 from mpgraph.graph_utils import flat_inputs, run_recording
 from mpgraph.meta import RANGE, ValueRange
 from mpgraph.pass_infra import Pass, PassResult
 
 log = logging.getLogger(__name__)
 _PROGRESS_MIN_BATCHES = 8  # show a progress bar (on a terminal) from this many batches up
-
-
-class CalibrationError(ValueError):
-    """A calibration batch that does not fit the captured graph, or no batches at all."""
 
 
 class Call(NamedTuple):

@@ -9,7 +9,7 @@ constraint on a node that would otherwise compute in low precision. Rules:
   smallest excursion that still overflows an fp16 value already at half its range (one doubling,
   e.g. a residual add of two such values). bf16 shares float32's exponent, so this rule only
   fires there for values near float32's own limit.
-- ``constant``: a Python-number operand that overflows the low dtype (|c| > max, e.g. -1e9 masks,
+- ``constant``: a float operand of an op that computes in the low dtype that overflows the low dtype (|c| > max, e.g. -1e9 masks,
   ``finfo(float32).min``) or underflows it to zero (0 < |c| < smallest subnormal: eps 1e-12 in fp16).
 - ``weight``: a parameter or buffer read in low precision that overflows, or that underflows:
   a small tensor (<= 16 values, an eps or a scale) with any value flushed to zero, or a larger one
@@ -26,7 +26,7 @@ search measures rather than an overflow rule.
 from __future__ import annotations
 
 import logging
-import numbers
+import math
 from typing import Optional
 
 import torch
@@ -34,7 +34,7 @@ import torch.fx
 
 from mpgraph.graph_utils import fetch_attr, input_nodes
 from mpgraph.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, dtype_name
-from mpgraph.op_table import CAST, FOLLOW, FP32_ONLY, RANGE_EXPANDING_REASON
+from mpgraph.op_table import CAST, FOLLOW, FP32_ONLY, RANGE_EXPANDING_REASON, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ class NumericSafety(Pass):
     def _constant_findings(self, node) -> list[SafetyFinding]:
         out = []
         for a in list(node.args) + list(node.kwargs.values()):
-            if not isinstance(a, numbers.Real) or isinstance(a, bool) or a in (float("inf"), float("-inf")):
+            # float operands only: int arguments are indices and sizes (slice ends of 2**63 - 1)
+            if not isinstance(a, float) or not math.isfinite(a):
                 continue
             if abs(a) > self.top:
                 out.append(SafetyFinding("constant", f"constant {a:g} overflows {dtype_name(self.low)} "
@@ -152,7 +153,9 @@ class NumericSafety(Pass):
                     and self.low == torch.float16:
                 relaxed = self._relax(node)
                 found += [relaxed] if relaxed else []
-            found += self._constant_findings(node) + self._weight_findings(node, gm)
+            if info.op_class in (TENSOR_CORE, FOLLOW):  # the others compute in float32 inside
+                found += self._constant_findings(node)
+            found += self._weight_findings(node, gm)
             own = self._range_evidence(node)
             if own:
                 found.append(SafetyFinding("range", f"output {own}"))

@@ -1,0 +1,167 @@
+"""Meet a stated output tolerance: measure, attribute the error to nodes, pin, re-solve.
+
+The error is the relative L2 error of all float outputs over all calibration batches, against the
+float32 graph. When a plan misses the tolerance, the float32 and the converted graph run on the
+same (first) batch node by node, and each low-precision node is charged the error it adds: the
+relative error of its output minus the largest relative error among its activation inputs (its
+own rounding, including that of its low-precision weights, without what it merely passes on).
+The most expensive nodes are pinned to float32 and the plan re-solved; the number pinned doubles
+each round (1, 2, 4, ...), and once the tolerance holds, a bisection over the last round's pins
+keeps the shortest prefix that still meets it. O(log n) rebuilds and runs in all, where bisection
+over the model (onnxconverter-common's auto_mixed_precision) rebuilds it at every step.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.fx
+
+from .errors import ToleranceError
+from .graph_utils import input_nodes, run_recording
+from .meta import ESTIMATE, INSERTED_BY, PRECISION, dtype_name
+
+log = logging.getLogger(__name__)
+
+
+def check_tolerance(tolerance) -> float:
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) \
+            or not math.isfinite(tolerance) or tolerance <= 0:
+        raise ValueError(f"tolerance must be a positive number (a relative L2 error such as 1e-2), "
+                         f"got {tolerance!r}")
+    return float(tolerance)
+
+
+def _floats(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _floats(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _floats(v)]
+    if hasattr(value, "to_tuple"):  # HF ModelOutput
+        return _floats(value.to_tuple())
+    return []
+
+
+def _call(gm, call):
+    args, kwargs = call
+    with torch.no_grad():
+        return gm(*args, **kwargs)
+
+
+def output_error(outputs: list, references: list) -> float:
+    """Relative L2 error of all float outputs (in float64) over all batches."""
+    num = den = 0.0
+    for out, ref in zip(outputs, references):
+        got, want = _floats(out), _floats(ref)
+        if len(got) != len(want):
+            raise ValueError(f"the converted model returns {len(got)} float outputs, "
+                             f"float32 returned {len(want)}")
+        for g, w in zip(got, want):
+            w64 = w.detach().double()
+            num += float(((g.detach().double() - w64) ** 2).sum())
+            den += float((w64 ** 2).sum())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return math.sqrt(num / den)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    b64 = b.detach().double()
+    den = float(b64.norm())
+    diff = float((a.detach().double() - b64).norm())
+    if not math.isfinite(diff):
+        return math.inf
+    return diff / den if den > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
+              low: torch.dtype) -> dict[str, float]:
+    """Error each low-precision node adds, on one batch: node name -> relative error added."""
+    ref: dict[str, torch.Tensor] = {}
+
+    def keep(node, value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            ref[node.name] = value
+
+    run_recording(base, *call, keep)
+    err: dict[str, float] = {}
+
+    def compare(node, value):
+        if node.name in ref and isinstance(value, torch.Tensor) \
+                and value.shape == ref[node.name].shape:
+            err[node.name] = _rel(value, ref[node.name])
+
+    run_recording(converted, *call, compare)
+
+    def source(a: torch.fx.Node) -> torch.fx.Node:
+        return a.args[0] if a.meta.get(INSERTED_BY) == "InsertCasts" else a
+
+    added = {}
+    for node in converted.graph.nodes:
+        d = node.meta.get(PRECISION)
+        if d is None or d.dtype != low or node.name not in err or d.stored:
+            continue
+        inherited = [err.get(source(a).name, 0.0) for a in input_nodes(node)
+                     if source(a).op != "get_attr"]
+        added[node.name] = max(0.0, err[node.name] - max(inherited, default=0.0))
+    return added
+
+
+def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.GraphModule],
+                   first: torch.fx.GraphModule, calls: list, tolerance: float,
+                   low: torch.dtype) -> tuple[torch.fx.GraphModule, dict]:
+    """The first plan whose error meets ``tolerance``, and the report of the search.
+
+    ``base`` is the float32 graph, ``build(pins)`` converts a fresh copy with the given node
+    names pinned to float32, ``first`` is the plan without pins.
+    """
+    references = [_call(base, c) for c in calls]
+    again = output_error([_call(base, c) for c in calls], references)
+    if again > tolerance:
+        raise ToleranceError(f"tolerance {tolerance:g} cannot be met even in float32: two float32 "
+                             f"runs of the model differ by {again:.3g} (is it in training mode, "
+                             "with dropout?)")
+    gm, pins, rounds = first, {}, 0
+    start_s = first.meta.get(ESTIMATE, {}).get("plan_s")
+    error = output_error([_call(gm, c) for c in calls], references)
+    log.info("tolerance %g: error %.3g without pins", tolerance, error)
+    def measure(pinned: dict):
+        nonlocal rounds
+        rounds += 1
+        g = build({name: "fp32" for name in pinned})
+        e = output_error([_call(g, c) for c in calls], references)
+        log.info("tolerance %g: round %d, %d nodes pinned, error %.3g", tolerance, rounds,
+                 len(pinned), e)
+        return g, e
+
+    k, last = 1, []
+    while error > tolerance:
+        added = attribute(base, gm, calls[0], low)
+        candidates = sorted(((e, n) for n, e in added.items() if n not in pins), reverse=True)
+        if not candidates:
+            raise ToleranceError(
+                f"tolerance {tolerance:g} not met: error {error:.3g} with {len(pins)} nodes pinned "
+                f"to float32 and no {dtype_name(low)} node left to pin")
+        before, last = dict(pins), candidates[:k]
+        pins.update({name: e for e, name in last})
+        gm, error = measure(pins)
+        k *= 2
+    if len(last) > 1:  # bisect the last round: the shortest prefix of it that still holds
+        lo, hi = 0, len(last)  # prefix hi is known to hold; prefix lo is known not to (lo=0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            trial = {**before, **{name: e for e, name in last[:mid]}}
+            g, e = measure(trial)
+            if e <= tolerance:
+                hi, gm, error, pins = mid, g, e, trial
+            else:
+                lo = mid
+    end_s = gm.meta.get(ESTIMATE, {}).get("plan_s")
+    report = {"tolerance": tolerance, "error": error, "rounds": rounds,
+              "pinned": sorted(pins.items(), key=lambda kv: -kv[1]),
+              "estimated_s_before": start_s, "estimated_s_after": end_s}
+    return gm, report
