@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -9,6 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mpgraph.meta import INSERTED_BY
+
+# the example model loaders (examples/crepe.py, ...) are importable from the tests
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
 # Relative L2 error allowed against float32, per low dtype (bf16 keeps 8 mantissa bits, fp16 11).
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
