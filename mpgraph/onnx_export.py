@@ -173,6 +173,29 @@ def _weights_in_input_dtype(graph, ir) -> int:
     return fixed
 
 
+def _norm_input_casts(graph, ir) -> int:
+    """Put back the input Cast that the exporter's RMSNorm/LayerNorm fusion absorbed.
+
+    The plan runs a norm in float32 on a cast of a low value; the onnxscript fusion (opset 23)
+    folds ``Cast(fp16->fp32) -> pow -> mean -> ... -> mul`` into one RMSNormalization reading the
+    fp16 value while declaring a float32 output, which ONNX forbids (X and Y share one type).
+    The Cast goes back in front of the fused op: the file then computes what the plan says."""
+    restored = 0
+    for node in list(graph):
+        if node.op_type not in ("RMSNormalization", "LayerNormalization") \
+                or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+            continue
+        x, y = node.inputs[0], node.outputs[0]
+        if x.dtype is None or y.dtype is None or x.dtype == y.dtype:
+            continue
+        cast = ir.node("Cast", [x], {"to": y.dtype}, name=f"{node.name}_input_cast")
+        cast.outputs[0].dtype, cast.outputs[0].shape = y.dtype, x.shape
+        graph.insert_before(node, cast)
+        node.replace_input_with(0, cast.outputs[0])
+        restored += 1
+    return restored
+
+
 def _attention_softmax_fp32(graph, ir) -> int:
     """Attention with fp16/bf16 inputs computes its softmax in float32, as the plan says."""
     changed = 0
@@ -254,6 +277,7 @@ def _provenance(plan: Plan, exporter: str) -> dict[str, str]:
 def _postprocess(model, plan: Plan, exporter: str, ir) -> tuple[dict, tuple[int, int, list[str]]]:
     graph = model.graph
     edits = {"removed no-op casts": _remove_noop_casts(graph, ir),
+             "norm input casts restored after fusion": _norm_input_casts(graph, ir),
              "folded weights stored in the activation dtype": _weights_in_input_dtype(graph, ir),
              "attention softmax set to float32": _attention_softmax_fp32(graph, ir),
              "decomposed softmax wrapped in float32 casts": _softmax_fp32(graph, ir)}

@@ -9,6 +9,8 @@ import transformers as hf
 import mpgraph
 from mpgraph.meta import PRECISION
 from mpgraph.tolerance import output_error
+from traps import TRAPS, HugeBeforeLayerNorm, MaskedAttention, TinyEpsNorm, build, constant_rows, \
+    mask_inputs
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -16,104 +18,6 @@ FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 def _seeded(cls, *args):
     torch.manual_seed(0)
     return cls(*args).eval()
-
-
-class HugeBeforeLayerNorm(nn.Module):
-    """Activations of ~1e5 (large weights, not a constant) feeding a LayerNorm."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.norm, self.down = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)
-        with torch.no_grad():
-            self.up.weight.mul_(2e4)  # absmax ~5e3: the weights fit fp16, their products don't
-
-    def forward(self, x):
-        return self.down(self.norm(self.up(x)))
-
-
-class MaskedAttention(nn.Module):
-    """Scores plus (1 - mask) * -1e9, as BERT-era code builds its additive mask."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
-
-    def forward(self, x, mask):
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        scores = q @ k.transpose(-1, -2) / 4.0
-        scores = scores + (1.0 - mask[:, None, :]) * -1e9
-        return self.out(torch.softmax(scores, dim=-1) @ v)
-
-
-class RMSNormLarge(nn.Module):
-    """RMSNorm written out, x.pow(2).mean(-1), on activations of a few hundred."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 8)
-        self.weight = nn.Parameter(torch.ones(32))
-        with torch.no_grad():
-            self.up.weight.mul_(300)
-
-    def forward(self, x):
-        h = self.up(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-        return self.down(h)
-
-
-class ExpOfLargeLogits(nn.Module):
-    """A written-out softmax without max subtraction on logits of ~15: exp overflows fp16."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(16, 8)
-        with torch.no_grad():
-            self.lin.weight.mul_(10)
-            self.lin.bias.fill_(12.0)
-
-    def forward(self, x):
-        p = torch.exp(self.lin(x))
-        return p / p.sum(-1, keepdim=True)
-
-
-class TinyEpsNorm(nn.Module):
-    """A hand-written LayerNorm with eps=1e-12 (BERT's) over rows that can be constant."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.down = nn.Linear(16, 32), nn.Linear(32, 8)
-        with torch.no_grad():
-            self.lin.bias.fill_(0.5)  # an all-zero input row gives a constant row h
-
-    def forward(self, x):
-        h = self.lin(x)
-        mu = h.mean(-1, keepdim=True)
-        var = ((h - mu) ** 2).mean(-1, keepdim=True)
-        return self.down((h - mu) / torch.sqrt(var + 1e-12))
-
-
-def _mask_inputs():
-    g = torch.Generator().manual_seed(1)
-    mask = torch.ones(3, 6)
-    mask[0, 4:] = 0  # padding
-    mask[2] = 0      # an empty (fully padded) sequence: every score of its rows is masked
-    return torch.randn(3, 6, 16, generator=g), mask
-
-
-def _constant_rows():
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(4, 16, generator=g)
-    x[3] = 0  # a padding row
-    return (x,)
-
-
-TRAPS = {
-    "activations 1e5 before LayerNorm": (HugeBeforeLayerNorm, lambda: (10 * torch.randn(4, 16),)),
-    "-1e9 attention mask": (MaskedAttention, _mask_inputs),
-    "RMSNorm pow(2).mean on large values": (RMSNormLarge, lambda: (torch.randn(4, 16),)),
-    "exp of large logits": (ExpOfLargeLogits, lambda: (torch.randn(4, 16),)),
-    "eps 1e-12 over constant rows": (TinyEpsNorm, _constant_rows),
-}
 
 
 def _half_error(model, inputs):
@@ -128,8 +32,7 @@ def _half_error(model, inputs):
 
 @pytest.mark.parametrize("name", list(TRAPS))
 def test_overflow_trap_half_breaks_mpgraph_fp16_stays_finite_and_close(name):
-    cls, make = TRAPS[name]
-    model, inputs = _seeded(cls), make()
+    model, inputs = build(name)
     finite, half_err = _half_error(model, inputs)
     assert not finite or half_err > 0.5, f"{name}: .half() survives ({half_err:.3g}); not a trap"
     # fp16 is for GPUs; the rules put every matmul low whatever its size (the cost model keeps
@@ -160,15 +63,15 @@ def test_range_rule_pins_the_overflowing_matmul_with_its_evidence_and_keeps_the_
 
 
 def test_constant_rules_name_the_mask_and_the_eps():
-    plan = _convert16(_seeded(MaskedAttention), _mask_inputs()).plan
+    plan = _convert16(_seeded(MaskedAttention), mask_inputs()).plan
     assert any("constant -1e+09 overflows float16" in f for r in plan.nodes for f in r.safety)
-    plan = _convert16(_seeded(TinyEpsNorm), _constant_rows()).plan
+    plan = _convert16(_seeded(TinyEpsNorm), constant_rows()).plan
     eps = [r for r in plan.nodes if any("constant 1e-12 underflows float16 to 0" in f for f in r.safety)]
     assert [r.dtype for r in eps] == ["float32"]
 
 
 def test_constants_are_not_findings_in_bf16_which_has_fp32_range():
-    gm = mpgraph.convert(_seeded(MaskedAttention), _mask_inputs(), dtype=BF16, strategy="rules")
+    gm = mpgraph.convert(_seeded(MaskedAttention), mask_inputs(), dtype=BF16, strategy="rules")
     assert not any(r.safety for r in gm.plan.nodes)
 
 
@@ -188,7 +91,7 @@ def test_calibration_with_one_outlier_batch_pins_the_node_and_counts_the_batches
 
 def test_calibration_accepts_generators_tuples_and_dicts():
     model = _seeded(MaskedAttention)
-    x, mask = _mask_inputs()
+    x, mask = mask_inputs()
     gm = _convert16(model, (x, mask), calibration=((x * s, mask) for s in (1, 2)))
     assert gm.plan.calibration_batches == 2
     gm = _convert16(model, (x, mask), calibration=[{"x": x, "mask": mask}])

@@ -261,3 +261,24 @@ def test_norm_with_low_io_exports_and_validates(low, tmp_path):
     assert norm.inputs[0].dtype == LOW[low]
     stash = norm.attributes.get("stash_type")
     assert stash is None or stash.value == 1  # statistics in float32
+
+
+@pytest.mark.parametrize("trap", ["RMSNorm pow(2).mean on large values", "-1e9 attention mask",
+                                  "activations 1e5 before LayerNorm"])
+def test_overflow_traps_export_to_fp16_onnx_that_stays_finite(tmp_path, trap):
+    """At opset 23 the exporter fuses the written-out RMSNorm over our fp32 cast into one
+    RMSNormalization on the fp16 value (invalid: X and Y must share a type); the export puts the
+    plan's cast back in front of it."""
+    import traps
+    model, inputs = traps.build(trap)
+    path = str(tmp_path / "trap.onnx")
+    result = export_onnx(model, inputs, path, dtype=torch.float16, target="a100", opset=23)
+    session = mpgraph.ort_session(path, device="cpu")
+    feeds = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)}
+    out = session.run(None, feeds)[0]
+    with torch.no_grad():
+        ref = model(*inputs).numpy()
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    if trap.startswith("RMSNorm"):
+        assert result.edits["norm input casts restored after fusion"] == 1
