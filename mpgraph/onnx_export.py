@@ -23,6 +23,7 @@ import torch
 
 from .api import convert, resolve_dtype
 from .capture import normalize_inputs
+from .graph_utils import target_name
 from .errors import ExportError, MpgraphError
 from .meta import dtype_name
 from .onnx_check import ir_dtype, is_precision_cast
@@ -100,14 +101,46 @@ def _brief(exc: BaseException) -> str:
     return " ".join(lines[:2])[:600]
 
 
+# The exporter's optimiser (onnxscript's no-op rules) removes ``x + c`` for |c| <= 1e-8 and
+# ``x * c`` for |c - 1| <= 1e-5 * |c| as if c were exactly 0 or 1: an eps of 1e-12 vanishes and
+# sqrt(var + eps) becomes sqrt(0) on constant rows, NaN downstream, in float32 files too.
+_NOOP_ABS_TOL, _NOOP_REL_TOL = 1e-8, 1e-5
+_ADDS = {"add", "sub", "__add__", "__radd__", "__sub__", "rsub"}
+_MULS = {"mul", "div", "truediv", "__mul__", "__rmul__", "__truediv__"}
+
+
+def near_identity_constants(gm: torch.fx.GraphModule) -> list[str]:
+    """'node: op c' for float constants the exporter's optimiser would treat as exact 0 or 1."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        parts = target_name(node).replace("::", ".").split(".")  # "add", "aten.add.Tensor"
+        name = next((p for p in parts if p in _ADDS | _MULS), None)
+        for c in node.args if name else ():
+            if not isinstance(c, float) or c == 0.0:
+                continue
+            if name in _ADDS and abs(c) <= _NOOP_ABS_TOL:
+                found.append(f"{node.name}: {name} {c:g}")
+            elif name in _MULS and c != 1.0 and abs(c - 1.0) <= _NOOP_REL_TOL * abs(c):
+                found.append(f"{node.name}: {name} {c!r}")
+    return found
+
+
 def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     """(ir.Model, exporter description, the exporter's ExportedProgram or None)."""
     ir = _onnx_modules()
+    tiny = near_identity_constants(converted)
+    if tiny:
+        log.warning("exporting without the ONNX optimiser: it would drop %s", ", ".join(tiny[:4]))
     try:
         program = torch.onnx.export(converted, args, kwargs=kwargs or None, dynamo=True,
                                     opset_version=opset, dynamic_shapes=dynamic_shapes,
-                                    optimize=True, verbose=False)
-        return program.model, "torch.onnx.export(dynamo=True)", getattr(program, "exported_program", None)
+                                    optimize=not tiny, verbose=False)
+        how = "torch.onnx.export(dynamo=True)" if not tiny else (
+            f"torch.onnx.export(dynamo=True, optimize=False: its optimiser would drop "
+            f"{', '.join(tiny[:2])})")
+        return program.model, how, getattr(program, "exported_program", None)
     except Exception as dynamo_error:
         reason = _brief(dynamo_error)
         log.warning("dynamo ONNX export failed (%s); trying the TorchScript exporter", reason)
