@@ -100,7 +100,12 @@ def _flops(node) -> Optional[float]:
 
 def _float32_statistics(node) -> bool:
     """LayerNormalization (and GroupNormalization from opset 21) with stash_type=1, the default,
-    compute mean and variance in float32 whatever their input type."""
+    compute mean and variance in float32 whatever their input type; BatchNormalization in
+    inference mode (training_mode=0, the default) computes no statistics: it is a per-channel
+    affine map with stored ones, which the plan runs in low precision like autocast does."""
+    if node.op_type == "BatchNormalization":
+        attr = node.attributes.get("training_mode")
+        return attr is None or attr.value == 0
     if node.op_type == "LayerNormalization":
         attr = node.attributes.get("stash_type")
         return attr is None or attr.value == 1
