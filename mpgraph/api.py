@@ -9,7 +9,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from .capture import capture, normalize_inputs
-from .device import auto_dtype, resolve_target
+from .device import auto_dtype, range_dtype, resolve_target
 from .device_specs import DeviceSpec
 from .op_table import OpTable
 from .pass_infra import run_passes
@@ -60,7 +60,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     or a name ("h100", "a100", "t4", "cpu", ...). ``strategy="optimal"`` minimises the estimated
     time on it exactly (min-cut over node and cast costs); ``"rules"`` is the list-based decision.
     ``dtype="auto"`` picks the low dtype the target is fast at, or keeps float32 where low
-    precision is slower. ``op_table`` extends the built-in op classes (a dict from module type /
+    precision is slower; on GPUs that run fp16 and bf16 alike it picks fp16 and computes the
+    nodes fp16's range keeps out of fp16 in bf16 instead of float32. ``op_table`` extends the built-in op classes (a dict from module type /
     function / method name / ATen op to a class name or OpEntry); ``overrides`` maps node names
     or module-path globs to "fp32" or the low dtype. The caller's model is never modified.
 
@@ -76,11 +77,12 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
     spec = resolve_target(target)
-    keep_fp32 = None
+    keep_fp32, second = None, None
     if isinstance(dtype, str) and dtype.lower() == "auto":
         low, why = auto_dtype(spec)
         if low is None:
             low, keep_fp32 = torch.bfloat16, why
+        second = range_dtype(spec, low)
         log.info("dtype auto on %s: %s", spec.name, why)
     else:
         low = resolve_dtype(dtype)
@@ -103,7 +105,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         passes = default_pipeline(low, args, kwargs, spec=spec, strategy=strategy,
                                   keep_io_types=keep_io_types, op_table=table,
                                   overrides={**(overrides or {}), **(pins or {})},
-                                  keep_fp32=keep_fp32, check=check)
+                                  keep_fp32=keep_fp32, check=check, range_dtype=second)
         return run_passes(passes, graph)
 
     gm = build(gm)

@@ -170,6 +170,10 @@ def auto_dtype(spec: DeviceSpec) -> tuple[Optional[torch.dtype], str]:
     fp32 = spec.peak["fp32"]
     bf16, fp16 = spec.peak.get("bf16"), spec.peak.get("fp16")
     if spec.kind == "gpu":
+        if bf16 and fp16 and fp16 >= bf16:
+            return torch.float16, (f"{spec.name} runs fp16 and bf16 Tensor Cores at the same rate: "
+                                   "fp16 (3 more mantissa bits), bf16 where fp16's range does not "
+                                   "hold")
         if bf16:
             return torch.bfloat16, f"{spec.name} has bf16 Tensor Cores: bf16 keeps fp32's range"
         return torch.float16, f"{spec.name} has fp16 Tensor Cores but no bf16"
@@ -180,6 +184,13 @@ def auto_dtype(spec: DeviceSpec) -> tuple[Optional[torch.dtype], str]:
         return torch.float16, f"this CPU runs fp16 matmul at {fp16 / fp32:.1f}x fp32"
     return None, (f"low precision is slower than float32 on this CPU (bf16 {(bf16 or 0) / fp32:.2f}x, "
                   f"fp16 {(fp16 or 0) / fp32:.2f}x fp32 matmul): kept float32")
+
+
+def range_dtype(spec: DeviceSpec, low: torch.dtype) -> Optional[torch.dtype]:
+    """bf16 for the nodes fp16's range keeps out of fp16, on a GPU that runs both (dtype="auto")."""
+    if spec.kind == "gpu" and low == torch.float16 and spec.peak.get("bf16"):
+        return torch.bfloat16
+    return None
 
 
 def default_low_dtype(device: torch.device) -> tuple[torch.dtype, str]:

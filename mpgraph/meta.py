@@ -128,3 +128,4 @@ class SafetyFinding:
 
     rule: str        # "range", "constant", "weight", "unproven_range"
     evidence: str    # e.g. "absmax 7.1e4 > limit 3.28e4 on 3/8 batches"
+    cleared_by: Optional[str] = None  # a second low dtype in which the node has no finding

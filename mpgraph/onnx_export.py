@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .api import convert, resolve_dtype
+from .device import auto_dtype, resolve_target
 from .capture import normalize_inputs
 from .graph_utils import target_name
 from .errors import ExportError, MpgraphError
@@ -347,7 +348,11 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     if target is None:
         target = "cuda" if torch.cuda.is_available() else DEFAULT_TARGET
     path = _check_destination(path)
-    low = dtype if isinstance(dtype, str) and dtype.lower() == "auto" else resolve_dtype(dtype)
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        # one low dtype per file: "auto" picks it for the target, without bf16 regions beside fp16
+        low = auto_dtype(resolve_target(target))[0] or dtype
+    else:
+        low = resolve_dtype(dtype)
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     reference = None
     if is_converted(model_or_converted):
@@ -361,6 +366,11 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                                 keep_io_types=keep_io_types, target=target, strategy=strategy)
         except MpgraphError as e:
             raise ExportError(f"could not convert the model before export: {e}") from e
+    if converted.plan.range_nodes:
+        raise ExportError(f"this plan mixes {dtype_name(converted.plan.dtype)} with "
+                          f"{converted.plan.range_nodes[0].dtype} ({len(converted.plan.range_nodes)} "
+                          "nodes, dtype='auto'); ONNX export takes one low dtype: convert with "
+                          "dtype='fp16' or 'bf16'")
     opset = opset or DEFAULT_OPSET
     workdir = tempfile.mkdtemp(prefix=".mpgraph-export-", dir=os.path.dirname(path))
     try:

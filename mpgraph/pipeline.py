@@ -31,21 +31,25 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
 def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs: dict, *,
                      spec: DeviceSpec, strategy: str = "optimal", keep_io_types: bool = True,
                      op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
-                     keep_fp32: Optional[str] = None, check: bool = True) -> list[Pass]:
-    """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify."""
+                     keep_fp32: Optional[str] = None, check: bool = True,
+                     range_dtype: Optional[torch.dtype] = None) -> list[Pass]:
+    """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify.
+    ``range_dtype`` (bf16 beside fp16) computes the nodes fp16's range keeps out of fp16."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "optimal":
-        decide: Pass = AssignPrecisionOptimal(low_dtype, spec, keep_io_types, overrides, keep_fp32)
+        decide: Pass = AssignPrecisionOptimal(low_dtype, spec, keep_io_types, overrides, keep_fp32,
+                                              range_dtype=range_dtype)
     else:
-        decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32)
+        decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype)
     passes: list[Pass] = [
         ClassifyOps(low_dtype, op_table),     # analysis: op class per node
-        NumericSafety(low_dtype),             # analysis: float32 findings with their evidence
+        NumericSafety(low_dtype, alt_dtype=range_dtype),  # analysis: fp32 findings, evidence
         EstimateCost(spec, low_dtype),        # analysis: roofline time per node, both dtypes
         decide,                               # decision: dtype per node (min-cut or rules)
         LintTensorCores(spec),                # analysis: Tensor Core alignment findings
         StoreWeights(low_dtype, keep_io_types),   # rewrite: weights stored once
+        *([StoreWeights(range_dtype, keep_io_types)] if range_dtype else []),  # ... and in bf16
         InsertCasts(keep_io_types),           # rewrite: shared casts
         ChannelsLast(),                       # rewrite: NHWC layout for low-precision 2-D convs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts

@@ -118,6 +118,12 @@ class Plan:
         raise KeyError(f"no node {name!r} in the plan")
 
     @property
+    def range_nodes(self) -> list[NodeRecord]:
+        """Nodes in a second low dtype (bf16 beside fp16, dtype="auto"): fp16's range excluded them."""
+        low = dtype_name(self.dtype)
+        return [r for r in self.compute_nodes if r.dtype not in (None, "float32", low)]
+
+    @property
     def safety_nodes(self) -> list[NodeRecord]:
         """Float32 nodes with numeric-safety findings (``safety`` says which rules and why)."""
         return [r for r in self.nodes if r.dtype == "float32" and r.safety]
@@ -144,6 +150,9 @@ class Plan:
                 f"({stored / 1e6:.2f}M values) stored as {low}; captured with {self.capture}")
         if self.kept_fp32:
             text += f"; kept float32: {self.kept_fp32}"
+        if self.range_nodes:
+            text += (f"; {len(self.range_nodes)} nodes in {self.range_nodes[0].dtype} where "
+                     f"{low} overflows")
         if self.safety_nodes:
             text += (f"; {len(self.safety_nodes)} float32 nodes with numeric-safety findings "
                      f"(calibrated on {self.calibration_batches} batches)")

@@ -103,7 +103,7 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
     added = {}
     for node in converted.graph.nodes:
         d = node.meta.get(PRECISION)
-        if d is None or d.dtype != low or node.name not in err or d.stored:
+        if d is None or d.dtype in (None, torch.float32) or node.name not in err or d.stored:
             continue
         inherited = [err.get(source(a).name, 0.0) for a in input_nodes(node)
                      if source(a).op != "get_attr"]

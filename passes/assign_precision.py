@@ -29,7 +29,7 @@ import torch.fx
 
 from mpgraph.edges import required_dtype
 from mpgraph.graph_utils import input_nodes, is_inplace, module_path, mutated_nodes
-from mpgraph.meta import OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
+from mpgraph.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
 from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
 
@@ -61,9 +61,12 @@ class AssignPrecision(Pass):
     """
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
-                 overrides: Optional[dict] = None, keep_fp32: Optional[str] = None):
+                 overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
+                 range_dtype: Optional[torch.dtype] = None):
         self.keep_fp32 = keep_fp32  # a reason to keep every node in float32 (dtype="auto")
         self.low = low_dtype
+        # bf16 beside fp16 (dtype="auto" on GPUs with both): for nodes fp16's range keeps out
+        self.range_dtype = range_dtype
         self.keep_io_types = keep_io_types
         self.overrides = dict(overrides or {})
 
@@ -90,6 +93,18 @@ class AssignPrecision(Pass):
         found = [f for f in node.meta.get(SAFETY, ()) if f.rule in rules]
         return "numeric safety: " + "; ".join(f.evidence for f in found) if found else None
 
+    def _range_decision(self, node) -> Optional[Decision]:
+        """``range_dtype`` for a node whose every safety finding it clears (bf16 has float32's
+        exponent range) and which alone runs faster in low precision than in float32."""
+        found = node.meta.get(SAFETY, ())
+        if self.range_dtype is None or not found or not all(f.cleared_by for f in found):
+            return None
+        cost = node.meta.get(COST)
+        if cost is None or not cost.t_low < cost.t_fp32:
+            return None
+        return Decision(self.range_dtype, f"{self._safety_reason(node)}; "
+                                          f"{dtype_name(self.range_dtype)} has the range", pinned=True)
+
     # -- the decision ----------------------------------------------------------------------
     def call(self, gm):
         order = list(gm.graph.nodes)
@@ -115,7 +130,7 @@ class AssignPrecision(Pass):
         """One forward pass over the graph: every node's decision from its inputs' decisions."""
         dec: dict[torch.fx.Node, Decision] = {}
         stored: set[torch.fx.Node] = set()
-        convertible = (FP32, self.low)
+        convertible = (FP32, self.low) + ((self.range_dtype,) if self.range_dtype else ())
         for node in order:
             info = node.meta[TENSOR]
             if node.op == "placeholder":
@@ -184,7 +199,7 @@ class AssignPrecision(Pass):
         if cls == TENSOR_CORE:
             why = self._safety_reason(node)
             if why:
-                return Decision(FP32, why, pinned=True)
+                return self._range_decision(node) or Decision(FP32, why, pinned=True)
             return Decision(self.low, op_info.reason)
         if op_info.low_io and runtime and node not in self._norms_fp32 \
                 and all(dec[a].dtype == self.low for a in runtime) \
@@ -194,6 +209,8 @@ class AssignPrecision(Pass):
                                       "around it, without the casts)", param_dtype=FP32)
         if cls != FOLLOW:  # fp32_compute, fp32_only, unknown
             why = self._safety_reason(node, rules=("unproven_range",))
+            if why and self._range_decision(node):  # exp/pow: follow ops in bf16
+                return self._range_decision(node)
             return Decision(FP32, f"{op_info.reason}; {why}" if why else op_info.reason, pinned=True)
 
         # follow
@@ -208,10 +225,11 @@ class AssignPrecision(Pass):
             return Decision(FP32, "adds or joins a float32 parameter to activations (a position "
                                   "embedding, a class token): stays float32")
         if kinds != {self.low}:
-            return Decision(FP32, "reads a float32 input: stays float32")
+            other = "/".join(sorted(dtype_name(k) for k in kinds - {self.low}))
+            return Decision(FP32, f"reads a {other} input: stays float32")
         why = self._safety_reason(node)
         if why:
-            return Decision(FP32, why, pinned=True)
+            return self._range_decision(node) or Decision(FP32, why, pinned=True)
         return Decision(self.low, f"all float inputs are {dtype_name(self.low)}")
 
     def _refine(self, order, gm, dec, stored) -> None:

@@ -41,8 +41,8 @@ def _us(seconds: float) -> str:
 class AssignPrecisionOptimal(AssignPrecision):
     def __init__(self, low_dtype: torch.dtype, spec: DeviceSpec, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
-                 tf32: Optional[bool] = None):
-        super().__init__(low_dtype, keep_io_types, overrides, keep_fp32)
+                 tf32: Optional[bool] = None, range_dtype: Optional[torch.dtype] = None):
+        super().__init__(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype)
         self.spec = spec
         self.costs = EstimateCost(spec, low_dtype, tf32)
 
@@ -85,7 +85,12 @@ class AssignPrecisionOptimal(AssignPrecision):
         problem = Problem()
         variables, tied = [], {}
         convertible = (FP32, self.low)
+        # bf16 nodes beside fp16 are fixed, on the cut's float32 side: not fp16, so a cast
+        # separates them from fp16 neighbours as it would a float32 node (their casts to float32
+        # neighbours are not priced: an approximation for the few nodes fp16's range excludes)
         label = {FP32: CUT_FP32, self.low: CUT_LOW}
+        if self.range_dtype is not None:
+            label[self.range_dtype] = CUT_FP32
         for n in order:
             d = dec[n]
             if d.dtype is None or d.stored:

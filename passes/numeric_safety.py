@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -74,10 +75,15 @@ class NumericSafety(Pass):
     """Analysis: writes ``mpgraph.safety`` (a tuple of SafetyFinding) on nodes that must stay
     float32; relaxes calibrated-safe range-expanding ops to ``follow`` in fp16."""
 
-    def __init__(self, low_dtype: torch.dtype, margin: float = RANGE_MARGIN):
+    def __init__(self, low_dtype: torch.dtype, margin: float = RANGE_MARGIN,
+                 alt_dtype: Optional[torch.dtype] = None):
         if margin < 1:
             raise ValueError(f"margin must be >= 1, got {margin}")
         self.low = low_dtype
+        # bf16 beside fp16 (dtype="auto"): findings that bf16 clears are marked ``cleared_by``
+        if alt_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"the second low dtype can only be bfloat16, got {alt_dtype}")
+        self.alt = NumericSafety(alt_dtype, margin) if alt_dtype is not None else None
         self.limit = torch.finfo(low_dtype).max / margin
         self.top = torch.finfo(low_dtype).max
         self.tiny = smallest_subnormal(low_dtype)
@@ -138,31 +144,35 @@ class NumericSafety(Pass):
             else f"{r.nonfinite} inf/NaN values in float32")
         return SafetyFinding("unproven_range", f"range-expanding op not proven safe: {seen}")
 
+    def _node_findings(self, node, gm) -> list[SafetyFinding]:
+        info: OpInfo = node.meta[OP_CLASS]
+        found = []
+        if info.op_class == FP32_ONLY and info.reason.startswith(RANGE_EXPANDING_REASON) \
+                and self.low == torch.float16:
+            relaxed = self._relax(node)
+            found += [relaxed] if relaxed else []
+        if info.op_class in (TENSOR_CORE, FOLLOW):  # the others compute in float32 inside
+            found += self._constant_findings(node)
+        found += self._weight_findings(node, gm)
+        own = self._range_evidence(node)
+        if own:
+            found.append(SafetyFinding("range", f"output {own}"))
+        for a in input_nodes(node):
+            ev = self._range_evidence(a) if a.op != "get_attr" else None
+            if ev:
+                found.append(SafetyFinding("range", f"input {ev}"))
+        return found
+
     def call(self, gm):
         findings: dict[torch.fx.Node, list[SafetyFinding]] = {}
         for node in gm.graph.nodes:
             node.meta.pop(SAFETY, None)
         for node in gm.graph.nodes:
-            if node.op not in _CALLS:
+            if node.op not in _CALLS or node.meta[OP_CLASS].op_class == CAST:
                 continue
-            info: OpInfo = node.meta[OP_CLASS]
-            if info.op_class == CAST:
-                continue
-            found = []
-            if info.op_class == FP32_ONLY and info.reason.startswith(RANGE_EXPANDING_REASON) \
-                    and self.low == torch.float16:
-                relaxed = self._relax(node)
-                found += [relaxed] if relaxed else []
-            if info.op_class in (TENSOR_CORE, FOLLOW):  # the others compute in float32 inside
-                found += self._constant_findings(node)
-            found += self._weight_findings(node, gm)
-            own = self._range_evidence(node)
-            if own:
-                found.append(SafetyFinding("range", f"output {own}"))
-            for a in input_nodes(node):
-                ev = self._range_evidence(a) if a.op != "get_attr" else None
-                if ev:
-                    found.append(SafetyFinding("range", f"input {ev}"))
+            found = self._node_findings(node, gm)
+            if found and self.alt is not None and not self.alt._node_findings(node, gm):
+                found = [replace(f, cleared_by=dtype_name(self.alt.low)) for f in found]
             if found:
                 findings[node] = found
         for node, found in findings.items():

@@ -64,7 +64,10 @@ class StoreWeights(Pass):
         by_target = defaultdict(list)
         for node in gm.graph.nodes:
             d = node.meta.get(PRECISION)
-            if node.op == "get_attr" and d is not None and d.stored and d.dtype is None:
+            # dtype None: not yet stored; float32: kept by an earlier StoreWeights for other
+            # readers (a second instance stores bf16 copies beside fp16 ones)
+            if node.op == "get_attr" and d is not None and d.stored and node.meta.get(INSERTED_BY) is None \
+                    and (d.dtype is None or d.dtype == torch.float32):
                 by_target[node.target].append(node)
         edits = 0
         for target, nodes in by_target.items():

@@ -4,7 +4,8 @@ import torch
 import torch.nn as nn
 
 import mpgraph
-from mpgraph.device import auto_dtype, cpu_flags, measure_cpu, resolve_target, target_names
+from mpgraph.device import (auto_dtype, cpu_flags, measure_cpu, range_dtype, resolve_target,
+                            target_names)
 from mpgraph.device_specs import GPU_SPECS, DeviceSpec
 from mpgraph.meta import COST, PRECISION
 
@@ -47,7 +48,11 @@ def test_cpu_detection_here_reports_bf16_fast_and_fp16_slow():
 def test_auto_dtype_per_target():
     assert auto_dtype(GPU_SPECS["t4"])[0] == torch.float16
     assert auto_dtype(GPU_SPECS["v100"])[0] == torch.float16
-    assert auto_dtype(GPU_SPECS["h100-sxm"])[0] == torch.bfloat16
+    # Ampere and later run fp16 and bf16 alike: fp16, with bf16 where fp16's range fails
+    for name in ("a100-80gb", "h100-sxm", "h200", "l4"):
+        assert auto_dtype(GPU_SPECS[name])[0] == torch.float16
+        assert range_dtype(GPU_SPECS[name], torch.float16) == torch.bfloat16
+    assert range_dtype(GPU_SPECS["t4"], torch.float16) is None  # no bf16 on Turing
     slow = DeviceSpec("old CPU", "cpu", {"fp32": 100e9, "bf16": 20e9, "fp16": 1e9}, 20e9, 4, 1e-6)
     assert auto_dtype(slow)[0] is None
 

@@ -162,3 +162,33 @@ def test_tolerance_search_on_small_bert_meets_the_bar_and_reports_pins(dtype, to
             assert gm.plan.node(name).dtype == "float32" and added >= 0
     else:
         assert not report["pinned"] and len(gm.plan.low_nodes) == len(first.plan.low_nodes)
+
+
+def test_auto_on_a100_uses_bf16_where_fp16_overflows_and_fp16_elsewhere(tmp_path):
+    model, inputs = build("activations 1e5 before LayerNorm")
+    gm = mpgraph.convert(model, inputs, dtype="auto", target="a100", strategy="rules")
+    plan = gm.plan
+    assert plan.dtype == FP16
+    assert [(r.name, r.dtype) for r in plan.range_nodes] == [("up", "bfloat16")]
+    assert "bfloat16 has the range" in plan.node("up").reason
+    assert plan.node("down").dtype == "float16" and plan.node("norm").dtype == "float32"
+    stored = {w.name: w.dtype for w in plan.weights}
+    assert stored == {"up.weight": BF16, "up.bias": BF16, "down.weight": FP16, "down.bias": FP16}
+    assert "1 nodes in bfloat16 where float16 overflows" in plan.summary()
+    with torch.no_grad():
+        out, ref = gm(*inputs), model(*inputs)
+    assert torch.isfinite(out).all() and float((out - ref).norm() / ref.norm()) < 1e-2
+    # ONNX export takes one low dtype: a mixed plan is refused with the way out
+    with pytest.raises(mpgraph.ExportError, match="convert with dtype='fp16' or 'bf16'"):
+        mpgraph.export_onnx(gm, inputs, str(tmp_path / "x.onnx"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_auto_bf16_region_that_misses_the_tolerance_goes_back_to_fp32():
+    model, inputs = build("exp of large logits")  # exp of ~15 in bf16: 1.3e-2 off
+    loose = mpgraph.convert(model, inputs, dtype="auto", target="a100", strategy="rules")
+    assert loose.plan.node("exp").dtype == "bfloat16"
+    tight = mpgraph.convert(model, inputs, dtype="auto", target="a100", strategy="rules",
+                            tolerance=1e-3)
+    assert tight.plan.node("exp").dtype == "float32"
+    assert "exp" in dict(tight.plan.tolerance["pinned"]) and tight.plan.tolerance["error"] <= 1e-3

@@ -16,6 +16,7 @@ the toy models exercise the safety rules rather than the cost model).
 
     python examples/bench/bench_numerics.py                  # everything (~15 min)
     python examples/bench/bench_numerics.py --models bert crepe --no-traps
+    python examples/bench/bench_numerics.py --models            # the traps only
 """
 from __future__ import annotations
 
@@ -178,17 +179,8 @@ def main() -> None:
     logging.getLogger("mpgraph").setLevel(logging.ERROR)
     torch.manual_seed(0)
     rows = [r for name in args.models for r in model_rows(name, args.rounds)]
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds, "
-          "median; error on a held-out batch, mpgraph calibrated on 3 others\n")
-    print("| model | dtype | variant | rel. L2 error | inf/NaN | median ms (CPU) | vs fp32 | "
-          "nodes pinned |")
-    print("|---|---|---|---:|---|---:|---:|---:|")
-    for r in rows:
-        ms = f"{r['ms'] * 1e3:.1f}" if r["ms"] else "-"
-        vs = f"{r['vs_fp32']:.2f}×" if r["vs_fp32"] else "-"
-        err = f"{r['err']:.2e}" if math.isfinite(r["err"]) else "-"
-        print(f"| {r['model']} | {r['dtype']} | {r['variant']} | {err} | "
-              f"{'no' if r['finite'] else 'YES'} | {ms} | {vs} | {r['pinned']} |")
+    if rows:
+        print_models(rows, args.rounds)
     if args.no_traps:
         return
     with tempfile.TemporaryDirectory() as workdir:
@@ -201,6 +193,20 @@ def main() -> None:
     print("|---|" + "---|" * len(tools))
     for r in rows:
         print(f"| {r['trap']} | " + " | ".join(r[t] for t in tools) + " |")
+
+
+def print_models(rows: list[dict], rounds: int) -> None:
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds, "
+          "median; error on a held-out batch, mpgraph calibrated on 3 others\n")
+    print("| model | dtype | variant | rel. L2 error | inf/NaN | median ms (CPU) | vs fp32 | "
+          "nodes pinned |")
+    print("|---|---|---|---:|---|---:|---:|---:|")
+    for r in rows:
+        ms = f"{r['ms'] * 1e3:.1f}" if r["ms"] else "-"
+        vs = f"{r['vs_fp32']:.2f}×" if r["vs_fp32"] else "-"
+        err = f"{r['err']:.2e}" if math.isfinite(r["err"]) else "-"
+        print(f"| {r['model']} | {r['dtype']} | {r['variant']} | {err} | "
+              f"{'no' if r['finite'] else 'YES'} | {ms} | {vs} | {r['pinned']} |")
 
 
 if __name__ == "__main__":
