@@ -7,10 +7,12 @@ checks the result by running it, and returns a GraphModule carrying ``.plan``.
 from .api import convert, resolve_dtype
 from .capture import capture
 from .errors import (CalibrationError, CaptureError, ConversionError, ExportError, MpgraphError,
-                     PassError, ToleranceError)
+                     PassError, PlanMismatchError, ToleranceError)
 from .op_table import OpEntry, OpTable
 from .pass_infra import Pass, PassResult, run_passes
 from .plan import CastRecord, NodeRecord, Plan
+from .plan_diff import PlanDiff, diff
+from .report import report
 
 
 
@@ -29,4 +31,5 @@ def ort_session(*args, **kwargs):
 __version__ = "0.1.0"
 __all__ = ["convert", "capture", "resolve_dtype", "Plan", "NodeRecord", "CastRecord", "OpTable",
            "OpEntry", "Pass", "PassResult", "run_passes", "CaptureError", "ConversionError",
-           "PassError", "MpgraphError", "ExportError", "CalibrationError", "ToleranceError", "export_onnx", "ort_session"]
+           "PassError", "MpgraphError", "ExportError", "CalibrationError", "ToleranceError", "PlanMismatchError",
+           "report", "diff", "PlanDiff", "export_onnx", "ort_session"]

@@ -14,7 +14,10 @@ from .device_specs import DeviceSpec
 from .op_table import OpTable
 from .pass_infra import run_passes
 from .passes.calibrate import as_call
-from .plan import Plan
+from .errors import PlanMismatchError
+from .graph_utils import target_name
+from .meta import TENSOR, is_float32_tensor
+from .plan import Plan, _shape
 from .tolerance import check_tolerance, meet_tolerance
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             op_table: Optional[Union[OpTable, dict]] = None,
             overrides: Optional[dict] = None, check: bool = True,
             calibration: Optional[Iterable] = None, tolerance: Optional[float] = None,
-            progress: Optional[bool] = None) -> torch.fx.GraphModule:
+            progress: Optional[bool] = None, plan: Optional[Plan] = None) -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
     The example inputs are run once to learn every value's shape and dtype (and once more to
@@ -73,12 +76,26 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     on the calibration data: nodes are pinned to float32, most error-adding first, until it holds
     (``plan.tolerance`` reports them). ``progress`` shows a progress bar over calibration batches
     (default: on a terminal, from 8 batches up).
+
+    ``plan`` (a ``Plan``, e.g. ``Plan.load(path)``, possibly edited) is applied as it is: its dtype,
+    target and every node's decision; a plan whose nodes, ops or shapes do not match the model's
+    graph is a ``PlanMismatchError`` listing the differences.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
+    if plan is not None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be an mpgraph.Plan (Plan.load(path)), got {type(plan).__name__}")
+        if tolerance is not None:
+            raise ValueError("a saved plan is applied as it is: pass plan= or tolerance=, not both")
+        dtype, keep_io_types, strategy = plan.dtype, plan.keep_io_types, plan.strategy or strategy
+        target = target if target is not None else plan.target
     spec = resolve_target(target)
     keep_fp32, second = None, None
-    if isinstance(dtype, str) and dtype.lower() == "auto":
+    if plan is not None:
+        low, keep_fp32 = plan.dtype, plan.kept_fp32
+        second = next((getattr(torch, r.dtype) for r in plan.range_nodes), None)
+    elif isinstance(dtype, str) and dtype.lower() == "auto":
         low, why = auto_dtype(spec)
         if low is None:
             low, keep_fp32 = torch.bfloat16, why
@@ -100,12 +117,17 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     from .pipeline import default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress), gm)
     base = copy.deepcopy(gm) if tolerance is not None else None
+    from_plan = None
+    if plan is not None:
+        check_plan_fits(plan, gm)
+        from_plan = {r.name: (r.dtype, r.reason) for r in plan.compute_nodes}
 
     def build(graph, pins: Optional[dict] = None):
         passes = default_pipeline(low, args, kwargs, spec=spec, strategy=strategy,
                                   keep_io_types=keep_io_types, op_table=table,
                                   overrides={**(overrides or {}), **(pins or {})},
-                                  keep_fp32=keep_fp32, check=check, range_dtype=second)
+                                  keep_fp32=keep_fp32, check=check, range_dtype=second,
+                                  from_plan=from_plan)
         return run_passes(passes, graph)
 
     gm = build(gm)
@@ -117,5 +139,39 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
                               kept_fp32=keep_fp32)
     gm.plan.tolerance = report
+    if plan is not None:
+        differ = [f"{r.name}: the plan says {r.dtype}, the conversion gave {gm.plan.node(r.name).dtype} "
+                  f"({gm.plan.node(r.name).reason})"
+                  for r in plan.compute_nodes if gm.plan.node(r.name).dtype != r.dtype]
+        if differ:
+            raise PlanMismatchError(differ)
     log.info("%s", gm.plan.summary())
     return gm
+
+
+def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
+    """Raise PlanMismatchError unless every node the plan decides is in ``gm`` with the same op
+    and output shape, and every node of ``gm`` that needs a decision is in the plan."""
+    records = {r.name: r for r in plan.compute_nodes}
+    problems = []
+    seen = set()
+    for node in gm.graph.nodes:
+        if not node.op.startswith("call_"):
+            continue
+        record = records.get(node.name)
+        info = node.meta.get(TENSOR)
+        if record is None:
+            if is_float32_tensor(info) or any(is_float32_tensor(a.meta.get(TENSOR))
+                                              for a in node.all_input_nodes):
+                problems.append(f"node {node.name} ({target_name(node)}) is not in the plan")
+            continue
+        seen.add(node.name)
+        if record.target != target_name(node):
+            problems.append(f"node {node.name}: op {target_name(node)}, the plan has {record.target}")
+        shape = _shape(info)
+        if record.shape is not None and shape is not None and tuple(record.shape) != shape:
+            problems.append(f"node {node.name}: shape {shape}, the plan has {tuple(record.shape)}")
+    problems += [f"node {name} of the plan is not in the model's graph"
+                 for name in records if name not in seen]
+    if problems:
+        raise PlanMismatchError(problems)

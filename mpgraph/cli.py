@@ -74,6 +74,26 @@ def _export(args) -> int:
     return 0
 
 
+def _inspect(args) -> int:
+    from .api import convert
+    from .errors import MpgraphError
+    from .report import report
+    model, inputs, kwargs = build_from(args.factory)
+    try:
+        converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
+                            target=args.target, strategy=args.strategy)
+    except MpgraphError as e:
+        print(f"mpgraph: inspect failed: {e}", file=sys.stderr)
+        return 1
+    print(report(converted, "text"), end="")
+    for fmt in ("html", "json", "dot"):
+        path = getattr(args, fmt)
+        if path:
+            report(converted, fmt, path)
+            print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mpgraph", description="Whole-graph mixed precision for PyTorch.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the passes do")
@@ -96,12 +116,21 @@ def main(argv=None) -> int:
     e.add_argument("--external-data-threshold", type=int, default=None,
                    help="bytes of weights above which they go to FILE.onnx.data")
     e.set_defaults(func=_export)
+    i = sub.add_parser("inspect", help="convert a model and report every decision and cast")
+    i.add_argument("factory", help="FILE.py:name or module:name returning (model, inputs[, kwargs])")
+    i.add_argument("--dtype", default="auto", help="auto (what the target is fast at), fp16 or bf16")
+    i.add_argument("--target", default=None, help="cpu, h100, a100, t4, ... (default: this machine)")
+    i.add_argument("--strategy", choices=["optimal", "rules"], default="optimal")
+    i.add_argument("--html", help="write the self-contained HTML report here")
+    i.add_argument("--json", help="write the plan as JSON here (mpgraph.Plan.load reads it)")
+    i.add_argument("--dot", help="write the Graphviz source here")
+    i.set_defaults(func=_inspect)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:
         print(f"mpgraph: error: {e}", file=sys.stderr)
         return 2
 

@@ -156,6 +156,10 @@ def resolve_target(target: Union[None, str, DeviceSpec] = None) -> DeviceSpec:
             raise ValueError("target='cuda' but torch sees no GPU; name one: " + ", ".join(target_names()))
         return _gpu_spec()
     name = ALIASES.get(name, name)
+    by_title = {spec.name.lower(): key for key, spec in GPU_SPECS.items()}  # a plan's target
+    if name.startswith("cpu "):
+        return measure_cpu()
+    name = by_title.get(name, name)
     if name not in GPU_SPECS:
         raise ValueError(f"unknown target {target!r}; known: {', '.join(target_names())}")
     return GPU_SPECS[name]

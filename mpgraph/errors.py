@@ -55,3 +55,14 @@ class CalibrationError(MpgraphError, ValueError):
 
 class ToleranceError(MpgraphError, ValueError):
     """The stated tolerance cannot be met, not even with every node in float32."""
+
+
+class PlanMismatchError(MpgraphError, ValueError):
+    """A saved plan that does not fit the model it is applied to; ``mismatches`` lists why."""
+
+    def __init__(self, mismatches: list[str]):
+        self.mismatches = list(mismatches)
+        shown = self.mismatches[:20]
+        more = len(self.mismatches) - len(shown)
+        super().__init__("the plan does not match this model:\n  " + "\n  ".join(shown)
+                         + (f"\n  ... and {more} more" if more > 0 else ""))

@@ -32,16 +32,18 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
                      spec: DeviceSpec, strategy: str = "optimal", keep_io_types: bool = True,
                      op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
                      keep_fp32: Optional[str] = None, check: bool = True,
-                     range_dtype: Optional[torch.dtype] = None) -> list[Pass]:
+                     range_dtype: Optional[torch.dtype] = None,
+                     from_plan: Optional[dict] = None) -> list[Pass]:
     """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify.
     ``range_dtype`` (bf16 beside fp16) computes the nodes fp16's range keeps out of fp16."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "optimal":
         decide: Pass = AssignPrecisionOptimal(low_dtype, spec, keep_io_types, overrides, keep_fp32,
-                                              range_dtype=range_dtype)
+                                              range_dtype=range_dtype, from_plan=from_plan)
     else:
-        decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype)
+        decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype,
+                                 from_plan)
     passes: list[Pass] = [
         ClassifyOps(low_dtype, op_table),     # analysis: op class per node
         NumericSafety(low_dtype, alt_dtype=range_dtype),  # analysis: fp32 findings, evidence

@@ -5,6 +5,7 @@ reproduce. Built from the converted graph's meta, so it cannot drift from what r
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -30,6 +31,10 @@ class NodeRecord:
     tensor_core: str = ""            # Tensor Core alignment finding for matmuls and convs
     safety: tuple[str, ...] = ()     # numeric-safety findings ("rule: evidence") keeping it float32
     absmax: Optional[float] = None   # calibrated absmax of its output
+    inputs: tuple[str, ...] = ()     # the nodes it reads (through our casts), for pictures
+    shape: Optional[tuple[int, ...]] = None  # output shape at the example inputs
+    flops: Optional[float] = None    # estimated FLOPs per run
+    kind: str = ""                   # the op-table key it matched: "nn.Linear", "aten.softmax", ...
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,56 @@ class Plan:
                 t_low=cost.t_low if cost is not None else None,
                 tensor_core=finding.text if finding is not None else "",
                 safety=tuple(f"{f.rule}: {f.evidence}" for f in node.meta.get(SAFETY, ())),
-                absmax=rng.absmax if (rng := node.meta.get(RANGE)) is not None else None))
+                absmax=rng.absmax if (rng := node.meta.get(RANGE)) is not None else None,
+                inputs=tuple(_source(a).name for a in node.all_input_nodes),
+                shape=_shape(node.meta.get(TENSOR)),
+                flops=cost.flops if cost is not None else None,
+                kind=op_info.key if op_info else ""))
         plan.calibration_batches = int(gm.meta.get(RANGE, 0))
+        return plan
+
+    # -- saving and loading ----------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write the plan as JSON (``Plan.load`` reads it; ``convert(..., plan=)`` applies it)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no plan file at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a plan: invalid JSON ({e})") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "the data") -> "Plan":
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise ValueError(f"{source} is not an mpgraph plan (format {PLAN_FORMAT!r} expected)")
+
+        def node(d):
+            d = dict(d)
+            for key in ("safety", "inputs"):
+                d[key] = tuple(d.get(key) or ())
+            d["shape"] = tuple(d["shape"]) if d.get("shape") is not None else None
+            return NodeRecord(**d)
+
+        plan = cls(dtype=getattr(torch, data["dtype"]), capture=data["capture"],
+                   keep_io_types=data["keep_io_types"], target=data["target"],
+                   strategy=data["strategy"], kept_fp32=data.get("kept_fp32"),
+                   estimate=dict(data.get("estimate") or {}),
+                   nodes=[node(d) for d in data["nodes"]],
+                   casts=[CastRecord(**{**c, "consumers": tuple(c["consumers"])}) for c in data["casts"]],
+                   weights=[WeightRecord(**{**w, "dtype": getattr(torch, w["dtype"])})
+                            for w in data["weights"]],
+                   model_casts=[CastRecord(**{**c, "consumers": tuple(c["consumers"])})
+                                for c in data.get("model_casts", [])],
+                   order=list(data.get("order", [])),
+                   calibration_batches=data.get("calibration_batches", 0),
+                   tolerance=data.get("tolerance"))
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -181,15 +234,43 @@ class Plan:
         return "\n".join(rows)
 
     def to_dict(self) -> dict:
+        """The plan as JSON-ready data: what ``report(format="json")`` and ``save`` write."""
         return {
+            "format": PLAN_FORMAT,
             "dtype": dtype_name(self.dtype), "capture": self.capture,
             "keep_io_types": self.keep_io_types, "target": self.target, "strategy": self.strategy,
-            "estimate": self.estimate, "summary": self.summary(),
-            "calibration_batches": self.calibration_batches, "tolerance": self.tolerance,
-            "nodes": [asdict(r) for r in self.nodes],
-            "casts": [{**asdict(c), "consumers": list(c.consumers)} for c in self.casts],
+            "kept_fp32": self.kept_fp32, "estimate": self.estimate, "summary": self.summary(),
+            "calibration_batches": self.calibration_batches,
+            "tolerance": _jsonable(self.tolerance),
+            "nodes": [_jsonable(asdict(r)) for r in self.nodes],
+            "casts": [_jsonable(asdict(c)) for c in self.casts],
+            "model_casts": [_jsonable(asdict(c)) for c in self.model_casts],
             "weights": [{**asdict(w), "dtype": dtype_name(w.dtype)} for w in self.weights],
+            "order": list(self.order),
         }
+
+
+PLAN_FORMAT = "mpgraph-plan-1"
+
+
+def _jsonable(value):
+    """Tuples to lists (recursively), so a saved and loaded plan compares equal to its dict."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _source(node: torch.fx.Node) -> torch.fx.Node:
+    """The value a node reads, looking through the casts InsertCasts put in front of it."""
+    return node.args[0] if node.meta.get(INSERTED_BY) == "InsertCasts" else node
+
+
+def _shape(info) -> Optional[tuple[int, ...]]:
+    if isinstance(info, tuple):
+        info = next((i for i in info if isinstance(i, TensorInfo)), None)
+    return tuple(info.shape) if isinstance(info, TensorInfo) else None
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

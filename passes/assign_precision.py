@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import input_nodes, is_inplace, module_path, mutated_nodes
+from mpgraph.graph_utils import input_nodes, is_inplace, module_path, mutated_nodes, target_name
 from mpgraph.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
 from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
@@ -57,18 +57,26 @@ def explicit_dtype(node: torch.fx.Node):
 class AssignPrecision(Pass):
     """Decision pass: writes ``mpgraph.precision`` on every node; never edits the graph.
 
-    ``overrides`` maps a node name or a module-path glob to a dtype (or "fp32"/"low").
+    ``overrides`` maps a key to a dtype ("fp32"/"float32"/torch.float32, "low" or the low dtype,
+    and the range dtype where there is one). Keys, most specific first when several match: a node
+    name; a module path or glob ("encoder.layer.*.attention.*"); "op:" and a glob over the op
+    ("op:nn.Linear", "op:aten.softmax", "op:*gelu*"); "class:" and an op class
+    ("class:tensor_core"). A key that matches no node is a warning naming it. ``from_plan`` maps
+    node names to (dtype name, reason) of a saved plan: applied like node-name overrides.
     """
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
-                 range_dtype: Optional[torch.dtype] = None):
+                 range_dtype: Optional[torch.dtype] = None, from_plan: Optional[dict] = None):
         self.keep_fp32 = keep_fp32  # a reason to keep every node in float32 (dtype="auto")
         self.low = low_dtype
         # bf16 beside fp16 (dtype="auto" on GPUs with both): for nodes fp16's range keeps out
         self.range_dtype = range_dtype
         self.keep_io_types = keep_io_types
         self.overrides = dict(overrides or {})
+        self.from_plan = dict(from_plan or {})
+        for key, value in self.overrides.items():
+            self._dtype_of(key, value)  # a bad dtype is an error before anything runs
 
     def requires(self, gm):
         for node in gm.graph.nodes:
@@ -76,16 +84,43 @@ class AssignPrecision(Pass):
                 raise self.fail("run PropagateTensorInfo and ClassifyOps first", node)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _override(self, node) -> Optional[torch.dtype]:
-        path = module_path(node)
-        for key, value in self.overrides.items():
-            if key == node.name or (path and (key == path or fnmatch.fnmatchcase(path, key))):
-                if value in ("low", self.low):
-                    return self.low
-                if value in ("fp32", "float32", FP32):
-                    return FP32
-                raise ValueError(f"override {key!r}: dtype must be float32 or {self.low}, got {value!r}")
-        return None
+    def _dtype_of(self, key, value) -> torch.dtype:
+        names = {"fp32": FP32, "float32": FP32, FP32: FP32, "low": self.low, self.low: self.low,
+                 dtype_name(self.low): self.low, {torch.float16: "fp16", torch.bfloat16: "bf16"}[self.low]: self.low}
+        if self.range_dtype is not None:
+            names.update({self.range_dtype: self.range_dtype, dtype_name(self.range_dtype): self.range_dtype})
+        try:
+            return names[value]
+        except (KeyError, TypeError):
+            raise ValueError(f"override {key!r}: dtype must be float32 or {dtype_name(self.low)}, "
+                             f"got {value!r}") from None
+
+    def _override(self, node) -> Optional[tuple[torch.dtype, str]]:
+        """(dtype, why) when a saved plan or a user override decides this node."""
+        if node.name in self.from_plan:
+            name, reason = self.from_plan[node.name]
+            return self._dtype_of(node.name, name), f"saved plan: {reason.removeprefix('saved plan: ')}"
+        path, info = module_path(node), node.meta[OP_CLASS]
+        ops = {info.key.lower(), target_name(node).lower()}
+
+        def specificity(key: str) -> Optional[int]:
+            if key == node.name:
+                return 0
+            if path and (key == path or fnmatch.fnmatchcase(path, key)):
+                return 1
+            if key.startswith("op:") and any(fnmatch.fnmatchcase(o, key[3:].lower()) for o in ops):
+                return 2
+            if key.startswith("class:") and key[6:] == info.op_class:
+                return 3
+            return None
+
+        hits = sorted((rank, i, key) for i, key in enumerate(self.overrides)
+                      if (rank := specificity(key)) is not None)
+        if not hits:
+            return None
+        key = hits[0][2]
+        self._matched.add(key)
+        return self._dtype_of(key, self.overrides[key]), f"user override ({key!r})"
 
     @staticmethod
     def _safety_reason(node, rules=("range", "constant", "weight", "unproven_range")) -> Optional[str]:
@@ -107,6 +142,7 @@ class AssignPrecision(Pass):
 
     # -- the decision ----------------------------------------------------------------------
     def call(self, gm):
+        self._matched: set[str] = set()
         order = list(gm.graph.nodes)
         mutated = mutated_nodes(gm.graph, gm)
         # Layer/group norms reading low values first try low I/O; one whose readers then want
@@ -124,6 +160,10 @@ class AssignPrecision(Pass):
         self._decide_stored(order, gm, dec, stored)
         for node in order:
             node.meta[PRECISION] = dec[node]
+        for key in self.overrides:
+            if key not in self._matched:
+                log.warning("override %r matched no node (keys: node names, module paths or "
+                            "globs, 'op:<glob>', 'class:<op class>')", key)
         return PassResult(gm, False)
 
     def _sweep(self, order, gm, mutated):
@@ -164,14 +204,14 @@ class AssignPrecision(Pass):
 
         if self.keep_fp32:
             return Decision(FP32, self.keep_fp32, pinned=True)
-        forced = self._override(node)
+        forced, why = self._override(node) or (None, "")
         if forced == self.low and self._safety_reason(node):
-            log.warning("%s: override to %s refused: %s", node.name, dtype_name(self.low),
+            log.warning("%s: %s to %s refused: %s", node.name, why, dtype_name(self.low),
                         self._safety_reason(node))
-            return Decision(FP32, self._safety_reason(node) + " (the override to "
-                            f"{dtype_name(self.low)} was refused)", pinned=True)
+            return Decision(FP32, f"{self._safety_reason(node)} ({why} to {dtype_name(self.low)} "
+                                  "refused)", pinned=True)
         if forced is not None:
-            return Decision(forced, "user override", pinned=True)
+            return Decision(forced, why, pinned=True)
 
         if node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, gm):
             self_dtype = dec[node.args[0]].dtype

@@ -108,7 +108,7 @@ def test_inplace_op_takes_the_dtype_of_what_it_writes_into():
 
 def test_overrides_by_name_and_module_glob():
     gm = convert(MLP(), torch.randn(4, 16), dtype=BF16, overrides={"fc2": "fp32"})
-    assert _dtypes(gm)["fc2"] == FP32 and gm.plan.node("fc2").reason == "user override"
+    assert _dtypes(gm)["fc2"] == FP32 and gm.plan.node("fc2").reason.startswith("user override")
     gm = convert(MLP(), torch.randn(4, 16), dtype=BF16, overrides={"fc*": "fp32"})
     assert _dtypes(gm)["fc1"] == _dtypes(gm)["fc2"] == FP32
 

@@ -1,0 +1,227 @@
+"""Reports, saved plans, overrides, diffs and `mpgraph inspect`."""
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import zlib
+
+import pytest
+import torch
+import torch.nn as nn
+import transformers as hf
+
+import mpgraph
+from mpgraph.cli import main as cli
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+class Blocks(nn.Module):
+    """Three linear+ReLU blocks: overrides by module glob have an exact, checkable effect."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return torch.softmax(self.head(x), dim=-1)
+
+
+def _blocks():
+    torch.manual_seed(0)
+    return Blocks().eval(), torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _small_bert():
+    torch.manual_seed(0)
+    cfg = hf.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=256, max_position_embeddings=64)
+    return hf.BertModel(cfg).eval(), torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+
+
+def test_text_report_matches_the_golden_file():
+    model, x = _blocks()  # planned for an A100: the estimates are data, not a measurement
+    text = mpgraph.report(mpgraph.convert(model, x, dtype="fp16", target="a100", strategy="rules"))
+    with open(os.path.join(GOLDEN, "blocks_report.txt")) as f:
+        assert text == f.read()
+
+
+def test_report_formats_and_bad_input(tmp_path):
+    model, x = _blocks()
+    gm = mpgraph.convert(model, x, dtype="fp16", target="a100", strategy="rules")
+    dot = mpgraph.report(gm, "dot", tmp_path / "plan.dot")
+    assert dot.startswith("digraph plan {") and (tmp_path / "plan.dot").read_text() == dot
+    assert dot.count("subgraph cluster_") == 5  # blocks.0, blocks.1, blocks.2, head, top level
+    assert dot.count("color=red") == len({(c.value, r) for c in gm.plan.casts for r in c.consumers})
+    data = mpgraph.Plan.from_dict(__import__("json").loads(mpgraph.report(gm.plan, "json")))
+    assert data.to_dict() == gm.plan.to_dict()
+    with pytest.raises(ValueError, match="unknown report format 'pdf'"):
+        mpgraph.report(gm, "pdf")
+    with pytest.raises(TypeError, match="converted module or a Plan"):
+        mpgraph.report(model)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        mpgraph.report(gm, "html", tmp_path / "missing" / "x.html")
+
+
+def test_saved_plan_round_trip_reproduces_the_converted_module(tmp_path):
+    for model, x in (_blocks(), _small_bert()):
+        gm = mpgraph.convert(model, x, dtype="bf16")
+        gm.plan.save(tmp_path / "plan.json")
+        again = mpgraph.convert(model, x, plan=mpgraph.Plan.load(tmp_path / "plan.json"))
+        assert again.code == gm.code
+        assert [(r.name, r.dtype) for r in again.plan.nodes] == [(r.name, r.dtype) for r in gm.plan.nodes]
+        with torch.no_grad():
+            a, b = gm(x), again(x)
+        a = a.last_hidden_state if hasattr(a, "last_hidden_state") else a
+        b = b.last_hidden_state if hasattr(b, "last_hidden_state") else b
+        assert torch.equal(a, b)
+
+
+def test_an_edited_plan_is_applied(tmp_path):
+    model, x = _blocks()
+    gm = mpgraph.convert(model, x, dtype="bf16", target="a100", strategy="rules")
+    data = gm.plan.to_dict()
+    for node in data["nodes"]:
+        if node["module"] == "blocks.1.0":
+            node["dtype"] = "float32"  # the user pins one linear in the JSON
+    edited = mpgraph.convert(model, x, plan=mpgraph.Plan.from_dict(data))
+    changed = mpgraph.diff(gm, edited).changed
+    assert [(c.name, c.dtype_a, c.dtype_b) for c in changed] == [("blocks_1_0", "bfloat16", "float32")]
+
+
+def test_a_plan_for_another_model_is_a_clear_error():
+    model, x = _blocks()
+    plan = mpgraph.convert(model, x, dtype="bf16").plan
+    with pytest.raises(mpgraph.PlanMismatchError) as err:
+        mpgraph.convert(model, torch.randn(4, 64), plan=plan)  # other shapes
+    assert "shape (4, 64), the plan has (16, 64)" in str(err.value)
+    bert, ids = _small_bert()
+    with pytest.raises(mpgraph.PlanMismatchError, match="is not in the plan"):
+        mpgraph.convert(bert, ids, plan=plan)
+    with pytest.raises(ValueError, match="not an mpgraph plan"):
+        mpgraph.Plan.from_dict({"nodes": []})
+    with pytest.raises(FileNotFoundError, match="no plan file"):
+        mpgraph.Plan.load("/nonexistent/plan.json")
+
+
+def test_override_by_module_glob_changes_exactly_the_matched_nodes():
+    model, x = _blocks()
+    base = mpgraph.convert(model, x, dtype="bf16", strategy="rules")
+    pinned = mpgraph.convert(model, x, dtype="bf16", strategy="rules",
+                             overrides={"blocks.1.*": "fp32"})
+    changed = {c.name for c in mpgraph.diff(base, pinned).changed}
+    matched = {r.name for r in base.plan.compute_nodes if r.module.startswith("blocks.1.")}
+    assert changed == matched == {"blocks_1_0", "blocks_1_1"}
+    for name in matched:
+        assert pinned.plan.node(name).reason == "user override ('blocks.1.*')"
+
+
+def test_override_by_op_and_by_class_and_precedence():
+    model, x = _blocks()
+    gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules", overrides={"op:nn.ReLU": "fp32"})
+    relus = [r for r in gm.plan.compute_nodes if r.module.endswith(".1")]
+    assert len(relus) == 3 and all(r.dtype == "float32" for r in relus)
+    gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules",
+                         overrides={"class:tensor_core": "fp32", "blocks.2.0": "bf16"})
+    assert gm.plan.node("blocks_0_0").dtype == gm.plan.node("head").dtype == "float32"
+    assert gm.plan.node("blocks_2_0").dtype == "bfloat16"  # a module path beats an op class
+
+
+def test_override_that_matches_nothing_is_a_warning_naming_it(caplog):
+    model, x = _blocks()
+    with caplog.at_level(logging.WARNING, logger="mpgraph"):
+        mpgraph.convert(model, x, dtype="bf16", overrides={"encoder.layr.*": "fp32"})
+    assert any("'encoder.layr.*' matched no node" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="dtype must be float32 or bfloat16"):
+        mpgraph.convert(model, x, dtype="bf16", overrides={"head": "int8"})
+
+
+def test_diff_of_two_targets_lists_every_changed_node():
+    bert, ids = _small_bert()
+    t4 = mpgraph.convert(bert, ids, dtype="fp16", target="t4")
+    a100 = mpgraph.convert(bert, ids, dtype="fp16", target="a100")
+    d = mpgraph.diff(t4, a100)
+    # the pooler's 64x64 matmul and its tanh pay for their casts on an A100, not on a T4
+    assert {c.name for c in d.changed} == {"linear_12", "tanh"}, str(d)
+    changed = {c.name for c in d.changed}
+    for r in t4.plan.compute_nodes:
+        other = a100.plan.node(r.name).dtype
+        assert (r.dtype != other) == (r.name in changed)
+    assert str(d).startswith("A: float16 on NVIDIA T4 (optimal)")
+
+
+def _png_pixels(path):
+    """(width, height, distinct colours) of an 8-bit RGB/RGBA PNG, decoded here (no Pillow)."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    assert depth == 8 and colour in (2, 6)
+    bpp = 3 if colour == 2 else 4
+    raw, stride = zlib.decompress(idat), width * bpp
+    rows, prev = [], bytearray(stride)
+    for y in range(height):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    colours = {row[i:i + 3] for row in rows[::8] for i in range(0, stride, bpp * 8)}
+    return width, height, len(colours)
+
+
+def test_html_report_of_bert_renders_in_headless_chromium(tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on this machine (Debian: apt-get install chromium)")
+    bert, ids = _small_bert()
+    page = tmp_path / "bert.html"
+    text = mpgraph.report(mpgraph.convert(bert, ids, dtype="fp16", target="a100"), "html", page)
+    assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")  # no network
+    assert "https://" not in text
+    shot = tmp_path / "bert.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1200,1500", page.as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    width, height, colours = _png_pixels(shot)
+    assert (width, height) == (1200, 1500)
+    assert colours >= 8  # white page, text, and the fp32/fp16 node colours: not blank
+
+
+def test_cli_inspect_writes_every_format(tmp_path, capsys):
+    factory = tmp_path / "factory.py"
+    factory.write_text("import torch, torch.nn as nn\n"
+                       "def build():\n"
+                       "    torch.manual_seed(0)\n"
+                       "    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)), "
+                       "torch.randn(16, 64)\n")
+    html_path, json_path, dot_path = tmp_path / "p.html", tmp_path / "p.json", tmp_path / "p.dot"
+    assert cli(["inspect", f"{factory}:build", "--dtype", "fp16", "--target", "a100", "--html",
+                str(html_path), "--json", str(json_path), "--dot", str(dot_path)]) == 0
+    out = capsys.readouterr().out
+    assert "== totals ==" in out and f"wrote {html_path}" in out
+    assert mpgraph.Plan.load(json_path).dtype == torch.float16
+    assert html_path.read_text().startswith("<!DOCTYPE html>")
+    assert cli(["inspect", f"{factory}:build", "--html", str(tmp_path / "no" / "x.html")]) == 2
