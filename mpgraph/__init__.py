@@ -12,7 +12,8 @@ from .op_table import OpEntry, OpTable
 from .pass_infra import Pass, PassResult, run_passes
 from .plan import CastRecord, NodeRecord, Plan
 from .plan_diff import PlanDiff, diff
-from .report import report
+from .profiling import ProfileResult, profile
+from .reporting import report
 
 
 
@@ -20,6 +21,12 @@ def export_onnx(*args, **kwargs):
     """Export to ONNX with the plan's types and validate the file (see mpgraph.onnx_export)."""
     from .onnx_export import export_onnx as _export
     return _export(*args, **kwargs)
+
+
+def ncu_command(*args, **kwargs):
+    """The Nsight Compute command that profiles a program node by node (see mpgraph.ncu)."""
+    from .ncu import ncu_command as _command
+    return _command(*args, **kwargs)
 
 
 def ort_session(*args, **kwargs):
@@ -32,4 +39,5 @@ __version__ = "0.1.0"
 __all__ = ["convert", "capture", "resolve_dtype", "Plan", "NodeRecord", "CastRecord", "OpTable",
            "OpEntry", "Pass", "PassResult", "run_passes", "CaptureError", "ConversionError",
            "PassError", "MpgraphError", "ExportError", "CalibrationError", "ToleranceError", "PlanMismatchError",
-           "report", "diff", "PlanDiff", "export_onnx", "ort_session"]
+           "report", "diff", "PlanDiff", "export_onnx", "ort_session",
+           "profile", "ProfileResult", "ncu_command"]

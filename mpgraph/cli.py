@@ -77,7 +77,7 @@ def _export(args) -> int:
 def _inspect(args) -> int:
     from .api import convert
     from .errors import MpgraphError
-    from .report import report
+    from .reporting import report
     model, inputs, kwargs = build_from(args.factory)
     try:
         converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
@@ -91,6 +91,53 @@ def _inspect(args) -> int:
         if path:
             report(converted, fmt, path)
             print(f"wrote {path}")
+    return 0
+
+
+def _profile(args) -> int:
+    from . import ncu
+    if args.ncu_csv or args.nvprof_csv:  # a report made elsewhere: no model needed
+        path = args.ncu_csv or args.nvprof_csv
+        with open(path) as f:
+            text = f.read()
+        rows = ncu.parse_ncu_csv(text) if args.ncu_csv else ncu.parse_nvprof_csv(text)
+        uses = ncu.per_node(rows)
+        if uses:
+            print(ncu.format_per_node(uses))
+        else:  # nvprof has no NVTX: kernels only
+            for r in rows:
+                print(f"{r.kernel[:70]:<70} tensor {r.tensor_active}")
+        return 0
+    if not args.factory:
+        print("mpgraph: profile needs FILE.py:factory (or --ncu-csv/--nvprof-csv FILE)", file=sys.stderr)
+        return 2
+    import torch
+    from .api import convert
+    from .profiling import profile
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.ncu:
+        program = [sys.executable, "-m", "mpgraph.cli", "profile", args.factory, "--dtype", args.dtype,
+                   "--iters", "1", "--device", "cuda"] + (["--target", args.target] if args.target else [])
+        query = ncu.query_metrics() if torch.cuda.is_available() else None
+        metrics = ncu.available_metrics(query) if query else None
+        command = ncu.ncu_command(program, metrics, log_file=args.ncu_log)
+        if query is None:
+            print("mpgraph: ncu is not usable here (needs an NVIDIA GPU and ncu on PATH). On a GPU "
+                  "machine run:\n  " + ncu.shell(command) + "\nthen here: mpgraph profile "
+                  f"--ncu-csv {args.ncu_log}", file=sys.stderr)
+            return 1
+        import subprocess
+        done = subprocess.run(command)
+        if done.returncode != 0:
+            return done.returncode
+        with open(args.ncu_log) as f:
+            print(ncu.format_per_node(ncu.per_node(ncu.parse_ncu_csv(f.read()))))
+        return 0
+    model, inputs, kwargs = build_from(args.factory)
+    converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target)
+    if device != "cpu":
+        converted = converted.to(device)
+    print(profile(converted, inputs, example_kwargs=kwargs, device=device, iters=args.iters).table())
     return 0
 
 
@@ -125,6 +172,17 @@ def main(argv=None) -> int:
     i.add_argument("--json", help="write the plan as JSON here (mpgraph.Plan.load reads it)")
     i.add_argument("--dot", help="write the Graphviz source here")
     i.set_defaults(func=_inspect)
+    p = sub.add_parser("profile", help="per-node time and Tensor Core use of a converted model")
+    p.add_argument("factory", nargs="?", help="FILE.py:name or module:name returning (model, inputs[, kwargs])")
+    p.add_argument("--dtype", default="auto", help="auto, fp16 or bf16")
+    p.add_argument("--target", default=None, help="the device to plan for (default: this one)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--iters", type=int, default=5, help="profiled runs")
+    p.add_argument("--ncu", action="store_true", help="run Nsight Compute on the node ranges")
+    p.add_argument("--ncu-log", default="mpgraph-ncu.csv", help="where ncu writes its CSV")
+    p.add_argument("--ncu-csv", help="read an ncu --csv report made elsewhere")
+    p.add_argument("--nvprof-csv", help="read an nvprof --csv --metrics tensor_precision_fu_utilization report")
+    p.set_defaults(func=_profile)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

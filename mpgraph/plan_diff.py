@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .plan import Plan
-from .report import _plan_of
+from .reporting import _plan_of
 
 
 @dataclass(frozen=True)

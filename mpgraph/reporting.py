@@ -29,12 +29,18 @@ def _plan_of(obj) -> Plan:
     return plan
 
 
-def report(obj, format: str = "text", path: Union[None, str, os.PathLike] = None) -> str:
-    """The plan of ``obj`` (a converted module or a Plan) as text, json, html or dot."""
+def report(obj, format: str = "text", path: Union[None, str, os.PathLike] = None,
+           profile=None) -> str:
+    """The plan of ``obj`` (a converted module or a Plan) as text, json, html or dot; with a
+    ``profile`` (``mpgraph.profile(...)``), measured time per node beside the prediction."""
     if format not in FORMATS:
         raise ValueError(f"unknown report format {format!r}; one of {', '.join(FORMATS)}")
     plan = _plan_of(obj)
-    text = {"text": text_report, "json": json_report, "html": html_report, "dot": dot_report}[format](plan)
+    measured = {n.name: n for n in profile.nodes} if profile is not None else None
+    if format == "dot":
+        text = dot_report(plan)
+    else:
+        text = {"text": text_report, "json": json_report, "html": html_report}[format](plan, measured)
     if path is not None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
@@ -97,19 +103,30 @@ def _size(n: float) -> str:
 
 
 # -- text -------------------------------------------------------------------------------------
-def text_report(plan: Plan) -> str:
+def _measured(measured, name: str) -> str:
+    n = (measured or {}).get(name)
+    if n is None:
+        return "-"
+    tc = "" if n.tensor_core is None else (" TC" if n.tensor_core else " noTC")
+    return f"{n.time_s * 1e6:.3g}{tc}"
+
+
+def text_report(plan: Plan, measured: Optional[dict] = None) -> str:
     low = dtype_name(plan.dtype)
     lines = [f"mpgraph plan: {low} on {plan.target or '?'} ({plan.strategy or '?'} strategy)",
              plan.summary(), ""]
     head = (f"{'node':<28} {'op':<24} {'class':<13} {'dtype':<9} {'t fp32 us':>9} "
-            f"{'t low us':>9}  decided by")
+            f"{'t low us':>9}" + (f" {'measured us':>13}" if measured is not None else "")
+            + "  decided by")
     for group, nodes in _groups(plan.compute_nodes).items():
         n_low = len([r for r in nodes if r.dtype not in (None, "float32")])
         lines.append(f"== {group}: {len(nodes)} nodes, {n_low} low ==")
         lines.append(head)
         for r in nodes:
             lines.append(f"{r.name[:28]:<28} {_op(r)[:24]:<24} {r.op_class:<13} {r.dtype or '-':<9} "
-                         f"{_us(r.t_fp32):>9} {_us(r.t_low):>9}  {r.reason}")
+                         f"{_us(r.t_fp32):>9} {_us(r.t_low):>9}"
+                         + (f" {_measured(measured, r.name):>13}" if measured is not None else "")
+                         + f"  {r.reason}")
             for finding in (r.tensor_core,) if r.tensor_core.startswith("eligible but") else ():
                 lines.append(f"{'':<28} tensor cores: {finding}")
             for finding in r.safety:
@@ -134,8 +151,13 @@ def text_report(plan: Plan) -> str:
 
 
 # -- json -------------------------------------------------------------------------------------
-def json_report(plan: Plan) -> str:
-    return json.dumps({**plan.to_dict(), "totals": totals(plan)}, indent=1)
+def json_report(plan: Plan, measured: Optional[dict] = None) -> str:
+    data = {**plan.to_dict(), "totals": totals(plan)}
+    if measured is not None:
+        data["profile"] = [{"node": n.name, "measured_s": n.time_s, "predicted_s": n.predicted_s,
+                            "kernels": list(n.kernels), "tensor_core": n.tensor_core,
+                            "finding": n.finding} for n in measured.values()]
+    return json.dumps(data, indent=1)
 
 
 # -- dot --------------------------------------------------------------------------------------
@@ -251,7 +273,7 @@ var rows=document.querySelectorAll('#nodes tbody tr');for(var i=0;i<rows.length;
 rows[i].style.display=rows[i].textContent.toLowerCase().indexOf(q)>=0?'':'none';}}"""
 
 
-def html_report(plan: Plan) -> str:
+def html_report(plan: Plan, measured: Optional[dict] = None) -> str:
     drawn = _drawn(plan)
     casts = _cast_on(plan)
     t = totals(plan)
@@ -268,7 +290,8 @@ def html_report(plan: Plan) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(r.name)}</td><td>{html.escape(r.module)}</td><td>{html.escape(_op(r))}</td>"
         f"<td>{r.op_class}</td><td style='background:{COLOURS.get(r.dtype, '#bbb')}'>{r.dtype or '-'}</td>"
-        f"<td>{_us(r.t_fp32)}</td><td>{_us(r.t_low)}</td><td>{html.escape(r.reason)}"
+        f"<td>{_us(r.t_fp32)}</td><td>{_us(r.t_low)}</td><td>{_measured(measured, r.name)}</td>"
+        f"<td>{html.escape(r.reason)}"
         f"{''.join('<br>safety: ' + html.escape(f) for f in r.safety)}</td>"
         f"<td>{html.escape(r.tensor_core)}</td></tr>" for r in plan.compute_nodes)
     cast_rows = "".join(
@@ -285,7 +308,7 @@ low precision; {t['casts']} casts moving {_size(t['cast_bytes'])}B per run{speed
 <h2>Graph, by module</h2>{''.join(sections)}
 <h2>Nodes</h2><input id="q" placeholder="search nodes, modules, ops, reasons" oninput="filterRows()">
 <table id="nodes"><thead><tr><th>node</th><th>module</th><th>op</th><th>class</th><th>dtype</th>
-<th>t fp32 us</th><th>t low us</th><th>decided by</th><th>tensor cores</th></tr></thead><tbody>{rows}</tbody></table>
+<th>t fp32 us</th><th>t low us</th><th>measured us</th><th>decided by</th><th>tensor cores</th></tr></thead><tbody>{rows}</tbody></table>
 <h2>Casts</h2><table><thead><tr><th>value</th><th>from &#8594; to</th><th>elements</th><th>bytes/run</th>
 <th>readers</th></tr></thead><tbody>{cast_rows}</tbody></table></body></html>
 """
