@@ -133,10 +133,10 @@ def _profile(args) -> int:
         with open(args.ncu_log) as f:
             print(ncu.format_per_node(ncu.per_node(ncu.parse_ncu_csv(f.read()))))
         return 0
+    from .profiling import _to
     model, inputs, kwargs = build_from(args.factory)
+    model, inputs, kwargs = model.to(device), _to(inputs, device), _to(kwargs, device)
     converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target)
-    if device != "cpu":
-        converted = converted.to(device)
     print(profile(converted, inputs, example_kwargs=kwargs, device=device, iters=args.iters).table())
     return 0
 
