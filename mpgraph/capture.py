@@ -60,7 +60,13 @@ def _dynamic_shapes(args: tuple, kwargs: dict):
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     ep = torch.export.export(model, args, kwargs, strict=False,
                              dynamic_shapes=_as_dynamic_spec(model, args, kwargs))
-    return ep.module()
+    unlifted = ep.module()
+    # A plain GraphModule on the same graph and attributes: the unlifted module refuses .train()
+    # and .eval(), which users call on what convert returns (FollowTrainingFlag gives the flag
+    # its meaning back). Its generated code reads the pytree specs from the module.
+    gm = torch.fx.GraphModule(unlifted, unlifted.graph)
+    gm._in_spec, gm._out_spec = unlifted._in_spec, unlifted._out_spec
+    return gm
 
 
 def _as_dynamic_spec(model, args, kwargs):

@@ -55,8 +55,14 @@ def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.
     """Values written in place somewhere in the graph, including the bases of mutated views."""
     out: set[torch.fx.Node] = set()
     for node in graph.nodes:
+        written = []
         if node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, root):
-            target = node.args[0]
+            written.append(node.args[0])
+        if node.op == "call_module":  # modules that declare the arguments they write into
+            for i in getattr(root.get_submodule(node.target), "mutates_args", ()):
+                if i < len(node.args) and isinstance(node.args[i], torch.fx.Node):
+                    written.append(node.args[i])
+        for target in written:
             while True:
                 out.add(target)
                 if is_view(target) and target.args and isinstance(target.args[0], torch.fx.Node):

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .modules import CountBatches, TrainingBatchNorm
+
 TENSOR_CORE = "tensor_core"
 FOLLOW = "follow"
 FP32_COMPUTE = "fp32_compute"
@@ -121,8 +123,9 @@ MODULE_TABLE: dict[Any, OpEntry] = {
     **_group(_mods("LayerNorm", "GroupNorm"), FP32_COMPUTE, _NORM, low_io=True),
     **_group(_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm",
                    "RMSNorm"), FP32_COMPUTE, _NORM),
-    **_group(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm"), FP32_COMPUTE, _BN,
-             inference=FOLLOW, inference_reason=_BN_EVAL),
+    **_group(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm") + [TrainingBatchNorm],
+             FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL),
+    **_group([CountBatches], FOLLOW, "counts batches (an integer buffer): no float arithmetic"),
     **_group(_mods("Softmax", "LogSoftmax", "Softmin", "Softmax2d"), FP32_COMPUTE, _SOFTMAX),
     **_group(_mods("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "ELU", "SELU", "CELU", "GELU",
                    "SiLU", "Mish", "Hardswish", "Hardsigmoid", "Hardtanh", "Sigmoid", "Tanh",

@@ -9,9 +9,11 @@ from mpgraph.device_specs import DeviceSpec
 from mpgraph.op_table import OpTable
 from mpgraph.pass_infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
+                            FollowTrainingFlag,
                             CheckDtypes, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
                             LintTensorCores, NumericSafety, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.passes.calibrate import Call
+
 
 STRATEGIES = ("optimal", "rules")
 
@@ -24,6 +26,7 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
+        FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
         Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges
     ]
 

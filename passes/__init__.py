@@ -9,6 +9,7 @@ from .channels_last import ChannelsLast
 from .check_dtypes import CheckDtypes
 from .classify_ops import ClassifyOps
 from .estimate_cost import EstimateCost
+from .follow_training_flag import FollowTrainingFlag
 from .fuse_tanh_gelu import FuseTanhGelu
 from .insert_casts import InsertCasts
 from .lint_tensor_cores import LintTensorCores
@@ -18,6 +19,6 @@ from .retarget_dtype_asserts import RetargetDtypeAsserts
 from .store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
-           "CheckDtypes", "ClassifyOps", "EstimateCost", "FuseTanhGelu", "InsertCasts",
+           "CheckDtypes", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "NumericSafety", "PropagateTensorInfo",
            "RetargetDtypeAsserts", "StoreWeights"]

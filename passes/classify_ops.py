@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from mpgraph.modules import TrainingBatchNorm
 from mpgraph.meta import OP_CLASS, OpInfo
 from mpgraph.op_table import UNKNOWN, OpTable
 from mpgraph.pass_infra import Pass, PassResult
@@ -19,7 +20,8 @@ def fixed_statistics(node, gm) -> bool:
     """True for a batch norm that normalises with its running statistics (eval mode)."""
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        return not module.training and getattr(module, "running_mean", None) is not None
+        stats = getattr(module, "running_mean", None) is not None or isinstance(module, TrainingBatchNorm)
+        return not module.training and stats
     # F.batch_norm, torch.batch_norm and aten.batch_norm all take ``training`` sixth
     training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else None)
     return training is False

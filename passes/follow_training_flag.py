@@ -1,0 +1,64 @@
+"""Make an exported graph follow ``.train()``/``.eval()`` like the model it came from.
+
+torch.export records the training flag as constants: ``aten.dropout(x, p, train)``, batch norm
+with ``training=True/False`` and, in training, ``num_batches_tracked.add_(1)``. In the model,
+nn.Dropout and nn.BatchNorm read ``self.training`` at run time. This pass puts modules that do
+the same in their place (nn.Dropout, mpgraph.modules.TrainingBatchNorm and CountBatches), so a
+converted module trains with dropout and batch statistics, and evaluates without, whichever mode
+it was captured in. Graphs from symbolic_trace call those modules already and are left alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from mpgraph.meta import INSERTED_BY
+from mpgraph.modules import CountBatches, TrainingBatchNorm
+from mpgraph.pass_infra import Pass, PassResult
+
+aten = torch.ops.aten
+
+
+def _free(gm, base: str) -> str:
+    name, i = base, 1
+    while hasattr(gm, name):
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+class FollowTrainingFlag(Pass):
+    def call(self, gm):
+        graph, changed = gm.graph, 0
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is aten.dropout.default:
+                x, p = node.args[0], node.args[1]
+                module = torch.nn.Dropout(p)
+                args = (x,)
+            elif node.target is aten.batch_norm.default:
+                x, w, b, rm, rv, _, momentum, eps = node.args[:8]
+                if rm is None or rv is None:
+                    continue  # no running statistics: the flag is not baked in
+                module = TrainingBatchNorm(momentum, eps)
+                args = (x, w, b, rm, rv)
+            elif node.target is aten.add_.Tensor and isinstance(node.args[0], torch.fx.Node) \
+                    and node.args[0].op == "get_attr" \
+                    and str(node.args[0].target).endswith("num_batches_tracked") and node.args[1] == 1:
+                module, args = CountBatches(), (node.args[0],)
+            else:
+                continue
+            module.train(gm.training)
+            name = _free(gm, f"{node.name}_mode")
+            gm.add_submodule(name, module)
+            with graph.inserting_before(node):
+                new = graph.call_module(name, args)
+            new.meta.update(node.meta)
+            new.meta[INSERTED_BY] = self.name
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            changed += 1
+        if changed:
+            graph.lint()
+            gm.recompile()
+        return PassResult(gm, changed > 0)
