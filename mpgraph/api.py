@@ -55,7 +55,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             op_table: Optional[Union[OpTable, dict]] = None,
             overrides: Optional[dict] = None, check: bool = True,
             calibration: Optional[Iterable] = None, tolerance: Optional[float] = None,
-            progress: Optional[bool] = None, plan: Optional[Plan] = None) -> torch.fx.GraphModule:
+            progress: Optional[bool] = None, plan: Optional[Plan] = None,
+            mode: str = "inference") -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
     The example inputs are run once to learn every value's shape and dtype (and once more to
@@ -80,15 +81,25 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     ``plan`` (a ``Plan``, e.g. ``Plan.load(path)``, possibly edited) is applied as it is: its dtype,
     target and every node's decision; a plan whose nodes, ops or shapes do not match the model's
     graph is a ``PlanMismatchError`` listing the differences.
+
+    ``mode="train"``: the parameters stay float32 and are what an optimizer updates (master
+    weights); each is cast to the low dtype once per forward inside the graph, shared by its
+    readers; backward runs through every cast, so gradients arrive in float32; buffers the model
+    writes (batch-norm statistics) keep their dtype; ``.train()``/``.eval()`` switch dropout and
+    batch norm as in the model. The converted module trains its own copy of the parameters.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    train = mode == "train"
     if plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an mpgraph.Plan (Plan.load(path)), got {type(plan).__name__}")
         if tolerance is not None:
             raise ValueError("a saved plan is applied as it is: pass plan= or tolerance=, not both")
         dtype, keep_io_types, strategy = plan.dtype, plan.keep_io_types, plan.strategy or strategy
+        mode, train = plan.mode, plan.mode == "train"
         target = target if target is not None else plan.target
     spec = resolve_target(target)
     keep_fp32, second = None, None
@@ -112,7 +123,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         if calibration is not None:
             calibration = list(calibration)  # measured once per round of the search
     table = op_table if isinstance(op_table, OpTable) else OpTable.default(op_table)
-    gm = capture(model, args, kwargs)
+    gm = capture(model, args, kwargs, export_only=train)
 
     from .pipeline import default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress), gm)
@@ -127,7 +138,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                                   keep_io_types=keep_io_types, op_table=table,
                                   overrides={**(overrides or {}), **(pins or {})},
                                   keep_fp32=keep_fp32, check=check, range_dtype=second,
-                                  from_plan=from_plan)
+                                  from_plan=from_plan, train=train)
         return run_passes(passes, graph)
 
     gm = build(gm)
@@ -136,8 +147,10 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         calls = [as_call(b) for b in calibration] if calibration is not None else [(args, kwargs)]
         gm, report = meet_tolerance(base, lambda pins: build(copy.deepcopy(base), pins), gm, calls,
                                     tolerance, low)
+    _restore_buffers(gm, model)
     gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
                               kept_fp32=keep_fp32)
+    gm.plan.mode = mode
     gm.plan.tolerance = report
     if plan is not None:
         differ = [f"{r.name}: the plan says {r.dtype}, the conversion gave {gm.plan.node(r.name).dtype} "
@@ -147,6 +160,20 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             raise PlanMismatchError(differ)
     log.info("%s", gm.plan.summary())
     return gm
+
+
+MODES = ("inference", "train")
+
+
+def _restore_buffers(gm: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Undo what conversion's own runs wrote into buffers (a model in training mode updates its
+    batch-norm statistics on every run): the converted module starts from the model's state."""
+    original = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, buf in gm.named_buffers():
+            src = original.get(name)
+            if src is not None and src.shape == buf.shape and not torch.equal(src.to(buf.dtype), buf):
+                buf.copy_(src)
 
 
 def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:

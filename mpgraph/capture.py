@@ -81,7 +81,7 @@ def _as_dynamic_spec(model, args, kwargs):
 
 
 def capture(model: torch.nn.Module, example_inputs: Any = None,
-            example_kwargs: Optional[dict] = None) -> torch.fx.GraphModule:
+            example_kwargs: Optional[dict] = None, *, export_only: bool = False) -> torch.fx.GraphModule:
     """Return a GraphModule computing ``model``, traced from a copy of it.
 
     With example inputs, every node's output shape and dtype is recorded in
@@ -100,7 +100,8 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
     reports: dict[str, str] = {}
-    attempts = [(SYMBOLIC, lambda: torch.fx.symbolic_trace(work))]
+    # export_only (training): every parameter a get_attr node, no leaf module hiding its weights
+    attempts = [] if export_only else [(SYMBOLIC, lambda: torch.fx.symbolic_trace(work))]
     if has_inputs:
         attempts.append((EXPORT, lambda: _export(work, args, kwargs)))
     for name, trace in attempts:

@@ -35,6 +35,6 @@ def required_dtype(consumer: torch.fx.Node, producer: torch.fx.Node, root: torch
         return None  # an in-place op writes into this very value: it cannot read a copy
     if decision.param_dtype is not None:
         produced = decision_of(producer)
-        if produced is not None and produced.stored:
-            return decision.param_dtype
+        if produced is not None and (produced.stored or producer.op == "get_attr"):
+            return decision.param_dtype  # a norm's scale and shift, read in float32
     return decision.dtype

@@ -40,3 +40,15 @@ class CountBatches(torch.nn.Module):
         if self.training:
             counter.add_(1)
         return counter
+
+
+class DropoutRate(torch.nn.Module):
+    """The dropout probability of a fused op (attention's ``dropout_p``): ``p`` in training,
+    0 in eval, as nn.MultiheadAttention passes it."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self) -> float:
+        return self.p if self.training else 0.0

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .modules import CountBatches, TrainingBatchNorm
+from .modules import CountBatches, DropoutRate, TrainingBatchNorm
 
 TENSOR_CORE = "tensor_core"
 FOLLOW = "follow"
@@ -126,6 +126,7 @@ MODULE_TABLE: dict[Any, OpEntry] = {
     **_group(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm") + [TrainingBatchNorm],
              FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL),
     **_group([CountBatches], FOLLOW, "counts batches (an integer buffer): no float arithmetic"),
+    **_group([DropoutRate], FOLLOW, "a dropout probability (a Python float): no tensor"),
     **_group(_mods("Softmax", "LogSoftmax", "Softmin", "Softmax2d"), FP32_COMPUTE, _SOFTMAX),
     **_group(_mods("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "ELU", "SELU", "CELU", "GELU",
                    "SiLU", "Mish", "Hardswish", "Hardsigmoid", "Hardtanh", "Sigmoid", "Tanh",

@@ -36,25 +36,26 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
                      op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
                      keep_fp32: Optional[str] = None, check: bool = True,
                      range_dtype: Optional[torch.dtype] = None,
-                     from_plan: Optional[dict] = None) -> list[Pass]:
+                     from_plan: Optional[dict] = None, train: bool = False) -> list[Pass]:
     """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify.
     ``range_dtype`` (bf16 beside fp16) computes the nodes fp16's range keeps out of fp16."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "optimal":
         decide: Pass = AssignPrecisionOptimal(low_dtype, spec, keep_io_types, overrides, keep_fp32,
-                                              range_dtype=range_dtype, from_plan=from_plan)
+                                              range_dtype=range_dtype, from_plan=from_plan,
+                                              train=train)
     else:
         decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype,
-                                 from_plan)
+                                 from_plan, train)
     passes: list[Pass] = [
         ClassifyOps(low_dtype, op_table),     # analysis: op class per node
         NumericSafety(low_dtype, alt_dtype=range_dtype),  # analysis: fp32 findings, evidence
         EstimateCost(spec, low_dtype),        # analysis: roofline time per node, both dtypes
         decide,                               # decision: dtype per node (min-cut or rules)
         LintTensorCores(spec),                # analysis: Tensor Core alignment findings
-        StoreWeights(low_dtype, keep_io_types),   # rewrite: weights stored once
-        *([StoreWeights(range_dtype, keep_io_types)] if range_dtype else []),  # ... and in bf16
+        *([] if train else [StoreWeights(low_dtype, keep_io_types)]),  # rewrite: weights stored once
+        *([StoreWeights(range_dtype, keep_io_types)] if range_dtype and not train else []),  # bf16
         InsertCasts(keep_io_types),           # rewrite: shared casts
         ChannelsLast(),                       # rewrite: NHWC layout for low-precision 2-D convs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts

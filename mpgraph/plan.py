@@ -68,6 +68,7 @@ class Plan:
     # the tolerance search's report: tolerance, error, pinned [(node, attributed error)],
     # rounds, estimated seconds before/after pinning (the speed given up); None without one
     tolerance: Optional[dict] = None
+    mode: str = "inference"          # or "train": float32 master weights, cast once per forward
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
@@ -154,7 +155,7 @@ class Plan:
                                 for c in data.get("model_casts", [])],
                    order=list(data.get("order", [])),
                    calibration_batches=data.get("calibration_batches", 0),
-                   tolerance=data.get("tolerance"))
+                   tolerance=data.get("tolerance"), mode=data.get("mode", "inference"))
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -203,6 +204,8 @@ class Plan:
                 f"({stored / 1e6:.2f}M values) stored as {low}; captured with {self.capture}")
         if self.kept_fp32:
             text += f"; kept float32: {self.kept_fp32}"
+        if self.mode == "train":
+            text += "; training: float32 master weights, cast once per forward"
         if self.range_nodes:
             text += (f"; {len(self.range_nodes)} nodes in {self.range_nodes[0].dtype} where "
                      f"{low} overflows")
@@ -240,6 +243,7 @@ class Plan:
             "dtype": dtype_name(self.dtype), "capture": self.capture,
             "keep_io_types": self.keep_io_types, "target": self.target, "strategy": self.strategy,
             "kept_fp32": self.kept_fp32, "estimate": self.estimate, "summary": self.summary(),
+            "mode": self.mode,
             "calibration_batches": self.calibration_batches,
             "tolerance": _jsonable(self.tolerance),
             "nodes": [_jsonable(asdict(r)) for r in self.nodes],

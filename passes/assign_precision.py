@@ -67,7 +67,8 @@ class AssignPrecision(Pass):
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
-                 range_dtype: Optional[torch.dtype] = None, from_plan: Optional[dict] = None):
+                 range_dtype: Optional[torch.dtype] = None, from_plan: Optional[dict] = None,
+                 train: bool = False):
         self.keep_fp32 = keep_fp32  # a reason to keep every node in float32 (dtype="auto")
         self.low = low_dtype
         # bf16 beside fp16 (dtype="auto" on GPUs with both): for nodes fp16's range keeps out
@@ -75,6 +76,8 @@ class AssignPrecision(Pass):
         self.keep_io_types = keep_io_types
         self.overrides = dict(overrides or {})
         self.from_plan = dict(from_plan or {})
+        # training: parameters stay float32 masters, cast once per forward for low readers
+        self.train = train
         for key, value in self.overrides.items():
             self._dtype_of(key, value)  # a bad dtype is an error before anything runs
 
@@ -179,6 +182,10 @@ class AssignPrecision(Pass):
             elif node.op == "get_attr":
                 if is_float32_tensor(info) and node in mutated:
                     dec[node] = Decision(FP32, "buffer written in place: keeps its dtype", pinned=True)
+                elif is_float32_tensor(info) and self.train:
+                    dec[node] = Decision(FP32, "float32 master weight (training): cast once per "
+                                               "forward, shared by its low-precision readers",
+                                         pinned=True)
                 elif is_float32_tensor(info):
                     stored.add(node)
                     dec[node] = Decision(None, "parameter: stored in the dtype its readers need",

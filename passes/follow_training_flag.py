@@ -3,7 +3,8 @@
 torch.export records the training flag as constants: ``aten.dropout(x, p, train)``, batch norm
 with ``training=True/False`` and, in training, ``num_batches_tracked.add_(1)``. In the model,
 nn.Dropout and nn.BatchNorm read ``self.training`` at run time. This pass puts modules that do
-the same in their place (nn.Dropout, mpgraph.modules.TrainingBatchNorm and CountBatches), so a
+the same in their place (nn.Dropout, mpgraph.modules.TrainingBatchNorm and CountBatches; for
+attention with ``dropout_p``, a DropoutRate module gives the rate at run time), so a
 converted module trains with dropout and batch statistics, and evaluates without, whichever mode
 it was captured in. Graphs from symbolic_trace call those modules already and are left alone.
 """
@@ -12,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from mpgraph.meta import INSERTED_BY
-from mpgraph.modules import CountBatches, TrainingBatchNorm
+from mpgraph.meta import INSERTED_BY, TENSOR
+from mpgraph.modules import CountBatches, DropoutRate, TrainingBatchNorm
 from mpgraph.pass_infra import Pass, PassResult
 
 aten = torch.ops.aten
@@ -26,7 +27,27 @@ def _free(gm, base: str) -> str:
     return name
 
 
+def _dropout_p(node):
+    if "dropout_p" in node.kwargs:
+        return node.kwargs["dropout_p"]
+    return node.args[4] if len(node.args) > 4 else None
+
+
 class FollowTrainingFlag(Pass):
+    def _rate(self, gm, node) -> None:
+        """Attention keeps its op; its dropout_p comes from a DropoutRate module at run time."""
+        module = DropoutRate(float(_dropout_p(node)))
+        module.train(gm.training)
+        name = _free(gm, f"{node.name}_dropout_p")
+        gm.add_submodule(name, module)
+        with gm.graph.inserting_before(node):
+            rate = gm.graph.call_module(name, ())
+        rate.meta.update({INSERTED_BY: self.name, TENSOR: None})  # a float, not a tensor
+        if "dropout_p" in node.kwargs:
+            node.update_kwarg("dropout_p", rate)
+        else:
+            node.update_arg(4, rate)
+
     def call(self, gm):
         graph, changed = gm.graph, 0
         for node in list(graph.nodes):
@@ -42,6 +63,11 @@ class FollowTrainingFlag(Pass):
                     continue  # no running statistics: the flag is not baked in
                 module = TrainingBatchNorm(momentum, eps)
                 args = (x, w, b, rm, rv)
+            elif node.target is aten.scaled_dot_product_attention.default \
+                    and _dropout_p(node) not in (None, 0.0):
+                self._rate(gm, node)
+                changed += 1
+                continue
             elif node.target is aten.add_.Tensor and isinstance(node.args[0], torch.fx.Node) \
                     and node.args[0].op == "get_attr" \
                     and str(node.args[0].target).endswith("num_batches_tracked") and node.args[1] == 1:
