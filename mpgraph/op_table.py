@@ -104,7 +104,9 @@ _DROPOUT = "dropout scales by 1/(1-p) at most: follows its input"
 _COMPARE = "comparison or selection: output is bool/int or one of its inputs"
 _CREATE = "allocates a tensor like its input: takes the input's dtype"
 _NORM = "normalisation: mean/variance accumulate over many elements, kept in fp32"
-_BN = "batch norm in training: batch mean/variance accumulate over many elements, kept in fp32"
+_BN = ("batch norm in training: batch mean/variance accumulate over many elements, in fp32 "
+       "(low-precision input and output where its neighbours are low: statistics, parameters and "
+       "running statistics stay fp32, as Apex O2's keep_batchnorm_fp32)")
 _BN_EVAL = "batch norm with fixed statistics: a per-channel affine map, follows its input"
 _SOFTMAX = "softmax: exp of logits and a sum over the axis, kept in fp32"
 _EXP = "range-expanding (|f(x)| >> |x|): overflows fp16; bf16 has fp32's range"
@@ -124,7 +126,7 @@ MODULE_TABLE: dict[Any, OpEntry] = {
     **_group(_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm",
                    "RMSNorm"), FP32_COMPUTE, _NORM),
     **_group(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm") + [TrainingBatchNorm],
-             FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL),
+             FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL, low_io=True),
     **_group([CountBatches], FOLLOW, "counts batches (an integer buffer): no float arithmetic"),
     **_group([DropoutRate], FOLLOW, "a dropout probability (a Python float): no tensor"),
     **_group(_mods("Softmax", "LogSoftmax", "Softmin", "Softmax2d"), FP32_COMPUTE, _SOFTMAX),
@@ -168,7 +170,7 @@ FUNCTION_TABLE: dict[Any, OpEntry] = {
              low_io=True),
     **_group([F.instance_norm, F.local_response_norm]
              + ([F.rms_norm] if hasattr(F, "rms_norm") else []), FP32_COMPUTE, _NORM),
-    **_group([F.batch_norm, torch.batch_norm], FP32_COMPUTE, _BN, inference=FOLLOW,
+    **_group([F.batch_norm, torch.batch_norm], FP32_COMPUTE, _BN, low_io=True, inference=FOLLOW,
              inference_reason=_BN_EVAL),
     **_group([F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax],
              FP32_COMPUTE, _SOFTMAX),
@@ -266,7 +268,8 @@ ATEN_TABLE: dict[Any, OpEntry] = {
     **_group(_aten("native_layer_norm", "native_group_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "instance_norm", "rms_norm",
                    "_fused_rms_norm"), FP32_COMPUTE, _NORM),
-    **_group(_aten("batch_norm"), FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL),
+    **_group(_aten("batch_norm"), FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL,
+             low_io=True),
     **_group(_aten("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"),
              FP32_COMPUTE, _SOFTMAX),
     **_group(_aten("exp", "exp_", "expm1", "pow", "pow_", "rsqrt", "reciprocal", "sinh", "cosh",

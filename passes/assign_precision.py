@@ -248,8 +248,9 @@ class AssignPrecision(Pass):
             if why:
                 return self._range_decision(node) or Decision(FP32, why, pinned=True)
             return Decision(self.low, op_info.reason)
-        if op_info.low_io and runtime and node not in self._norms_fp32 \
-                and all(dec[a].dtype == self.low for a in runtime) \
+        activations = [a for a in runtime if a.op != "get_attr"]  # training: weights are runtime
+        if op_info.low_io and activations and node not in self._norms_fp32 \
+                and all(dec[a].dtype == self.low for a in activations) \
                 and not self._safety_reason(node, rules=("range",)):
             return Decision(self.low, f"reads and writes {dtype_name(self.low)}, computes in float32 "
                                       "inside with float32 parameters (the values of casting "

@@ -27,11 +27,21 @@ def test_conv_bn_relu_pool_cast_placement():
     gm = convert(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16), dtype=BF16)
     assert _casts(gm) == [("x", BF16), ("fc", torch.float32)]
     assert gm.plan.node("bn").dtype == "bfloat16" and gm.plan.node("bn").op_class == "follow"
-    # in training mode it accumulates batch statistics: fp32, conv output goes up, features come down
-    gm = convert(ConvBnReluPool().train(), torch.randn(2, 3, 16, 16), dtype=BF16)
-    assert _casts(gm) == [("x", BF16), ("conv", torch.float32), ("flatten", BF16),
-                          ("fc", torch.float32)]
-    assert gm.plan.node("bn").dtype == "float32"
+    # in training mode it accumulates batch statistics in fp32 inside, with fp32 parameters and
+    # running statistics, reading and writing bf16 (Apex O2's keep_batchnorm_fp32): no casts
+    model = ConvBnReluPool().train()
+    gm = convert(model, torch.randn(2, 3, 16, 16), dtype=BF16)
+    assert _casts(gm) == [("x", BF16), ("fc", torch.float32)]
+    bn = gm.plan.node("bn")
+    assert bn.dtype == "bfloat16" and bn.op_class == "fp32_compute" and "float32 inside" in bn.reason
+    assert gm.bn.weight.dtype == gm.bn.running_mean.dtype == torch.float32
+    x = torch.randn(2, 3, 16, 16)
+    before = gm.bn.running_mean.clone()
+    reference = model(x)
+    out = gm(x)
+    assert not torch.equal(before, gm.bn.running_mean)  # statistics updated, in float32
+    assert torch.allclose(gm.bn.running_mean, model.bn.running_mean, atol=1e-2)
+    assert float((out - reference).norm() / reference.norm()) < 2e-2
 
 
 def test_one_cast_per_value_shared_by_all_readers():
