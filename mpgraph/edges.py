@@ -33,6 +33,10 @@ def required_dtype(consumer: torch.fx.Node, producer: torch.fx.Node, root: torch
         return None
     if consumer.args and consumer.args[0] is producer and is_inplace(consumer, root):
         return None  # an in-place op writes into this very value: it cannot read a copy
+    if decision.promotes:
+        produced = decision_of(producer)
+        if produced is not None and produced.dtype in (torch.float16, torch.bfloat16):
+            return None  # promoted to float32 inside the kernel
     if decision.param_dtype is not None:
         produced = decision_of(producer)
         if produced is not None and (produced.stored or producer.op == "get_attr"):

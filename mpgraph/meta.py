@@ -69,6 +69,8 @@ class Decision:
     stored: bool = False    # a parameter, or computed from parameters only: materialised at
                             # conversion time in the dtype its readers need, never cast at run time
     reads_any: bool = False  # takes its inputs in whatever dtype they come (explicit casts)
+    promotes: bool = False   # a float32 elementwise op that reads low inputs as they are:
+                             # type promotion inside its kernel, exact, no cast kernel (training)
     param_dtype: Optional[torch.dtype] = None  # dtype its parameters are read in, if not ``dtype``
 
 

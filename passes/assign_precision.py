@@ -54,6 +54,17 @@ def explicit_dtype(node: torch.fx.Node):
     return None
 
 
+_PROMOTING = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
+              torch.ops.aten.div.Tensor}
+
+
+def _promotes(node, gm) -> bool:
+    """A binary elementwise ATen op whose kernel promotes mixed float inputs to float32 itself
+    (used in training, where no exported file has to spell the cast out)."""
+    return node.op == "call_function" and node.target in _PROMOTING and not is_inplace(node, gm) \
+        and all(isinstance(a, torch.fx.Node) for a in node.args[:2])
+
+
 class AssignPrecision(Pass):
     """Decision pass: writes ``mpgraph.precision`` on every node; never edits the graph.
 
@@ -274,6 +285,10 @@ class AssignPrecision(Pass):
                                   "embedding, a class token): stays float32")
         if kinds != {self.low}:
             other = "/".join(sorted(dtype_name(k) for k in kinds - {self.low}))
+            if self.train and self.low in kinds and _promotes(node, gm):
+                return Decision(FP32, f"reads a {other} input: stays float32; reads its "
+                                      f"{dtype_name(self.low)} inputs as they are (type promotion "
+                                      "in the kernel, exact, no cast kernel)", promotes=True)
             return Decision(FP32, f"reads a {other} input: stays float32")
         why = self._safety_reason(node)
         if why:
