@@ -180,3 +180,19 @@ def test_fp16_training_with_grad_scaler():
 def test_bad_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="mode must be one of"):
         mpgraph.convert(SmallCNN(), images(0)[0], dtype=BF16, mode="training")
+
+
+def test_residual_adds_read_low_inputs_without_a_cast_kernel():
+    torch.manual_seed(0)
+    model = SmallTransformer().train()
+    ids, y = tokens(0)
+    gm = mpgraph.convert(model, ids, dtype=BF16, mode="train", strategy="rules")
+    promoting = [r for r in gm.plan.compute_nodes if "type promotion" in r.reason]
+    assert promoting and all(r.dtype == "float32" for r in promoting)
+    names = {n.name for n in gm.plan.nodes}
+    for r in promoting:  # each reads a bf16 value directly: no cast between them
+        low_inputs = [i for i in r.inputs if i in names and gm.plan.node(i).dtype == "bfloat16"]
+        assert low_inputs, r.name
+        assert not [c for c in gm.plan.casts if c.value in low_inputs and r.name in c.consumers]
+    with torch.no_grad():  # exact: promotion computes what cast-then-add computes
+        assert torch.isfinite(gm(ids)).all()
