@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.fx

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import operator
 from typing import Optional
 
 import torch

@@ -7,7 +7,7 @@ import mpgraph
 from mpgraph.device import (auto_dtype, cpu_flags, measure_cpu, range_dtype, resolve_target,
                             target_names)
 from mpgraph.device_specs import GPU_SPECS, DeviceSpec
-from mpgraph.meta import COST, PRECISION
+from mpgraph.meta import COST
 
 from conftest import SharedInput, casts
 

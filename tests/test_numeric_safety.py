@@ -7,7 +7,6 @@ import torch.nn as nn
 import transformers as hf
 
 import mpgraph
-from mpgraph.meta import PRECISION
 from mpgraph.tolerance import output_error
 from traps import TRAPS, HugeBeforeLayerNorm, MaskedAttention, TinyEpsNorm, build, constant_rows, \
     mask_inputs
