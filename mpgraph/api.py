@@ -172,7 +172,9 @@ def _restore_buffers(gm: torch.nn.Module, model: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, buf in gm.named_buffers():
             src = original.get(name)
-            if src is not None and src.shape == buf.shape and not torch.equal(src.to(buf.dtype), buf):
+            if src is None or src.shape != buf.shape or "meta" in (src.device.type, buf.device.type):
+                continue
+            if not torch.equal(src.to(buf.dtype), buf):
                 buf.copy_(src)
 
 

@@ -183,3 +183,21 @@ def test_unknown_ops_stay_fp32_and_are_listed():
     rec = gm.plan.node("erfcx" if any(r.name == "erfcx" for r in gm.plan.nodes) else "special_erfcx")
     assert rec.op_class == "unknown" and rec.dtype == "float32"
     assert "unknown ops kept in float32" in gm.plan.summary()
+
+
+def test_a_model_on_the_meta_device_is_planned_without_weights():
+    """Planning only needs shapes: a model built on the meta device converts (every pass runs on
+    meta tensors), allocates no parameter memory, and plans like the materialised model."""
+    import mpgraph
+    from conftest import MLP
+
+    torch.manual_seed(0)
+    real = MLP()
+    with torch.device("meta"):
+        meta = MLP()
+    x = torch.randn(4, 16)
+    planned = mpgraph.convert(meta, x.to("meta"), dtype=torch.bfloat16, target="h100", strategy="rules")
+    assert all(p.device.type == "meta" for p in planned.parameters())
+    direct = mpgraph.convert(real, x, dtype=torch.bfloat16, target="h100", strategy="rules")
+    assert [(r.name, r.dtype) for r in planned.plan.nodes] == [(r.name, r.dtype) for r in direct.plan.nodes]
+    assert planned.plan.calibration_batches == 1 and all(r.absmax is None for r in planned.plan.nodes)
