@@ -285,3 +285,39 @@ def test_overflow_traps_export_to_fp16_onnx_that_stays_finite(tmp_path, trap):
     if trap.startswith("RMSNorm"):
         assert result.edits["norm input casts restored after fusion"] == 1
     assert ("optimize=False" in result.exporter) == trap.startswith("eps")
+
+
+class _Big(nn.Module):
+    """Four Linear layers, 2.68 GB of float32 weights: past protobuf's 2 GB limit."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8192, 20480), nn.Linear(20480, 8192)
+        self.c, self.d = nn.Linear(8192, 20480), nn.Linear(20480, 8192)
+
+    def forward(self, x):
+        return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+
+@pytest.mark.slow
+def test_model_over_2gb_exports_with_external_data_and_validates_by_path(tmp_path):
+    """~40 s and ~10 GiB peak here: the fp16 file's weights (1.34 GB) go to FILE.onnx.data, every
+    check reads the file by path, and the files are removed afterwards."""
+    torch.manual_seed(0)
+    model = _Big().eval()
+    assert sum(p.numel() for p in model.parameters()) * 4 > 2**31
+    x = torch.randn(2, 8192)
+    path = tmp_path / "big.onnx"
+    try:
+        result = export_onnx(model, x, str(path), dtype=torch.float16, target="a100")
+        data = tmp_path / "big.onnx.data"
+        assert result.external_data == "big.onnx.data"
+        assert path.stat().st_size < 1_000_000 and data.stat().st_size > 1.3e9
+        out = mpgraph.ort_session(str(path), device="cpu").run(None, {"x": x.numpy()})[0]
+        with torch.no_grad():
+            ref = model(x).numpy()
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    finally:
+        for f in tmp_path.iterdir():
+            f.unlink()
+    assert not list(tmp_path.iterdir())
