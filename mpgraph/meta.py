@@ -74,6 +74,10 @@ class Decision:
     param_dtype: Optional[torch.dtype] = None  # dtype its parameters are read in, if not ``dtype``
 
 
+SHORT_DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+                     torch.float64: "f64"}  # cast node names, cast arrows in reports
+
+
 def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
     """"bfloat16" for torch.bfloat16: how plans, reasons and reports name a dtype."""
     return None if dtype is None else str(dtype).replace("torch.", "")

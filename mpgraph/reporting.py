@@ -13,13 +13,14 @@ import os
 from collections import OrderedDict
 from typing import Optional, Union
 
-from .meta import dtype_name
+import torch
+
+from .meta import SHORT_DTYPE_NAMES, dtype_name
 from .plan import CastRecord, NodeRecord, Plan
 
 FORMATS = ("text", "json", "html", "dot")
 COLOURS = {"float32": "#6c8ebf", "float16": "#82b366", "bfloat16": "#d79b00", None: "#bbbbbb"}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+
 
 
 def _plan_of(obj) -> Plan:
@@ -71,7 +72,7 @@ def _groups(nodes: list[NodeRecord]) -> "OrderedDict[str, list[NodeRecord]]":
 
 def cast_bytes(c: CastRecord) -> int:
     """Bytes one run of the cast moves: its input read plus its output written."""
-    return c.numel * (_ITEMSIZE.get(c.src, 4) + _ITEMSIZE.get(c.dst, 4))
+    return c.numel * (getattr(torch, c.src).itemsize + getattr(torch, c.dst).itemsize)
 
 
 def totals(plan: Plan) -> dict:
@@ -173,7 +174,7 @@ def _drawn(plan: Plan) -> list[NodeRecord]:
 
 
 def _arrow(c: CastRecord) -> str:
-    return f"{_SHORT.get(c.src, c.src)}->{_SHORT.get(c.dst, c.dst)}"
+    return "->".join(SHORT_DTYPE_NAMES.get(getattr(torch, name), name) for name in (c.src, c.dst))
 
 
 def _cast_on(plan: Plan) -> dict[tuple[str, str], CastRecord]:

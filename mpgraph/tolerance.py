@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from .errors import ToleranceError
-from .graph_utils import input_nodes, run_recording
+from .graph_utils import float_tensors, input_nodes, run_recording
 from .meta import ESTIMATE, INSERTED_BY, PRECISION, dtype_name
 
 log = logging.getLogger(__name__)
@@ -34,18 +34,6 @@ def check_tolerance(tolerance) -> float:
     return float(tolerance)
 
 
-def _floats(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _floats(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _floats(v)]
-    if hasattr(value, "to_tuple"):  # HF ModelOutput
-        return _floats(value.to_tuple())
-    return []
-
-
 def _call(gm, call):
     args, kwargs = call
     with torch.no_grad():
@@ -56,7 +44,7 @@ def output_error(outputs: list, references: list) -> float:
     """Relative L2 error of all float outputs (in float64) over all batches."""
     num = den = 0.0
     for out, ref in zip(outputs, references):
-        got, want = _floats(out), _floats(ref)
+        got, want = float_tensors(out), float_tensors(ref)
         if len(got) != len(want):
             raise ValueError(f"the converted model returns {len(got)} float outputs, "
                              f"float32 returned {len(want)}")

@@ -222,11 +222,10 @@ class AssignPrecision(Pass):
         if self.keep_fp32:
             return Decision(FP32, self.keep_fp32, pinned=True)
         forced, why = self._override(node) or (None, "")
-        if forced == self.low and self._safety_reason(node):
-            log.warning("%s: %s to %s refused: %s", node.name, why, dtype_name(self.low),
-                        self._safety_reason(node))
-            return Decision(FP32, f"{self._safety_reason(node)} ({why} to {dtype_name(self.low)} "
-                                  "refused)", pinned=True)
+        safety = self._safety_reason(node) if forced == self.low else None
+        if safety:
+            log.warning("%s: %s to %s refused: %s", node.name, why, dtype_name(self.low), safety)
+            return Decision(FP32, f"{safety} ({why} to {dtype_name(self.low)} refused)", pinned=True)
         if forced is not None:
             return Decision(forced, why, pinned=True)
 
@@ -267,8 +266,9 @@ class AssignPrecision(Pass):
                                       "around it, without the casts)", param_dtype=FP32)
         if cls != FOLLOW:  # fp32_compute, fp32_only, unknown
             why = self._safety_reason(node, rules=("unproven_range",))
-            if why and self._range_decision(node):  # exp/pow: follow ops in bf16
-                return self._range_decision(node)
+            in_range_dtype = self._range_decision(node) if why else None
+            if in_range_dtype:  # exp/pow: follow ops in bf16
+                return in_range_dtype
             return Decision(FP32, f"{op_info.reason}; {why}" if why else op_info.reason, pinned=True)
 
         # follow

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from mpgraph.errors import CalibrationError
-from mpgraph.graph_utils import flat_inputs, run_recording
+from mpgraph.graph_utils import flat_inputs, float_tensors, run_recording
 from mpgraph.meta import RANGE, ValueRange
 from mpgraph.pass_infra import Pass, PassResult
 
@@ -42,14 +42,6 @@ def as_call(batch: Any) -> tuple[tuple, dict]:
     if isinstance(batch, (tuple, list)):
         return tuple(batch), {}
     return (batch,), {}
-
-
-def _float_tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() and value.device.type != "meta" else []
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _float_tensors(v)]
-    return []
 
 
 def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
@@ -126,7 +118,7 @@ class Calibrate(Pass):
 
             def record(node, value):
                 last[0] = node.name
-                tensors = _float_tensors(value)
+                tensors = [t for t in float_tensors(value) if t.device.type != "meta"]
                 if not tensors or (count and node.op == "get_attr" and node in per_batch):
                     return
                 stats = [tensor_stats(t) for t in tensors]

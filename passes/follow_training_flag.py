@@ -13,18 +13,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from mpgraph.graph_utils import free_attr_name
 from mpgraph.meta import INSERTED_BY, TENSOR
 from mpgraph.modules import CountBatches, DropoutRate, TrainingBatchNorm
 from mpgraph.pass_infra import Pass, PassResult
 
 aten = torch.ops.aten
-
-
-def _free(gm, base: str) -> str:
-    name, i = base, 1
-    while hasattr(gm, name):
-        name, i = f"{base}_{i}", i + 1
-    return name
 
 
 def _dropout_p(node):
@@ -38,7 +32,7 @@ class FollowTrainingFlag(Pass):
         """Attention keeps its op; its dropout_p comes from a DropoutRate module at run time."""
         module = DropoutRate(float(_dropout_p(node)))
         module.train(gm.training)
-        name = _free(gm, f"{node.name}_dropout_p")
+        name = free_attr_name(gm, f"{node.name}_dropout_p")
         gm.add_submodule(name, module)
         with gm.graph.inserting_before(node):
             rate = gm.graph.call_module(name, ())
@@ -75,7 +69,7 @@ class FollowTrainingFlag(Pass):
             else:
                 continue
             module.train(gm.training)
-            name = _free(gm, f"{node.name}_mode")
+            name = free_attr_name(gm, f"{node.name}_mode")
             gm.add_submodule(name, module)
             with graph.inserting_before(node):
                 new = graph.call_module(name, args)

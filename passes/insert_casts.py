@@ -11,11 +11,11 @@ import torch
 
 from mpgraph.edges import required_dtype
 from mpgraph.graph_utils import input_nodes, mutated_nodes
-from mpgraph.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, Decision, OpInfo, TensorInfo
+from mpgraph.meta import (INSERTED_BY, OP_CLASS, PRECISION, SHORT_DTYPE_NAMES, TENSOR, Decision,
+                          OpInfo, TensorInfo)
 from mpgraph.op_table import CAST
 from mpgraph.pass_infra import Pass, PassResult
 
-_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 class InsertCasts(Pass):
@@ -57,11 +57,12 @@ class InsertCasts(Pass):
     def _make_cast(self, graph, value, dtype, have, before):
         with graph.inserting_before(before):
             cast = graph.create_node("call_method", "to", (value, dtype), {},
-                                     name=f"{value.name}_to_{_SHORT.get(dtype, 'x')}")
+                                     name=f"{value.name}_to_{SHORT_DTYPE_NAMES.get(dtype, 'x')}")
         info = value.meta.get(TENSOR)
         cast.meta[TENSOR] = TensorInfo(info.shape, dtype)
         cast.meta[OP_CLASS] = OpInfo(CAST, "inserted by mpgraph", "Tensor.to")
-        cast.meta[PRECISION] = Decision(dtype, f"cast {_SHORT.get(have)}->{_SHORT.get(dtype)} of "
+        short = SHORT_DTYPE_NAMES
+        cast.meta[PRECISION] = Decision(dtype, f"cast {short.get(have)}->{short.get(dtype)} of "
                                                f"{value.name}", pinned=True, reads_any=True)
         cast.meta[INSERTED_BY] = self.name
         return cast

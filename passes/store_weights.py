@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import fetch_attr, owner_of, set_attr, with_data
+from mpgraph.graph_utils import fetch_attr, free_attr_name, owner_of, set_attr, with_data
 from mpgraph.meta import (INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo,
                           WeightRecord, dtype_name)
 from mpgraph.pass_infra import Pass, PassResult
@@ -37,13 +37,7 @@ def _add_attr(root: torch.nn.Module, target: str, value, like: str) -> None:
 
 
 def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
-    base = f"{target}_{dtype_name(dtype)}"
-    name, i = base, 1
-    while True:
-        owner, leaf = owner_of(root, name)
-        if not hasattr(owner, leaf):
-            return name
-        name, i = f"{base}_{i}", i + 1
+    return free_attr_name(root, f"{target}_{dtype_name(dtype)}")
 
 
 class StoreWeights(Pass):
