@@ -127,6 +127,7 @@ class StoreWeights(Pass):
             if not tensors:
                 continue
             shared = len(low) < len(nodes)
+            source = target
             if shared:  # some calls stay float32: a converted copy serves the low ones
                 new_target = _free_name(gm, target, self.low)
                 module = copy.deepcopy(module)
@@ -136,7 +137,7 @@ class StoreWeights(Pass):
                 target = new_target
             for name, t in tensors:
                 set_attr(module, name, _converted(t, self.low))
-                records.append(WeightRecord(f"{target}.{name}", f"{target}.{name}", self.low,
+                records.append(WeightRecord(f"{target}.{name}", f"{source}.{name}", self.low,
                                             t.numel(), shared))
             edits += 1
         return edits
