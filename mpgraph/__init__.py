@@ -4,7 +4,6 @@
 precision for every node, stores weights once in low precision, inserts the fewest shared casts,
 checks the result by running it, and returns a GraphModule carrying ``.plan``.
 """
-from .api import convert, resolve_dtype
 from .capture import capture
 from .errors import (CalibrationError, CaptureError, ConversionError, ExportError, MpgraphError,
                      PassError, PlanMismatchError, ToleranceError)
@@ -14,6 +13,9 @@ from .plan import CastRecord, NodeRecord, Plan
 from .plan_diff import PlanDiff, diff
 from .profiling import ProfileResult, profile
 from .reporting import report
+from .weights import load_weights
+# after the submodule imports: ``mpgraph.plan`` is the function (the Plan class is mpgraph.Plan)
+from .api import convert, plan, resolve_dtype
 
 
 
@@ -36,7 +38,7 @@ def ort_session(*args, **kwargs):
 
 
 __version__ = "0.1.0"
-__all__ = ["convert", "capture", "resolve_dtype", "Plan", "NodeRecord", "CastRecord", "OpTable",
+__all__ = ["convert", "plan", "load_weights", "capture", "resolve_dtype", "Plan", "NodeRecord", "CastRecord", "OpTable",
            "OpEntry", "Pass", "PassResult", "run_passes", "CaptureError", "ConversionError",
            "PassError", "MpgraphError", "ExportError", "CalibrationError", "ToleranceError", "PlanMismatchError",
            "report", "diff", "PlanDiff", "export_onnx", "ort_session",

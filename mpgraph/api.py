@@ -19,6 +19,7 @@ from .graph_utils import target_name
 from .meta import TENSOR, is_float32_tensor
 from .plan import Plan, _shape
 from .tolerance import check_tolerance, meet_tolerance
+from .weights import Abstract, has_meta_tensors, is_abstract, maybe, trace_device
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     target and every node's decision; a plan whose nodes, ops or shapes do not match the model's
     graph is a ``PlanMismatchError`` listing the differences.
 
+    In the default ``mode="inference"`` the returned module's parameters are frozen
+    (``requires_grad`` False): the low-precision ones are rounded copies of the model's.
     ``mode="train"``: the parameters stay float32 and are what an optimizer updates (master
     weights); each is cast to the low dtype once per forward inside the graph, shared by its
     readers; backward runs through every cast, so gradients arrive in float32; buffers the model
@@ -123,8 +126,46 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         if calibration is not None:
             calibration = list(calibration)  # measured once per round of the search
     table = op_table if isinstance(op_table, OpTable) else OpTable.default(op_table)
-    gm = capture(model, args, kwargs, export_only=train)
+    abstract = None
+    if has_meta_tensors(model, args, kwargs):
+        if calibration is not None or tolerance is not None:
+            raise ValueError("calibration and tolerance measure values; a model with tensors on "
+                             "the meta device is planned from shapes alone (load its weights, "
+                             "or convert the materialised model)")
+        abstract = Abstract(trace_device(spec))
+    gm = capture(model, args, kwargs, export_only=train, abstract=abstract)
+    if abstract is not None:
+        args, kwargs = abstract.fake_inputs(args, kwargs)
+    with maybe(abstract):
+        gm, report = _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, strategy,
+                               keep_io_types, table, overrides, check, calibration, tolerance,
+                               progress, plan, train)
+    if abstract is not None:
+        abstract.finish_(gm, model)
+    gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
+                              kept_fp32=keep_fp32)
+    gm.plan.mode = mode
+    gm.plan.tolerance = report
+    if plan is not None:
+        differ = [f"{r.name}: the plan says {r.dtype}, the conversion gave {gm.plan.node(r.name).dtype} "
+                  f"({gm.plan.node(r.name).reason})"
+                  for r in plan.compute_nodes if gm.plan.node(r.name).dtype != r.dtype]
+        if differ:
+            raise PlanMismatchError(differ)
+    log.info("%s", gm.plan.summary())
+    return gm
 
+
+def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:
+    """The plan ``convert`` makes for ``model``, without keeping the converted module: for a
+    model on the meta device (too big to materialise) this is the whole point, and nothing of
+    its weights is allocated. Options as for ``convert``."""
+    return convert(model, example_inputs, **options).plan
+
+
+def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, strategy,
+                      keep_io_types, table, overrides, check, calibration, tolerance, progress,
+                      plan, train):
     from .pipeline import default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress), gm)
     base = copy.deepcopy(gm) if tolerance is not None else None
@@ -148,18 +189,12 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         gm, report = meet_tolerance(base, lambda pins: build(copy.deepcopy(base), pins), gm, calls,
                                     tolerance, low)
     _restore_buffers(gm, model)
-    gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
-                              kept_fp32=keep_fp32)
-    gm.plan.mode = mode
-    gm.plan.tolerance = report
-    if plan is not None:
-        differ = [f"{r.name}: the plan says {r.dtype}, the conversion gave {gm.plan.node(r.name).dtype} "
-                  f"({gm.plan.node(r.name).reason})"
-                  for r in plan.compute_nodes if gm.plan.node(r.name).dtype != r.dtype]
-        if differ:
-            raise PlanMismatchError(differ)
-    log.info("%s", gm.plan.summary())
-    return gm
+    if not train:
+        # inference: the low-precision parameters are rounded copies, not something to train (an
+        # optimizer step on them would round away); frozen, a sharding wrapper such as FSDP2's
+        # fully_shard accepts their mix of dtypes (it demands one dtype among trainable ones)
+        gm.requires_grad_(False)
+    return gm, report
 
 
 MODES = ("inference", "train")
@@ -172,7 +207,7 @@ def _restore_buffers(gm: torch.nn.Module, model: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, buf in gm.named_buffers():
             src = original.get(name)
-            if src is None or src.shape != buf.shape or "meta" in (src.device.type, buf.device.type):
+            if src is None or src.shape != buf.shape or is_abstract(src) or is_abstract(buf):
                 continue
             if not torch.equal(src.to(buf.dtype), buf):
                 buf.copy_(src)
@@ -182,6 +217,7 @@ def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
     """Raise PlanMismatchError unless every node the plan decides is in ``gm`` with the same op
     and output shape, and every node of ``gm`` that needs a decision is in the plan."""
     records = {r.name: r for r in plan.compute_nodes}
+    listed = {r.name for r in plan.nodes}
     problems = []
     seen = set()
     for node in gm.graph.nodes:
@@ -189,6 +225,8 @@ def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
             continue
         record = records.get(node.name)
         info = node.meta.get(TENSOR)
+        if record is None and node.name in listed:
+            continue  # in the plan without a decision (export's dtype asserts)
         if record is None:
             if is_float32_tensor(info) or any(is_float32_tensor(a.meta.get(TENSOR))
                                               for a in node.all_input_nodes):

@@ -81,17 +81,18 @@ def _as_dynamic_spec(model, args, kwargs):
 
 
 def capture(model: torch.nn.Module, example_inputs: Any = None,
-            example_kwargs: Optional[dict] = None, *, export_only: bool = False) -> torch.fx.GraphModule:
+            example_kwargs: Optional[dict] = None, *, export_only: bool = False,
+            abstract=None) -> torch.fx.GraphModule:
     """Return a GraphModule computing ``model``, traced from a copy of it.
 
     With example inputs, every node's output shape and dtype is recorded in
     ``node.meta["mpgraph.tensor"]``, and a symbolic trace that fails to run on them falls back to
     torch.export. Raises CaptureError naming what each tracer reported when none works.
+    ``abstract`` (an ``mpgraph.weights.Abstract``): trace fakes of the model's tensors and of the
+    example inputs on the device it fakes (a model on the meta device, see mpgraph.weights).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
-
     args, kwargs = normalize_inputs(example_inputs, example_kwargs)
     has_inputs = example_inputs is not None or example_kwargs is not None
     try:
@@ -99,6 +100,16 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     except Exception as e:
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
+    if abstract is not None:
+        abstract.fake_module_(work)
+        args, kwargs = abstract.fake_inputs(args, kwargs)
+    from .weights import maybe
+    with maybe(abstract):
+        return _trace(work, model, args, kwargs, has_inputs, export_only)
+
+
+def _trace(work, model, args, kwargs, has_inputs, export_only):
+    from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
     reports: dict[str, str] = {}
     # export_only (training): every parameter a get_attr node, no leaf module hiding its weights
     attempts = [] if export_only else [(SYMBOLIC, lambda: torch.fx.symbolic_trace(work))]

@@ -20,6 +20,7 @@ from mpgraph.errors import CalibrationError
 from mpgraph.graph_utils import flat_inputs, float_tensors, run_recording
 from mpgraph.meta import RANGE, ValueRange
 from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.weights import is_abstract
 
 log = logging.getLogger(__name__)
 _PROGRESS_MIN_BATCHES = 8  # show a progress bar (on a terminal) from this many batches up
@@ -118,7 +119,7 @@ class Calibrate(Pass):
 
             def record(node, value):
                 last[0] = node.name
-                tensors = [t for t in float_tensors(value) if t.device.type != "meta"]
+                tensors = [t for t in float_tensors(value) if not is_abstract(t)]
                 if not tensors or (count and node.op == "get_attr" and node in per_batch):
                     return
                 stats = [tensor_stats(t) for t in tensors]

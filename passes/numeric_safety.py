@@ -37,6 +37,7 @@ from mpgraph.graph_utils import fetch_attr, input_nodes
 from mpgraph.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, dtype_name
 from mpgraph.op_table import CAST, FOLLOW, FP32_ONLY, RANGE_EXPANDING_REASON, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.weights import is_abstract
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def smallest_subnormal(dtype: torch.dtype) -> float:
 
 
 def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype) -> list[SafetyFinding]:
-    if not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":
+    if not t.is_floating_point() or t.numel() == 0 or is_abstract(t):
         return []
     a = t.detach().abs().double()
     a = a[torch.isfinite(a)]

@@ -1,0 +1,143 @@
+"""Planning without weights (meta device) and loading them later (safetensors)."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+import transformers as hf
+from safetensors.torch import save_file
+
+import mpgraph
+from mpgraph.graph_utils import owner_of
+
+CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, vocab_size=100, use_cache=False)
+OPTIONS = dict(dtype="bf16", target="a100")
+
+
+def _models():
+    """The materialised Llama and the same architecture with meta parameters. Its non-persistent
+    buffers (rotary inv_freq: in no checkpoint) are real, as accelerate's init_empty_weights
+    builds them; parameters are meta (no storage)."""
+    cfg = hf.LlamaConfig(**CFG)
+    torch.manual_seed(0)
+    real = hf.LlamaModel(cfg).eval()
+    with torch.device("meta"):
+        meta = hf.LlamaModel(cfg).eval()
+    for name, b in real.named_buffers():
+        owner, leaf = owner_of(meta, name)
+        owner._buffers[leaf] = b.clone()
+    return real, meta
+
+
+@pytest.fixture(scope="module")
+def llama():
+    real, meta = _models()
+    ids = torch.randint(0, CFG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    return real, meta, ids, mpgraph.convert(real, ids, **OPTIONS)
+
+
+def _records(plan):
+    return [(r.name, r.op, r.target, r.dtype, r.reason, r.shape) for r in plan.nodes]
+
+
+def _checkpoint(model, directory, shards=1):
+    """The model's state dict as safetensors, in ``shards`` files with an index like HF's."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    keys = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        part = keys[i::shards]
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: state[k] for k in part}, os.path.join(directory, name))
+        weight_map.update({k: name for k in part})
+    index = os.path.join(directory, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return index
+
+
+def _same_module(a, b, ids):
+    assert a.code == b.code
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].device == sb[k].device, k
+        assert torch.equal(sa[k], sb[k]), k
+    with torch.no_grad():
+        assert torch.equal(a(ids).last_hidden_state, b(ids).last_hidden_state)
+
+
+def test_meta_llama_plans_node_by_node_like_the_materialised_model(llama):
+    real, meta, ids, direct = llama
+    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    # the same graph (no device-dependent .contiguous() nodes, the same names) and decisions
+    assert _records(planned.plan) == _records(direct.plan)
+    assert planned.code == direct.code
+    assert len(direct.plan.low_nodes) > 0
+    # no parameter storage: every parameter is meta, in the dtype the plan stores it in
+    params = dict(planned.named_parameters())
+    assert params and all(p.device.type == "meta" for p in params.values())
+    assert {str(p.dtype) for p in params.values()} == \
+        {str(p.dtype) for p in direct.parameters()} == {"torch.float32", "torch.bfloat16"}
+    assert all(p.device.type == "meta" for p in meta.parameters())  # the model is untouched
+
+
+def test_plan_then_load_safetensors_equals_direct_convert(llama, tmp_path):
+    real, meta, ids, direct = llama
+    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    index = _checkpoint(real, tmp_path, shards=3)
+    assert mpgraph.load_weights(planned, index) is planned
+    _same_module(planned, direct, ids)
+
+
+def test_a_saved_plan_applies_to_the_materialised_model(llama, tmp_path):
+    real, meta, ids, direct = llama
+    plan = mpgraph.plan(meta, ids, **OPTIONS)
+    assert isinstance(plan, mpgraph.Plan)
+    plan.save(tmp_path / "plan.json")
+    applied = mpgraph.convert(real, ids, plan=mpgraph.Plan.load(tmp_path / "plan.json"))
+    _same_module(applied, direct, ids)
+
+
+def test_load_weights_reports_what_is_wrong(llama, tmp_path):
+    real, meta, ids, _ = llama
+    state = {k: v.contiguous() for k, v in real.state_dict().items()}
+    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    partial = dict(state)
+    del partial["norm.weight"], partial["layers.0.mlp.up_proj.weight"]
+    save_file(partial, tmp_path / "partial.safetensors")
+    with pytest.raises(ValueError, match="2 tensors .* no value.*layers.0.mlp.up_proj.weight"):
+        mpgraph.load_weights(planned, tmp_path / "partial.safetensors")
+    wrong = dict(state, **{"norm.weight": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"norm.weight: shape \(3,\).*\(64,\)"):
+        mpgraph.load_weights(mpgraph.convert(meta, ids, **OPTIONS), wrong)
+    with pytest.raises(FileNotFoundError, match="nowhere.safetensors"):
+        mpgraph.load_weights(planned, tmp_path / "nowhere.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .safetensors file in"):
+        mpgraph.load_weights(planned, tmp_path / "empty")
+
+
+def test_values_are_refused_for_a_meta_model(llama):
+    _, meta, ids, _ = llama
+    with pytest.raises(ValueError, match="calibration and tolerance measure values"):
+        mpgraph.convert(meta, ids, calibration=[ids], **OPTIONS)
+    with pytest.raises(ValueError, match="calibration and tolerance measure values"):
+        mpgraph.convert(meta, ids, tolerance=0.01, **OPTIONS)
+
+
+def test_inference_conversion_is_frozen_training_conversion_is_not(llama):
+    real, _, ids, direct = llama
+    assert not any(p.requires_grad for p in direct.parameters())
+    assert all(p.requires_grad for p in real.parameters())  # the model keeps its own flags
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plan_on_meta_then_load_onto_the_gpu(llama, tmp_path):
+    real, meta, ids, _ = llama
+    direct = mpgraph.convert(copy.deepcopy(real).cuda(), ids.cuda(), **OPTIONS)
+    planned = mpgraph.convert(meta, ids.cuda(), **OPTIONS)  # traced for CUDA: fake CUDA tensors
+    mpgraph.load_weights(planned, _checkpoint(real, tmp_path), device="cuda")
+    _same_module(planned, direct, ids.cuda())
