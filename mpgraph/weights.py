@@ -182,10 +182,22 @@ def _retarget_devices(gm: torch.fx.GraphModule, old: str, new: torch.device) -> 
     """Ops that create tensors on the traced device (arange(device=cpu) for a mask) must create
     them where the weights now are."""
     edits = 0
-    for node in gm.graph.nodes:
-        if node.kwargs.get("device") is not None and str(node.kwargs["device"]) == old:
-            node.update_kwarg("device", new)
+
+    def move(a):
+        nonlocal edits
+        if isinstance(a, torch.device) and str(a) == old:
             edits += 1
+            return new
+        return a
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        node.args = torch.fx.node.map_aggregate(node.args, move)
+        kwargs = dict(node.kwargs)
+        if kwargs.get("device") is not None and str(kwargs["device"]) == old:
+            kwargs["device"], edits = new, edits + 1
+        node.kwargs = torch.fx.node.map_aggregate(kwargs, move)
     if edits:
         gm.recompile()
     gm.meta[TRACED_ON] = str(new)

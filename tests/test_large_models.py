@@ -101,6 +101,22 @@ def test_a_saved_plan_applies_to_the_materialised_model(llama, tmp_path):
     _same_module(applied, direct, ids)
 
 
+def test_training_conversion_planned_on_meta(llama):
+    """mode="train" from meta: the same plan and code, float32 masters loaded, gradients flow."""
+    real, meta, ids, _ = llama
+    real, meta = copy.deepcopy(real).train(), copy.deepcopy(meta).train()
+    direct = mpgraph.convert(real, ids, mode="train", **OPTIONS)
+    planned = mpgraph.convert(meta, ids, mode="train", **OPTIONS)
+    assert _records(planned.plan) == _records(direct.plan) and planned.code == direct.code
+    mpgraph.load_weights(planned, real.state_dict())
+    assert {p.dtype for p in planned.parameters()} == {torch.float32}
+    out = planned(ids).last_hidden_state
+    assert torch.equal(out, direct(ids).last_hidden_state)
+    out.float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for n, p in planned.named_parameters() if "layers" in n)
+
+
 def test_load_weights_reports_what_is_wrong(llama, tmp_path):
     real, meta, ids, _ = llama
     state = {k: v.contiguous() for k, v in real.state_dict().items()}
@@ -118,6 +134,21 @@ def test_load_weights_reports_what_is_wrong(llama, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no .safetensors file in"):
         mpgraph.load_weights(planned, tmp_path / "empty")
+
+
+def test_load_weights_moves_device_constants_with_the_weights(llama):
+    """Traced for the CPU, loaded elsewhere: ops that create tensors on the traced device (masks,
+    positions, export's asserts) follow the weights. The meta device stands in for CUDA here: a
+    CPU constant left behind would make the run fail on mixed devices."""
+    real, meta, ids, _ = llama
+    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    placed = [n for n in planned.graph.nodes if str(n.kwargs.get("device")) == "cpu"]
+    assert placed  # arange(device=cpu) and friends
+    mpgraph.load_weights(planned, real.state_dict(), device="meta")
+    assert not [n for n in planned.graph.nodes if "cpu" in n.format_node()]
+    assert {t.device.type for t in planned.state_dict().values()} == {"meta"}
+    out = planned(ids.to("meta")).last_hidden_state
+    assert out.device.type == "meta" and out.shape == (2, 16, CFG["hidden_size"])
 
 
 def test_values_are_refused_for_a_meta_model(llama):
