@@ -77,7 +77,13 @@ def _worker(rank, port, wrap, out_dir):
 def _wrapped(gm, wrap):
     if wrap == "ddp":
         return nn.parallel.DistributedDataParallel(gm)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if wrap == "fsdp2-bf16-reduce":
+        # FSDP2's policy beside the plan: parameters all-gathered as they are (float32 masters,
+        # cast by the graph where the plan computes bf16), gradients reduce-scattered in bf16
+        # (half the traffic). param_dtype stays None: a bf16 all-gather would override the plan
+        # (see examples/large_models.md)
+        return fully_shard(gm, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
     return fully_shard(gm)
 
 
@@ -140,11 +146,11 @@ def _single_process_losses():
         return losses, gm(batch(99)[0]).float()
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "fsdp2-bf16-reduce"])
 def test_converted_module_under_torch_distributed_matches_single_process(wrap, tmp_path):
     if not dist.is_available():
         pytest.skip("this torch has no torch.distributed")
-    if wrap == "fsdp2":
+    if wrap.startswith("fsdp2"):
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError:
@@ -160,15 +166,17 @@ def test_converted_module_under_torch_distributed_matches_single_process(wrap, t
     ranks = results[0]["losses"]
     assert results[1]["losses"] == ranks  # the all-reduced mean is the same number on both ranks
     single, single_out = _single_process_losses()
-    # validation under the wrapper after training: the held-out outputs, on both ranks, within
-    # bf16 rounding of the single-process model's (stated tolerance 0.05 absolute on logits ~1)
+    # Stated tolerances. DDP and plain FSDP2 compute what one process computes (measured here:
+    # equal to the last bit; 1e-4 leaves room for another reduction order). Gradients reduced in
+    # bf16 are rounded: allowed 1e-2 relative on the loss and 0.02 on the held-out logits.
+    loss_tol, out_tol = (1e-2, 0.02) if wrap == "fsdp2-bf16-reduce" else (1e-4, 1e-4)
+    # validation under the wrapper after training: the held-out outputs on both ranks
     for r in results:
-        assert (r["held_out"] - single_out).abs().max() <= 0.05, (r["held_out"], single_out)
+        assert (r["held_out"] - single_out).abs().max() <= out_tol, (r["held_out"], single_out)
     if wrap == "fsdp2":  # FSDP2 shards an inference conversion and computes what it computes unsharded
         for r in results:
             assert r["sharded_inference"]["max_abs"] == 0.0, r["sharded_inference"]
             assert r["sharded_inference"]["dtypes"] == ["torch.bfloat16", "torch.float32"]
     assert single[-1] < single[0]
-    # stated tolerance: every step's loss within 2% (bf16 rounding, different reduction order)
-    for a, b in zip(ranks, single):
-        assert abs(a - b) <= 0.02 * abs(b), (ranks, single)
+    for a, b in zip(ranks, single):  # the loss curve, step by step
+        assert abs(a - b) <= loss_tol * abs(b), (ranks, single)
