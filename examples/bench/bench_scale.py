@@ -3,7 +3,8 @@
 For HuggingFace ``LlamaConfig`` decoders of 2, 8 and 32 layers (hidden 4096) and the
 Llama-2-70B shape (80 layers, hidden 8192, intermediate 28672, 64 heads, 8 KV heads), built under
 ``torch.device("meta")`` (no weight is allocated), each in its own process: the time of
-``mpgraph.capture`` alone, of the whole ``mpgraph.convert`` (capture, calibration and every pass,
+``mpgraph.capture`` alone (torch.export on the meta tensors), of the whole ``mpgraph.convert``
+(its own trace on fake tensors that claim the CPU, see mpgraph/weights.py, then every pass,
 planned for an H100 in bf16), of the min-cut solve inside it, and the process's peak resident
 memory. Bar (issue 9): the 70B-shaped plan in under 30 s and 4 GiB.
 
