@@ -137,7 +137,11 @@ class _Safetensors(Mapping):
     """Tensors of safetensors files by name, each read when asked for (one at a time in memory)."""
 
     def __init__(self, paths: list[str]):
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError as e:
+            raise ImportError("load_weights reads checkpoints with the safetensors package: "
+                              "pip install safetensors (or pass a state dict)") from e
         self._files = [safe_open(p, framework="pt") for p in paths]
         self._where = {}
         for f in self._files:
