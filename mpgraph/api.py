@@ -19,7 +19,7 @@ from .graph_utils import target_name
 from .meta import TENSOR, is_float32_tensor
 from .plan import Plan, _shape
 from .tolerance import check_tolerance, meet_tolerance
-from .weights import Abstract, has_meta_tensors, is_abstract, maybe, trace_device
+from .weights import Abstract, fake_mode, has_meta_tensors, is_abstract, trace_device
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,9 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              "the meta device is planned from shapes alone (load its weights, "
                              "or convert the materialised model)")
         abstract = Abstract(trace_device(spec))
+        args, kwargs = abstract.fake_inputs(args, kwargs)  # once: capture and the passes share them
     gm = capture(model, args, kwargs, export_only=train, abstract=abstract)
-    if abstract is not None:
-        args, kwargs = abstract.fake_inputs(args, kwargs)
-    with maybe(abstract):
+    with fake_mode(abstract):
         gm, report = _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, strategy,
                                keep_io_types, table, overrides, check, calibration, tolerance,
                                progress, plan, train)

@@ -103,8 +103,8 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     if abstract is not None:
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
-    from .weights import maybe
-    with maybe(abstract):
+    from .weights import fake_mode
+    with fake_mode(abstract):
         return _trace(work, model, args, kwargs, has_inputs, export_only)
 
 

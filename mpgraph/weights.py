@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Optional, Union
 import torch
 
 from .device_specs import DeviceSpec
-from .graph_utils import owner_of
+from .graph_utils import fetch_attr, set_attr, with_data
 from .meta import WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -57,14 +57,7 @@ def _tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
 
 def _replace(root: torch.nn.Module, path: str, value: torch.Tensor) -> None:
     """Put ``value`` at ``path``, as the same kind of attribute (Parameter, buffer, plain)."""
-    owner, leaf = owner_of(root, path)
-    if leaf in owner._parameters:
-        old = owner._parameters[leaf]
-        owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=old.requires_grad)
-    elif leaf in owner._buffers:
-        owner._buffers[leaf] = value
-    else:
-        setattr(owner, leaf, value)
+    set_attr(root, path, with_data(fetch_attr(root, path), value))
 
 
 def has_meta_tensors(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> bool:
@@ -99,17 +92,20 @@ class Abstract:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
 
     def fake_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Fakes of the example inputs on the traced device (ones already faked stay as they are)."""
         from torch.utils import _pytree as pytree
-        return pytree.tree_map(lambda x: self.fake(x) if isinstance(x, torch.Tensor) else x,
-                               (args, kwargs))
+
+        def fake(x):
+            if not isinstance(x, torch.Tensor) or getattr(x, "fake_mode", None) is self.mode:
+                return x
+            return self.fake(x)
+
+        return pytree.tree_map(fake, (args, kwargs))
 
     def fake_module_(self, module: torch.nn.Module) -> None:
         """Every tensor of ``module`` (a working copy) replaced by a fake on the traced device."""
         for path, t in list(_tensors(module)):
             _replace(module, path, self.fake(t))
-
-    def context(self):
-        return self.mode
 
     def finish_(self, gm: torch.nn.Module, model: torch.nn.Module) -> None:
         """Back from fakes: the converted module's tensors become meta, then take the values the
@@ -124,13 +120,9 @@ class Abstract:
             load_weights(gm, real, device=self.device, strict=False)
 
 
-@contextlib.contextmanager
-def maybe(abstract: Optional[Abstract]):
-    if abstract is None:
-        yield
-    else:
-        with abstract.context():
-            yield
+def fake_mode(abstract: Optional[Abstract]):
+    """The context conversion's passes run in: the fake mode of an abstract model, else none."""
+    return abstract.mode if abstract is not None else contextlib.nullcontext()
 
 
 class _Safetensors(Mapping):
@@ -215,10 +207,10 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     ``weights``: safetensors file paths, directories of them, a checkpoint's ``.index.json``, or
     state dicts (name -> tensor), searched in order. Each of the module's tensors is looked up by
     the name it had in the model (a weight the plan stored in low precision under a new name is
-    found by its original name), checked for shape, cast to the dtype the plan gave it and moved
-    to ``device`` (default: the device it was traced for). Tensors read lazily from safetensors:
-    one at a time in memory besides the result. With ``strict``, a tensor of the module with no
-    value (still meta) afterwards is an error naming it.
+    found by its original name), checked for shape, cast to the dtype the plan gave it, and moved
+    to ``device`` (default: the device it was traced for). Tensors are read
+    lazily from safetensors: one at a time in memory besides the result. With ``strict``, a
+    tensor of the module with no value (still meta) afterwards is an error naming it.
     """
     sources = [_source(w) for w in weights]
     if not sources:

@@ -42,11 +42,11 @@ def batch(step):
     return ids, ((ids == 0).sum(1) > (ids == 1).sum(1)).long()
 
 
-def _converted():
+def _converted(mode="train"):
     torch.manual_seed(0)
-    model = Net().train()
+    model = Net().train(mode == "train")
     # planned for a named target: no CPU measurement in the worker processes
-    return mpgraph.convert(model, batch(0)[0], dtype=torch.bfloat16, mode="train",
+    return mpgraph.convert(model, batch(0)[0], dtype=torch.bfloat16, mode=mode,
                            strategy="rules", target="a100")
 
 
@@ -108,17 +108,10 @@ def _train(rank, wrap):
     return losses, held_out
 
 
-def _inference_converted():
-    torch.manual_seed(0)
-    model = Net().eval()
-    return mpgraph.convert(model, batch(0)[0], dtype=torch.bfloat16, strategy="rules",
-                           target="a100")
-
-
 def _sharded_inference(rank):
     """An inference conversion (bf16 weights stored once, float32 norms: a mix of dtypes, frozen)
     sharded by FSDP2: this rank's outputs against the same module run unsharded."""
-    gm, plain = _inference_converted(), _inference_converted()
+    gm, plain = _converted("inference"), _converted("inference")
     from torch.distributed.fsdp import fully_shard
     model = fully_shard(gm)
     ids = batch(99)[0][rank::WORLD]

@@ -1,61 +1,31 @@
 """Planning without weights (meta device) and loading them later (safetensors)."""
 import copy
-import json
-import os
 
 import pytest
 import torch
 import transformers as hf
+from large_models import build, save_checkpoint
 from safetensors.torch import save_file
 
 import mpgraph
-from mpgraph.graph_utils import owner_of
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=100, use_cache=False)
 OPTIONS = dict(dtype="bf16", target="a100")
 
 
-def _models():
-    """The materialised Llama and the same architecture with meta parameters. Its non-persistent
-    buffers (rotary inv_freq: in no checkpoint) are real, as accelerate's init_empty_weights
-    builds them; parameters are meta (no storage)."""
-    cfg = hf.LlamaConfig(**CFG)
-    torch.manual_seed(0)
-    real = hf.LlamaModel(cfg).eval()
-    with torch.device("meta"):
-        meta = hf.LlamaModel(cfg).eval()
-    for name, b in real.named_buffers():
-        owner, leaf = owner_of(meta, name)
-        owner._buffers[leaf] = b.clone()
-    return real, meta
-
-
 @pytest.fixture(scope="module")
 def llama():
-    real, meta = _models()
+    # parameters on meta, non-persistent buffers (rotary inv_freq: in no checkpoint) real, as
+    # accelerate's init_empty_weights builds them (examples/large_models.py)
+    cfg = hf.LlamaConfig(**CFG)
+    real, meta = build(cfg, "cpu"), build(cfg, "meta")
     ids = torch.randint(0, CFG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     return real, meta, ids, mpgraph.convert(real, ids, **OPTIONS)
 
 
 def _records(plan):
     return [(r.name, r.op, r.target, r.dtype, r.reason, r.shape) for r in plan.nodes]
-
-
-def _checkpoint(model, directory, shards=1):
-    """The model's state dict as safetensors, in ``shards`` files with an index like HF's."""
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    keys = sorted(state)
-    weight_map = {}
-    for i in range(shards):
-        part = keys[i::shards]
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: state[k] for k in part}, os.path.join(directory, name))
-        weight_map.update({k: name for k in part})
-    index = os.path.join(directory, "model.safetensors.index.json")
-    with open(index, "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    return index
 
 
 def _same_module(a, b, ids):
@@ -87,7 +57,7 @@ def test_meta_llama_plans_node_by_node_like_the_materialised_model(llama):
 def test_plan_then_load_safetensors_equals_direct_convert(llama, tmp_path):
     real, meta, ids, direct = llama
     planned = mpgraph.convert(meta, ids, **OPTIONS)
-    index = _checkpoint(real, tmp_path, shards=3)
+    index = save_checkpoint(real, tmp_path, shards=3)
     assert mpgraph.load_weights(planned, index) is planned
     _same_module(planned, direct, ids)
 
@@ -170,5 +140,5 @@ def test_plan_on_meta_then_load_onto_the_gpu(llama, tmp_path):
     real, meta, ids, _ = llama
     direct = mpgraph.convert(copy.deepcopy(real).cuda(), ids.cuda(), **OPTIONS)
     planned = mpgraph.convert(meta, ids.cuda(), **OPTIONS)  # traced for CUDA: fake CUDA tensors
-    mpgraph.load_weights(planned, _checkpoint(real, tmp_path), device="cuda")
+    mpgraph.load_weights(planned, save_checkpoint(real, tmp_path), device="cuda")
     _same_module(planned, direct, ids.cuda())
