@@ -83,6 +83,11 @@ def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
 
+def cast_source(node):
+    """The value a node stands for, looking through a cast InsertCasts put in front of it."""
+    return node.args[0] if node.meta.get(INSERTED_BY) == "InsertCasts" else node
+
+
 def is_float32_tensor(info: ValueInfo) -> bool:
     """True when the value is a float32 tensor, or a tuple holding one (these are what we may lower)."""
     if isinstance(info, TensorInfo):

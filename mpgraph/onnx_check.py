@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import ExportError
+from .meta import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +324,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
     path = os.fspath(path)
     shown = display_name or path
     plan = converted.plan
-    low_name = str(plan.dtype).replace("torch.", "")
+    low_name = dtype_name(plan.dtype)
     tol = tolerance if tolerance is not None else TOLERANCE[low_name]
     checks = []
     try:

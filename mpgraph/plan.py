@@ -14,7 +14,8 @@ import torch.fx
 
 from .graph_utils import module_path, target_name
 from .meta import (CAPTURE, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, RANGE, SAFETY,
-                   TENSOR, TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord, dtype_name, planned_dtype)
+                   TENSOR, TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord, cast_source, dtype_name,
+                   planned_dtype)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Plan:
                 tensor_core=finding.text if finding is not None else "",
                 safety=tuple(f"{f.rule}: {f.evidence}" for f in node.meta.get(SAFETY, ())),
                 absmax=rng.absmax if (rng := node.meta.get(RANGE)) is not None else None,
-                inputs=tuple(_source(a).name for a in node.all_input_nodes),
+                inputs=tuple(cast_source(a).name for a in node.all_input_nodes),
                 shape=_shape(node.meta.get(TENSOR)),
                 flops=cost.flops if cost is not None else None,
                 kind=op_info.key if op_info else ""))
@@ -264,11 +265,6 @@ def _jsonable(value):
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-def _source(node: torch.fx.Node) -> torch.fx.Node:
-    """The value a node reads, looking through the casts InsertCasts put in front of it."""
-    return node.args[0] if node.meta.get(INSERTED_BY) == "InsertCasts" else node
 
 
 def _shape(info) -> Optional[tuple[int, ...]]:

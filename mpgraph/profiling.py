@@ -21,7 +21,7 @@ import torch.fx
 
 from .capture import normalize_inputs
 from .graph_utils import flat_inputs
-from .meta import INSERTED_BY
+from .meta import INSERTED_BY, dtype_name
 from .plan import Plan
 
 RANGE_PREFIX = "mpgraph:"
@@ -214,7 +214,7 @@ def _attribute(events, plan: Plan, gm, iters: int, device: str, cuda: bool) -> P
         measured = sorted(times[node.name])[len(times[node.name]) // 2]
         names = tuple(sorted(kernels.get(node.name, {}), key=lambda k: -kernels[node.name][k]))
         if node.name in casts:
-            result.nodes.append(NodeProfile(node.name, "cast", str(node.args[1]).replace("torch.", ""),
+            result.nodes.append(NodeProfile(node.name, "cast", dtype_name(node.args[1]),
                                             measured, names, None, None))
             continue
         try:

@@ -21,7 +21,7 @@ import torch.fx
 
 from .errors import ToleranceError
 from .graph_utils import float_tensors, input_nodes, run_recording
-from .meta import ESTIMATE, INSERTED_BY, PRECISION, dtype_name
+from .meta import ESTIMATE, PRECISION, cast_source, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +85,13 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
 
     run_recording(converted, *call, compare)
 
-    def source(a: torch.fx.Node) -> torch.fx.Node:
-        return a.args[0] if a.meta.get(INSERTED_BY) == "InsertCasts" else a
-
     added = {}
     for node in converted.graph.nodes:
         d = node.meta.get(PRECISION)
         if d is None or d.dtype in (None, torch.float32) or node.name not in err or d.stored:
             continue
-        inherited = [err.get(source(a).name, 0.0) for a in input_nodes(node)
-                     if source(a).op != "get_attr"]
+        inherited = [err.get(cast_source(a).name, 0.0) for a in input_nodes(node)
+                     if cast_source(a).op != "get_attr"]
         added[node.name] = max(0.0, err[node.name] - max(inherited, default=0.0))
     return added
 
