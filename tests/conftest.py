@@ -91,6 +91,15 @@ class ConvNextish(nn.Module):
         return self.fc(self.norm(self.conv(x).permute(0, 2, 3, 1)))
 
 
+def small_bert():
+    """A 2-layer BERT with a 512-token vocabulary, seeded: for reports and the tolerance search."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=256, max_position_embeddings=64)
+    return BertModel(cfg).eval()
+
+
 @pytest.fixture
 def bert():
     from transformers import BertConfig, BertModel

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import transformers as hf
+from conftest import small_bert
 
 import mpgraph
 from mpgraph.tolerance import output_error
@@ -123,10 +123,7 @@ def test_tolerance_that_float32_itself_misses_is_a_clear_error():
 
 
 def _small_bert():
-    torch.manual_seed(0)
-    cfg = hf.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=256, max_position_embeddings=64)
-    model = hf.BertModel(cfg).eval()
+    model = small_bert()
     g = torch.Generator().manual_seed(3)
     batches = [{"input_ids": torch.randint(0, 512, (2, 24), generator=g),
                 "attention_mask": torch.ones(2, 24, dtype=torch.long)} for _ in range(3)]

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
-import transformers as hf
+from conftest import small_bert
 
 import mpgraph
 from mpgraph.cli import main as cli
@@ -37,10 +37,7 @@ def _blocks():
 
 
 def _small_bert():
-    torch.manual_seed(0)
-    cfg = hf.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=256, max_position_embeddings=64)
-    return hf.BertModel(cfg).eval(), torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    return small_bert(), torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
 
 
 def test_text_report_matches_the_golden_file():
