@@ -207,8 +207,8 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     ``weights``: safetensors file paths, directories of them, a checkpoint's ``.index.json``, or
     state dicts (name -> tensor), searched in order. Each of the module's tensors is looked up by
     the name it had in the model (a weight the plan stored in low precision under a new name is
-    found by its original name), checked for shape, cast to the dtype the plan gave it, and moved
-    to ``device`` (default: the device it was traced for). Tensors are read
+    found by its original name), checked for shape, cast to the dtype and memory layout the plan
+    gave it, and moved to ``device`` (default: the device it was traced for). Tensors are read
     lazily from safetensors: one at a time in memory besides the result. With ``strict``, a
     tensor of the module with no value (still meta) afterwards is an error naming it.
     """
@@ -232,9 +232,11 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
         if tuple(value.shape) != tuple(t.shape):
             raise ValueError(f"weight {key}: shape {tuple(value.shape)}, the converted module "
                              f"has {tuple(t.shape)}")
+        # in the planned dtype and layout (ChannelsLast stores conv weights NHWC)
+        placed = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
         with torch.no_grad():
-            _replace(gm, path, value.to(device=target, dtype=t.dtype).contiguous()
-                     if t.is_contiguous() else value.to(device=target, dtype=t.dtype))
+            placed.copy_(value)
+        _replace(gm, path, placed)
         used.add(key)
         loaded += 1
     if traced is not None and isinstance(gm, torch.fx.GraphModule) and str(target) != traced:

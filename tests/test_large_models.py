@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 import transformers as hf
+from conftest import ConvBnReluPool
 from large_models import build, save_checkpoint
 from safetensors.torch import save_file
 
@@ -33,7 +34,7 @@ def _same_module(a, b, ids):
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
     for k in sa:
-        assert sa[k].dtype == sb[k].dtype and sa[k].device == sb[k].device, k
+        assert (sa[k].dtype, sa[k].device, sa[k].stride()) == (sb[k].dtype, sb[k].device, sb[k].stride()), k
         assert torch.equal(sa[k], sb[k]), k
     with torch.no_grad():
         assert torch.equal(a(ids).last_hidden_state, b(ids).last_hidden_state)
@@ -60,6 +61,23 @@ def test_plan_then_load_safetensors_equals_direct_convert(llama, tmp_path):
     index = save_checkpoint(real, tmp_path, shards=3)
     assert mpgraph.load_weights(planned, index) is planned
     _same_module(planned, direct, ids)
+
+
+def test_loaded_weights_keep_the_planned_memory_layout(tmp_path):
+    """ChannelsLast stores low-precision conv weights NHWC: loaded weights land in that layout."""
+    torch.manual_seed(0)
+    real = ConvBnReluPool().eval()
+    with torch.device("meta"):
+        meta = ConvBnReluPool().eval()
+    x = torch.randn(2, 3, 16, 16)
+    direct = mpgraph.convert(real, x, **OPTIONS)
+    planned = mpgraph.convert(meta, x, **OPTIONS)
+    mpgraph.load_weights(planned, save_checkpoint(real, tmp_path))
+    weight = planned.get_parameter("conv.weight")
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous(memory_format=torch.channels_last)
+    assert weight.stride() == direct.get_parameter("conv.weight").stride()
+    assert planned.code == direct.code
+    assert torch.equal(planned(x), direct(x))
 
 
 def test_a_saved_plan_applies_to_the_materialised_model(llama, tmp_path):
