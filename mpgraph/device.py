@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # model counts transcendental ops the same way (estimate_cost.FLOPS_PER_ELEMENT)
 VECTOR_FLOPS_PER_ELEMENT = 20
 _CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_fp16", "avx512_fp16", "avx512f", "avx2")
+_ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,16 +67,25 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
+def _matmul_rate(dtype: torch.dtype, largest: int = 1024, enough_s: float = 0.02) -> float:
+    """FLOP/s of an n x n matmul, n doubled from 128 up to ``largest`` while one run is shorter
+    than ``enough_s``: big enough to reach the fast kernels' rate, short where the dtype is
+    emulated (bf16 on an AVX2-only CPU runs at ~1% of fp32: 1024^3 would take a second a run)."""
+    n = 128
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        t = _best_time(lambda: torch.mm(a, b), 3)
+        if n >= largest or t >= enough_s:
+            return 2.0 * n ** 3 / t
+        n *= 2
+
+
 def _measure_cpu() -> dict:
     """Matmul FLOP/s per dtype, memory bandwidth and per-op overhead, in about a second."""
     peak = {}
     with torch.no_grad():
-        for key, dtype, n in (("fp32", torch.float32, 1024), ("bf16", torch.bfloat16, 1024),
-                              ("fp16", torch.float16, 256)):
-            a = torch.randn(n, n).to(dtype)
-            b = torch.randn(n, n).to(dtype)
-            t = _best_time(lambda: torch.mm(a, b), 3)
-            peak[key] = 2.0 * n ** 3 / t
+        for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            peak[key] = _matmul_rate(dtype)
         x = torch.empty(16 * 1024 * 1024)  # 64 MB
         y = torch.empty_like(x)
         t = _best_time(lambda: y.copy_(x), 5)
@@ -92,7 +102,10 @@ def _measure_cpu() -> dict:
 def measure_cpu(cache: bool = True) -> DeviceSpec:
     """This CPU as a DeviceSpec, from a micro-benchmark (cached on disk)."""
     flags = sorted(cpu_flags() & set(_CPU_FLAGS))
-    key = f"v2|{_cpu_name()}|{','.join(flags)}|{torch.get_num_threads()}|{torch.__version__}"
+    # oneDNN and ATen can be capped below what the CPU has (ONEDNN_MAX_CPU_ISA=AVX2 makes an
+    # AVX512-BF16 machine run bf16 like an AVX2 one): a capped run is another CPU to measure
+    caps = ",".join(f"{k}={os.environ[k]}" for k in _ISA_CAPS if os.environ.get(k))
+    key = f"v2|{_cpu_name()}|{','.join(flags)}|{caps}|{torch.get_num_threads()}|{torch.__version__}"
     path = os.path.join(_cache_dir(), f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
     data = None
     if cache and os.path.exists(path):
@@ -113,7 +126,8 @@ def measure_cpu(cache: bool = True) -> DeviceSpec:
                 log.info("could not cache the CPU measurement: %s", e)
     return DeviceSpec(f"CPU {_cpu_name()} ({torch.get_num_threads()} threads)", "cpu",
                       dict(data["peak"]), data["bandwidth"], torch.get_num_threads(),
-                      data["launch"], tile=1, source=f"measured ({', '.join(flags) or 'no SIMD flags'})")
+                      data["launch"], tile=1, source=f"measured ({', '.join(flags) or 'no SIMD flags'}"
+                      + (f"; capped by {caps}" if caps else "") + ")")
 
 
 def _gpu_spec(index: int = 0) -> DeviceSpec:
