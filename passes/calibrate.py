@@ -46,15 +46,25 @@ def as_call(batch: Any) -> tuple[tuple, dict]:
 
 
 def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
-    """(finite absmax, smallest non-zero finite magnitude, count of inf/NaN) of one tensor."""
+    """(finite absmax, smallest non-zero finite magnitude, count of inf/NaN) of one tensor.
+
+    Two reductions in the common, all-finite case (max, then min over the non-zeros); the
+    inf/NaN masks only when the max says there are some. float16/bfloat16 values are exact in
+    float32, which the reductions run in."""
     if t.numel() == 0:
         return 0.0, math.inf, 0
-    a = t.detach().abs().double()
-    finite = torch.isfinite(a)
-    nonfinite = int(a.numel() - int(finite.sum()))
-    absmax = float(a.masked_fill(~finite, 0).max())
-    small = a.masked_fill(~finite | (a == 0), math.inf).min()
-    return absmax, float(small), nonfinite
+    a = t.detach().abs()
+    if a.dtype not in (torch.float32, torch.float64):
+        a = a.float()
+    nonfinite = 0
+    top = a.max()
+    if not torch.isfinite(top):  # inf or NaN somewhere (NaN propagates through max)
+        finite = torch.isfinite(a)
+        nonfinite = int(a.numel() - int(finite.sum()))
+        a = a.masked_fill(~finite, 0)
+        top = a.max()
+    small = torch.where(a > 0, a, math.inf).min()
+    return float(top), float(small), nonfinite
 
 
 def _progress(batches, show: Optional[bool]):

@@ -34,9 +34,10 @@ import torch
 import torch.fx
 
 from mpgraph.graph_utils import fetch_attr, input_nodes
-from mpgraph.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, dtype_name
+from mpgraph.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
 from mpgraph.op_table import CAST, FOLLOW, FP32_ONLY, RANGE_EXPANDING_REASON, TENSOR_CORE
 from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.passes.calibrate import tensor_stats
 from mpgraph.weights import is_abstract
 
 log = logging.getLogger(__name__)
@@ -52,22 +53,24 @@ def smallest_subnormal(dtype: torch.dtype) -> float:
     return info.smallest_normal * info.eps  # 2**-24 for fp16, 2**-133 for bf16
 
 
-def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype) -> list[SafetyFinding]:
-    if not t.is_floating_point() or t.numel() == 0 or is_abstract(t):
-        return []
-    a = t.detach().abs().double()
-    a = a[torch.isfinite(a)]
-    if a.numel() == 0:
-        return []
+def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype,
+                     stats: tuple[float, float, int]) -> list[SafetyFinding]:
+    """Findings for one weight, from its ``tensor_stats``; the values are read again only when
+    some of them underflow (to count them)."""
+    absmax, smallest, nonfinite = stats
     top, tiny = torch.finfo(low).max, smallest_subnormal(low)
-    if float(a.max()) > top:
-        return [SafetyFinding("weight", f"{name} absmax {float(a.max()):.3g} overflows "
+    if absmax > top:
+        return [SafetyFinding("weight", f"{name} absmax {absmax:.3g} overflows "
                                         f"{dtype_name(low)} (max {top:.5g})")]
-    nonzero = a[a > 0]
-    flushed = int((nonzero < tiny / 2).sum())  # rounds to zero in the low dtype
-    if flushed and (t.numel() <= SMALL_TENSOR or flushed > UNDERFLOW_FRACTION * nonzero.numel()):
-        return [SafetyFinding("weight", f"{name}: {flushed} of {nonzero.numel()} non-zero values "
-                                        f"(smallest {float(nonzero.min()):.3g}) underflow "
+    if smallest >= tiny / 2:
+        return []
+    a = t.detach().abs().float()
+    zeros = int(torch.count_nonzero(a == 0))
+    nonzero = t.numel() - zeros - nonfinite
+    flushed = int(torch.count_nonzero(a < tiny / 2)) - zeros  # rounds to zero in the low dtype
+    if flushed and (t.numel() <= SMALL_TENSOR or flushed > UNDERFLOW_FRACTION * nonzero):
+        return [SafetyFinding("weight", f"{name}: {flushed} of {nonzero} non-zero values "
+                                        f"(smallest {smallest:.3g}) underflow "
                                         f"{dtype_name(low)} to zero")]
     return []
 
@@ -85,6 +88,7 @@ class NumericSafety(Pass):
         if alt_dtype not in (None, torch.bfloat16):
             raise ValueError(f"the second low dtype can only be bfloat16, got {alt_dtype}")
         self.alt = NumericSafety(alt_dtype, margin) if alt_dtype is not None else None
+        self._seen: dict = {}  # weight statistics of the current run, by tensor
         self.limit = torch.finfo(low_dtype).max / margin
         self.top = torch.finfo(low_dtype).max
         self.tiny = smallest_subnormal(low_dtype)
@@ -117,17 +121,29 @@ class NumericSafety(Pass):
         return out
 
     def _weight_findings(self, node, gm) -> list[SafetyFinding]:
-        out = []
+        weights = []
         if node.op == "call_module":
             mod = gm.get_submodule(node.target)
-            for name, t in list(mod.named_parameters()) + list(mod.named_buffers()):
-                out += _tensor_findings(f"{node.target}.{name}", t, self.low)
-        for a in input_nodes(node):
-            if a.op == "get_attr":
-                value = fetch_attr(gm, a.target)
-                if isinstance(value, torch.Tensor):
-                    out += _tensor_findings(str(a.target), value, self.low)
+            weights += [(f"{node.target}.{name}", t)
+                        for name, t in list(mod.named_parameters()) + list(mod.named_buffers())]
+        weights += [(str(a.target), fetch_attr(gm, a.target), a.meta.get(RANGE))
+                    for a in input_nodes(node) if a.op == "get_attr"]
+        out = []
+        for name, t, *seen in weights:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() \
+                    and not is_abstract(t):
+                out += _tensor_findings(name, t, self.low, self._stats(t, seen[0] if seen else None))
         return out
+
+    def _stats(self, t: torch.Tensor, seen: Optional[ValueRange]) -> tuple[float, float, int]:
+        """tensor_stats of a weight: what Calibrate recorded for its get_attr node, else scanned
+        once per run of this pass (and shared with the bf16 check)."""
+        if seen is not None:
+            return seen.absmax, seen.min_nonzero, seen.nonfinite
+        key = (id(t), t._version)
+        if key not in self._seen:
+            self._seen[key] = tensor_stats(t)
+        return self._seen[key]
 
     def _relax(self, node) -> Optional[SafetyFinding]:
         """A range-expanding op in fp16: follow when calibration proves it, else a finding."""
@@ -165,6 +181,9 @@ class NumericSafety(Pass):
         return found
 
     def call(self, gm):
+        self._seen = {}
+        if self.alt is not None:
+            self.alt._seen = self._seen  # dtype-independent statistics: scanned once for both
         findings: dict[torch.fx.Node, list[SafetyFinding]] = {}
         for node in gm.graph.nodes:
             node.meta.pop(SAFETY, None)
