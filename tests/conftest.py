@@ -1,16 +1,35 @@
 """Shared models and helpers for the tests. Everything is built locally; nothing downloads."""
 from __future__ import annotations
 
+import atexit
+import functools
 import math
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mpgraph
 from mpgraph.meta import INSERTED_BY
+
+# Plans for "this machine" (no target) come from a CPU micro-benchmark cached in ~/.cache/mpgraph.
+# The tests measure afresh into a private directory, so a stale or noisy cache cannot decide them.
+_CACHE = tempfile.mkdtemp(prefix="mpgraph-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE  # subprocesses (CLI tests) inherit it
+atexit.register(shutil.rmtree, _CACHE, True)
+
+# The GPU that tests about low precision plan for: what is low there does not depend on the CPU
+# the suite lands on (an AVX2-only CPU keeps everything float32 for itself, one with AMX almost
+# nothing). The plans still run here: the CPU computes fp16/bf16, slowly where it emulates them.
+GPU = "a100"
+# the op-list rules (every Tensor Core op low, whatever its size) planned for that GPU
+convert_rules = functools.partial(mpgraph.convert, strategy="rules", target=GPU)
 
 # the example model loaders (examples/crepe.py, ...) are importable from the tests
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))

@@ -5,7 +5,7 @@ import torch.nn as nn
 import mpgraph
 from mpgraph.meta import CAPTURE, TENSOR, TensorInfo
 
-from conftest import MLP
+from conftest import GPU, MLP
 
 
 def test_symbolic_trace_route_records_shapes_and_dtypes():
@@ -66,7 +66,9 @@ def test_model_is_untouched_by_capture_and_convert(bert, token_ids):
     handle = bert.encoder.register_forward_hook(lambda *a: calls.append(1))
     before = {k: v.clone() for k, v in bert.state_dict().items()}
     hooks_before = dict(bert.encoder._forward_hooks)
-    mpgraph.convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype=torch.bfloat16)
+    gm = mpgraph.convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype=torch.bfloat16,
+                         target=GPU)
+    assert gm.plan.low_nodes  # a real conversion, with weights stored low
     after = bert.state_dict()
     assert before.keys() == after.keys()
     for k in before:
@@ -96,7 +98,8 @@ def test_exported_graph_follows_train_and_eval_like_the_model():
     torch.manual_seed(0)
     model = Net().train()
     x = torch.randn(4, 3, 8, 8)
-    gm = mpgraph.convert(model, (x,), example_kwargs={"scale": 1.0}, dtype=torch.bfloat16)
+    gm = mpgraph.convert(model, (x,), example_kwargs={"scale": 1.0}, dtype=torch.bfloat16,
+                         target=GPU)
     if gm.plan.capture != "torch.export":
         pytest.skip("captured by symbolic_trace: its leaf modules follow the flag anyway")
     before = gm.bn.running_mean.clone() if hasattr(gm, "bn") else None

@@ -1,5 +1,4 @@
 """End to end: convert real and hand-written architectures, check numbers, dtypes, structure."""
-import functools
 import pytest
 import torch
 import torch.nn as nn
@@ -7,10 +6,10 @@ import torch.nn as nn
 import mpgraph
 from mpgraph.meta import PRECISION, TENSOR
 
-from conftest import (LOW_DTYPES, TOL, ConvBnReluPool, MLP, SoftmaxAttention, casts, rel_err,
+from conftest import (convert_rules, LOW_DTYPES, TOL, ConvBnReluPool, MLP, SoftmaxAttention, casts, rel_err,
                       round_trips)
 
-convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 
 
 def _tel():

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from conftest import small_bert
+from conftest import GPU, convert_rules, small_bert
 
 import mpgraph
 from mpgraph.tolerance import output_error
@@ -70,7 +70,7 @@ def test_constant_rules_name_the_mask_and_the_eps():
 
 
 def test_constants_are_not_findings_in_bf16_which_has_fp32_range():
-    gm = mpgraph.convert(_seeded(MaskedAttention), mask_inputs(), dtype=BF16, strategy="rules")
+    gm = convert_rules(_seeded(MaskedAttention), mask_inputs(), dtype=BF16)
     assert not any(r.safety for r in gm.plan.nodes)
 
 
@@ -113,13 +113,13 @@ def test_bad_calibration_is_a_clear_error(calibration, message):
 def test_tolerance_must_be_positive(tolerance):
     with pytest.raises(ValueError, match="tolerance must be a positive number"):
         mpgraph.convert(_seeded(HugeBeforeLayerNorm), torch.randn(4, 16), dtype=BF16,
-                        tolerance=tolerance)
+                        tolerance=tolerance, target=GPU)
 
 
 def test_tolerance_that_float32_itself_misses_is_a_clear_error():
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).train()  # two runs never agree
     with pytest.raises(mpgraph.ToleranceError, match="cannot be met even in float32"):
-        mpgraph.convert(model, torch.randn(4, 16), dtype=BF16, tolerance=1e-3)
+        mpgraph.convert(model, torch.randn(4, 16), dtype=BF16, tolerance=1e-3, target=GPU)
 
 
 def _small_bert():
@@ -139,7 +139,7 @@ def _error(gm, model, batches):
 # (about 2.4e-5 fp16 and 2e-4 bf16 on this random-weight BERT), which force the search to pin.
 @pytest.mark.parametrize("dtype, tolerance, target, must_pin", [
     (FP16, 1e-3, "a100", False), (FP16, 1e-5, "a100", True),
-    (BF16, 5e-3, None, False), (BF16, 5e-5, None, True)])
+    (BF16, 5e-3, "a100", False), (BF16, 5e-5, "a100", True)])
 def test_tolerance_search_on_small_bert_meets_the_bar_and_reports_pins(dtype, tolerance, target,
                                                                        must_pin):
     model, batches = _small_bert()

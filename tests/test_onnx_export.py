@@ -14,9 +14,9 @@ pytest.importorskip("onnxruntime")
 import mpgraph  # noqa: E402
 from mpgraph.onnx_check import inspect_model, load_with_types, validate_onnx  # noqa: E402
 
-from conftest import MLP, ConvBnReluPool, ConvNextish, SoftmaxAttention  # noqa: E402
+from conftest import convert_rules, MLP, ConvBnReluPool, ConvNextish, SoftmaxAttention  # noqa: E402
 
-convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 export_onnx = functools.partial(mpgraph.export_onnx, strategy="rules")
 
 LOW = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
@@ -74,7 +74,9 @@ def test_small_models_export_and_validate(name, low, tmp_path):
     assert path.exists() and result.path == str(path)
     assert result.exporter == "torch.onnx.export(dynamo=True)"
     v = result.validation
-    assert v is not None and v.emulated == (low == "bf16")
+    # onnxruntime's CPU provider has no bf16 MatMul: bf16 runs as the emulation there (a CUDA
+    # provider, where one loads, runs the file as it is)
+    assert v is not None and v.emulated == (low == "bf16" and v.provider == "CPUExecutionProvider")
     assert max(v.err_vs_converted) < {"fp16": 1e-2, "bf16": 3e-2}[low]
     assert max(v.err_vs_fp32) < {"fp16": 1e-2, "bf16": 4e-2}[low]
     _check_file(path, result, low)
@@ -99,8 +101,9 @@ def test_huggingface_models_export(arch, low, request, token_ids, tmp_path):
     assert result.casts_in_file == 4 * layers + (2 if arch == "bert" else 0)
     # onnxruntime on the file itself agrees with the module
     if low == "fp16":
-        sess = mpgraph.ort_session(path)
-        assert sess.get_providers() == ["CPUExecutionProvider"]
+        sess = mpgraph.ort_session(path)  # CUDA where torch sees a GPU and onnxruntime's loads
+        if not torch.cuda.is_available():
+            assert sess.get_providers() == ["CPUExecutionProvider"]
         out = sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
         with torch.no_grad():
             ref = model(ids, attention_mask=mask).last_hidden_state.numpy()
@@ -211,7 +214,7 @@ def test_ort_session_prefers_cpu_quietly_without_a_gpu(tmp_path, capfd):
     path = tmp_path / "m.onnx"
     export_onnx(MLP(), torch.randn(2, 16), path, validate=False)
     capfd.readouterr()
-    sess = mpgraph.ort_session(path)
+    sess = mpgraph.ort_session(path, device=None if not torch.cuda.is_available() else "cpu")
     assert sess.get_providers() == ["CPUExecutionProvider"]
     err = capfd.readouterr().err
     assert "libcublas" not in err and "CUDAExecutionProvider" not in err
@@ -288,12 +291,12 @@ def test_overflow_traps_export_to_fp16_onnx_that_stays_finite(tmp_path, trap):
 
 
 class _Big(nn.Module):
-    """Four Linear layers, 2.68 GB of float32 weights: past protobuf's 2 GB limit."""
+    """Four Linear layers, 2.15 GB of float32 weights: just past protobuf's 2 GiB limit."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b = nn.Linear(8192, 20480), nn.Linear(20480, 8192)
-        self.c, self.d = nn.Linear(8192, 20480), nn.Linear(20480, 8192)
+        self.a, self.b = nn.Linear(8192, 16392), nn.Linear(16392, 8192)
+        self.c, self.d = nn.Linear(8192, 16392), nn.Linear(16392, 8192)
 
     def forward(self, x):
         return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
@@ -301,7 +304,7 @@ class _Big(nn.Module):
 
 @pytest.mark.slow
 def test_model_over_2gb_exports_with_external_data_and_validates_by_path(tmp_path):
-    """~40 s and ~10 GiB peak here: the fp16 file's weights (1.34 GB) go to FILE.onnx.data, every
+    """~30 s and ~8 GiB peak here: the fp16 file's weights (1.07 GB) go to FILE.onnx.data, every
     check reads the file by path, and the files are removed afterwards."""
     torch.manual_seed(0)
     model = _Big().eval()
@@ -312,7 +315,7 @@ def test_model_over_2gb_exports_with_external_data_and_validates_by_path(tmp_pat
         result = export_onnx(model, x, str(path), dtype=torch.float16, target="a100")
         data = tmp_path / "big.onnx.data"
         assert result.external_data == "big.onnx.data"
-        assert path.stat().st_size < 1_000_000 and data.stat().st_size > 1.3e9
+        assert path.stat().st_size < 1_000_000 and data.stat().st_size > 1.07e9
         out = mpgraph.ort_session(str(path), device="cpu").run(None, {"x": x.numpy()})[0]
         with torch.no_grad():
             ref = model(x).numpy()

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
-from conftest import small_bert
+from conftest import GPU, small_bert
 
 import mpgraph
 from mpgraph.cli import main as cli
@@ -42,14 +42,14 @@ def _small_bert():
 
 def test_text_report_matches_the_golden_file():
     model, x = _blocks()  # planned for an A100: the estimates are data, not a measurement
-    text = mpgraph.report(mpgraph.convert(model, x, dtype="fp16", target="a100", strategy="rules"))
+    text = mpgraph.report(mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules"))
     with open(os.path.join(GOLDEN, "blocks_report.txt")) as f:
         assert text == f.read()
 
 
 def test_report_formats_and_bad_input(tmp_path):
     model, x = _blocks()
-    gm = mpgraph.convert(model, x, dtype="fp16", target="a100", strategy="rules")
+    gm = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
     dot = mpgraph.report(gm, "dot", tmp_path / "plan.dot")
     assert dot.startswith("digraph plan {") and (tmp_path / "plan.dot").read_text() == dot
     assert dot.count("subgraph cluster_") == 5  # blocks.0, blocks.1, blocks.2, head, top level
@@ -66,7 +66,8 @@ def test_report_formats_and_bad_input(tmp_path):
 
 def test_saved_plan_round_trip_reproduces_the_converted_module(tmp_path):
     for model, x in (_blocks(), _small_bert()):
-        gm = mpgraph.convert(model, x, dtype="bf16")
+        gm = mpgraph.convert(model, x, dtype="bf16", target=GPU)
+        assert gm.plan.low_nodes and gm.plan.casts  # a plan with decisions to reproduce
         gm.plan.save(tmp_path / "plan.json")
         again = mpgraph.convert(model, x, plan=mpgraph.Plan.load(tmp_path / "plan.json"))
         assert again.code == gm.code
@@ -80,7 +81,7 @@ def test_saved_plan_round_trip_reproduces_the_converted_module(tmp_path):
 
 def test_an_edited_plan_is_applied(tmp_path):
     model, x = _blocks()
-    gm = mpgraph.convert(model, x, dtype="bf16", target="a100", strategy="rules")
+    gm = mpgraph.convert(model, x, dtype="bf16", target=GPU, strategy="rules")
     data = gm.plan.to_dict()
     for node in data["nodes"]:
         if node["module"] == "blocks.1.0":
@@ -92,7 +93,7 @@ def test_an_edited_plan_is_applied(tmp_path):
 
 def test_a_plan_for_another_model_is_a_clear_error():
     model, x = _blocks()
-    plan = mpgraph.convert(model, x, dtype="bf16").plan
+    plan = mpgraph.convert(model, x, dtype="bf16", target=GPU).plan
     with pytest.raises(mpgraph.PlanMismatchError) as err:
         mpgraph.convert(model, torch.randn(4, 64), plan=plan)  # other shapes
     assert "shape (4, 64), the plan has (16, 64)" in str(err.value)
@@ -107,9 +108,9 @@ def test_a_plan_for_another_model_is_a_clear_error():
 
 def test_override_by_module_glob_changes_exactly_the_matched_nodes():
     model, x = _blocks()
-    base = mpgraph.convert(model, x, dtype="bf16", strategy="rules")
+    base = mpgraph.convert(model, x, dtype="bf16", strategy="rules", target=GPU)
     pinned = mpgraph.convert(model, x, dtype="bf16", strategy="rules",
-                             overrides={"blocks.1.*": "fp32"})
+                             overrides={"blocks.1.*": "fp32"}, target=GPU)
     changed = {c.name for c in mpgraph.diff(base, pinned).changed}
     matched = {r.name for r in base.plan.compute_nodes if r.module.startswith("blocks.1.")}
     assert changed == matched == {"blocks_1_0", "blocks_1_1"}
@@ -119,11 +120,12 @@ def test_override_by_module_glob_changes_exactly_the_matched_nodes():
 
 def test_override_by_op_and_by_class_and_precedence():
     model, x = _blocks()
-    gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules", overrides={"op:nn.ReLU": "fp32"})
+    gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules", target=GPU,
+                         overrides={"op:nn.ReLU": "fp32"})
     relus = [r for r in gm.plan.compute_nodes if r.module.endswith(".1")]
     assert len(relus) == 3 and all(r.dtype == "float32" for r in relus)
     gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules",
-                         overrides={"class:tensor_core": "fp32", "blocks.2.0": "bf16"})
+                         overrides={"class:tensor_core": "fp32", "blocks.2.0": "bf16"}, target=GPU)
     assert gm.plan.node("blocks_0_0").dtype == gm.plan.node("head").dtype == "float32"
     assert gm.plan.node("blocks_2_0").dtype == "bfloat16"  # a module path beats an op class
 
@@ -131,16 +133,16 @@ def test_override_by_op_and_by_class_and_precedence():
 def test_override_that_matches_nothing_is_a_warning_naming_it(caplog):
     model, x = _blocks()
     with caplog.at_level(logging.WARNING, logger="mpgraph"):
-        mpgraph.convert(model, x, dtype="bf16", overrides={"encoder.layr.*": "fp32"})
+        mpgraph.convert(model, x, dtype="bf16", overrides={"encoder.layr.*": "fp32"}, target=GPU)
     assert any("'encoder.layr.*' matched no node" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="dtype must be float32 or bfloat16"):
-        mpgraph.convert(model, x, dtype="bf16", overrides={"head": "int8"})
+        mpgraph.convert(model, x, dtype="bf16", overrides={"head": "int8"}, target=GPU)
 
 
 def test_diff_of_two_targets_lists_every_changed_node():
     bert, ids = _small_bert()
     t4 = mpgraph.convert(bert, ids, dtype="fp16", target="t4")
-    a100 = mpgraph.convert(bert, ids, dtype="fp16", target="a100")
+    a100 = mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
     d = mpgraph.diff(t4, a100)
     # the pooler's 64x64 matmul and its tanh pay for their casts on an A100, not on a T4
     assert {c.name for c in d.changed} == {"linear_12", "tanh"}, str(d)
@@ -195,7 +197,7 @@ def test_html_report_of_bert_renders_in_headless_chromium(tmp_path):
         pytest.skip("no chromium on this machine (Debian: apt-get install chromium)")
     bert, ids = _small_bert()
     page = tmp_path / "bert.html"
-    text = mpgraph.report(mpgraph.convert(bert, ids, dtype="fp16", target="a100"), "html", page)
+    text = mpgraph.report(mpgraph.convert(bert, ids, dtype="fp16", target=GPU), "html", page)
     assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")  # no network
     assert "https://" not in text
     shot = tmp_path / "bert.png"

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpgraph
+from conftest import convert_rules
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -64,7 +65,7 @@ def test_bf16_training_reaches_the_fp32_loss(make, batches, lr):
     torch.manual_seed(0)
     model = make().train()
     reference, before = copy.deepcopy(model), copy.deepcopy(model.state_dict())
-    gm = mpgraph.convert(model, batches(0)[0], dtype=BF16, mode="train")
+    gm = convert_rules(model, batches(0)[0], dtype=BF16, mode="train")
     assert gm.plan.mode == "train" and gm.plan.low_nodes and not gm.plan.weights
     fp32_losses, _ = _train(reference, batches, 200, lr)
     bf16_losses, opt = _train(gm, batches, 200, lr)
@@ -86,7 +87,7 @@ def test_first_step_gradients_match_fp32_as_closely_as_autocast_and_arrive_in_fp
     model = SmallCNN().train()
     reference, autocast = copy.deepcopy(model), copy.deepcopy(model)
     x, y = images(0)
-    gm = mpgraph.convert(model, x, dtype=BF16, mode="train")
+    gm = convert_rules(model, x, dtype=BF16, mode="train")
     F.cross_entropy(reference(x), y).backward()
     F.cross_entropy(gm(x), y).backward()
     with torch.autocast("cpu", dtype=BF16):
@@ -106,7 +107,7 @@ def test_batch_norm_statistics_update_like_fp32_and_conversion_leaves_them_alone
     torch.manual_seed(0)
     model = SmallCNN().train()
     reference = copy.deepcopy(model)
-    gm = mpgraph.convert(model, images(0)[0], dtype=BF16, mode="train",
+    gm = convert_rules(model, images(0)[0], dtype=BF16, mode="train",
                          calibration=[images(s)[0] for s in range(3)])
     buffers = dict(gm.named_buffers())
     for name, b in model.named_buffers():  # conversion's own runs were undone
@@ -124,7 +125,7 @@ def test_train_and_eval_switch_dropout_like_the_model():
     torch.manual_seed(0)
     model = SmallTransformer(dropout=0.5).train()
     ids, _ = tokens(0)
-    gm = mpgraph.convert(model, ids, dtype=BF16, mode="train")
+    gm = convert_rules(model, ids, dtype=BF16, mode="train")
     assert not torch.equal(gm(ids), gm(ids))  # dropout active
     gm.eval()
     with torch.no_grad():
@@ -145,7 +146,7 @@ def test_loss_inside_the_model_stays_fp32():
 
     torch.manual_seed(0)
     x, y = images(0)
-    gm = mpgraph.convert(WithLoss().train(), (x, y), dtype=BF16, mode="train")
+    gm = convert_rules(WithLoss().train(), (x, y), dtype=BF16, mode="train")
     loss = [r for r in gm.plan.compute_nodes if "cross_entropy" in (r.kind or r.target)]
     assert loss and all(r.dtype == "float32" for r in loss)
     out = gm(x, y)
@@ -161,7 +162,7 @@ def test_fp16_training_with_grad_scaler():
     torch.manual_seed(0)
     model = SmallTransformer().train()
     ids, y = tokens(0)
-    gm = mpgraph.convert(model, ids, dtype=FP16, target="a100", mode="train", strategy="rules")
+    gm = convert_rules(model, ids, dtype=FP16, mode="train")
     opt = torch.optim.SGD(gm.parameters(), lr=0.05)
     losses = []
     for step in range(30):
@@ -186,7 +187,7 @@ def test_residual_adds_read_low_inputs_without_a_cast_kernel():
     torch.manual_seed(0)
     model = SmallTransformer().train()
     ids, y = tokens(0)
-    gm = mpgraph.convert(model, ids, dtype=BF16, mode="train", strategy="rules")
+    gm = convert_rules(model, ids, dtype=BF16, mode="train")
     promoting = [r for r in gm.plan.compute_nodes if "type promotion" in r.reason]
     assert promoting and all(r.dtype == "float32" for r in promoting)
     names = {n.name for n in gm.plan.nodes}

@@ -1,4 +1,3 @@
-import functools
 import torch
 import torch.nn as nn
 
@@ -6,9 +5,9 @@ import mpgraph
 from mpgraph.meta import PRECISION
 from mpgraph.passes import AssignPrecision, ClassifyOps
 
-from conftest import MLP, ConvNextish, SoftmaxAttention
+from conftest import convert_rules, MLP, ConvNextish, SoftmaxAttention
 
-convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

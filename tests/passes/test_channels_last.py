@@ -4,12 +4,12 @@ import mpgraph
 from mpgraph.meta import INSERTED_BY
 from mpgraph.passes import ChannelsLast
 
-from conftest import ConvBnReluPool, rel_err
+from conftest import ConvBnReluPool, convert_rules, rel_err
 
 
 def test_low_precision_convs_run_channels_last_with_the_same_values():
     model, x = ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16)
-    gm = mpgraph.convert(model, x, dtype=torch.bfloat16, strategy="rules")
+    gm = convert_rules(model, x, dtype=torch.bfloat16)
     assert gm.conv.weight.dtype == torch.bfloat16
     assert gm.conv.weight.is_contiguous(memory_format=torch.channels_last)
     layout = [n for n in gm.graph.nodes if n.meta.get(INSERTED_BY) == "ChannelsLast"]
@@ -23,6 +23,6 @@ def test_low_precision_convs_run_channels_last_with_the_same_values():
 
 def test_fp32_convs_keep_their_layout():
     model, x = ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16)
-    gm = mpgraph.convert(model, x, dtype=torch.bfloat16, strategy="rules", overrides={"conv": "fp32"})
+    gm = convert_rules(model, x, dtype=torch.bfloat16, overrides={"conv": "fp32"})
     assert gm.conv.weight.is_contiguous()
     assert not any(n.meta.get(INSERTED_BY) == "ChannelsLast" for n in gm.graph.nodes)

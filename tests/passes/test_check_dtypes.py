@@ -1,4 +1,3 @@
-import functools
 import dataclasses
 
 import pytest
@@ -8,9 +7,9 @@ import mpgraph
 from mpgraph.meta import PRECISION
 from mpgraph.passes import CheckDtypes
 
-from conftest import MLP
+from conftest import convert_rules, MLP
 
-convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 
 
 def test_passes_on_a_correct_conversion_and_changes_nothing():

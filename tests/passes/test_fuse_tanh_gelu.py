@@ -1,4 +1,3 @@
-import functools
 import math
 
 import torch
@@ -8,9 +7,9 @@ import torch.nn.functional as F
 import mpgraph
 from mpgraph.passes import FuseTanhGelu
 
-from conftest import casts, rel_err
+from conftest import convert_rules, casts, rel_err
 
-convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 
 
 class GeluNew(nn.Module):

@@ -1,4 +1,3 @@
-import functools
 import torch
 import torch.nn as nn
 
@@ -6,9 +5,9 @@ import mpgraph
 from mpgraph.meta import INSERTED_BY
 from mpgraph.passes import InsertCasts
 
-from conftest import MLP, ConvBnReluPool, SharedInput, casts
+from conftest import convert_rules, MLP, ConvBnReluPool, SharedInput, casts
 
-convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

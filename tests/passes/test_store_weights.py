@@ -1,13 +1,12 @@
-import functools
 import torch
 import torch.nn as nn
 
 import mpgraph
 from mpgraph.meta import INSERTED_BY
 
-from conftest import MLP, casts
+from conftest import convert_rules, MLP, casts
 
-convert = functools.partial(mpgraph.convert, strategy="rules")  # these tests pin the rules
+convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 
 BF16 = torch.bfloat16
 
