@@ -23,7 +23,7 @@ import transformers as hf
 from safetensors.torch import save_file
 
 import mpgraph
-from mpgraph.graph_utils import owner_of
+from mpgraph.ir.graph import owner_of
 
 
 def build(cfg: hf.LlamaConfig, device: str) -> torch.nn.Module:

@@ -4,22 +4,24 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import warnings
 from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from .capture import capture, normalize_inputs
-from .device import auto_dtype, range_dtype, resolve_target
-from .device_specs import DeviceSpec
-from .op_table import OpTable
-from .pass_infra import run_passes
-from .passes.calibrate import as_call
-from .errors import PlanMismatchError
-from .graph_utils import target_name
-from .meta import TENSOR, is_float32_tensor
-from .plan import Plan, _shape
-from .tolerance import check_tolerance, meet_tolerance
-from .weights import Abstract, fake_mode, has_meta_tensors, is_abstract, trace_device
+from mpgraph.frontend.capture import capture
+from mpgraph.cost.device import auto_dtype, range_dtype, resolve_target
+from mpgraph.cost.specs import DeviceSpec
+from mpgraph.passes.op_table import OpTable
+from mpgraph.passes.infra import run_passes
+from mpgraph.errors import PlanMismatchError
+from mpgraph.ir.graph import as_call, target_name
+from mpgraph.ir.meta import TENSOR, dtype_name, is_float32_tensor, shape_of
+from mpgraph.plans.plan import Plan
+from mpgraph.tolerance import check_tolerance, meet_tolerance
+from mpgraph.frontend.fake import (Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors,
+                                   trace_device)
+from mpgraph.tools.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +122,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     if example_inputs is None and example_kwargs is None and _needs_inputs(model):
         raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
                          "arguments) to learn which values are float32 and their shapes")
-    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    args, kwargs = as_call(example_inputs, example_kwargs)
     if tolerance is not None:
         tolerance = check_tolerance(tolerance)
         if calibration is not None:
@@ -140,11 +142,18 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                                keep_io_types, table, overrides, check, calibration, tolerance,
                                progress, plan, train)
     if abstract is not None:
-        abstract.finish_(gm, model)
+        abstract.finish_(gm)
+        real = {name: t for name, t in module_tensors(model) if not is_abstract(t)}
+        if real:  # buffers built for real beside meta parameters: cast as the plan stored them
+            load_weights(gm, real, device=abstract.device, strict=False)
     gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
                               kept_fp32=keep_fp32)
     gm.plan.mode = mode
     gm.plan.tolerance = report
+    if plan is None and keep_fp32 is None:  # an explicit dtype (auto says why in kept_fp32)
+        gm.plan.warning = little_converted(gm.plan, spec)
+        if gm.plan.warning:
+            warnings.warn(gm.plan.warning, UserWarning, stacklevel=2)
     if plan is not None:
         differ = [f"{r.name}: the plan says {r.dtype}, the conversion gave {gm.plan.node(r.name).dtype} "
                   f"({gm.plan.node(r.name).reason})"
@@ -153,6 +162,50 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             raise PlanMismatchError(differ)
     log.info("%s", gm.plan.summary())
     return gm
+
+
+LITTLE = 0.5  # below this share of the matmul/conv FLOPs in the low dtype, convert says why
+
+
+def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
+    """Why an explicit dtype converted under half of the matmul/conv work, and the way out; None
+    when it converted more, or when only the user's own overrides and pins kept it float32."""
+    work = [r for r in plan.compute_nodes if r.op_class == "tensor_core"]
+    if not work:
+        return None
+    low = dtype_name(plan.dtype)
+    flops = sum(r.flops or 1.0 for r in work)
+    share = sum(r.flops or 1.0 for r in work if r.dtype != "float32") / flops
+    kept = [r for r in work if r.dtype == "float32"]
+    slower = [r for r in kept if r.reason.startswith("cost:") and r.t_low is not None
+              and r.t_fp32 is not None and r.t_low >= r.t_fp32]
+    casts = [r for r in kept if r.reason.startswith("cost:") and r not in slower]
+    safety = [r for r in kept if r.safety]
+    if share >= LITTLE or not (slower or casts or safety):
+        return None
+    text = (f"dtype={low} converted {len(work) - len(kept)} of {len(work)} matmul/conv nodes "
+            f"({share:.0%} of their FLOPs) for {spec.name}")
+    why = []
+    if slower:
+        rate = ""
+        if spec.kind == "cpu":
+            key = {"float16": "fp16", "bfloat16": "bf16"}[low]
+            rate = (f": this CPU runs {low} matmul at {spec.peak[key] / spec.peak['fp32']:.2f}x "
+                    f"float32, {spec.source}")
+        why.append(f"{len(slower)} are slower in {low} there{rate}")
+    if casts:
+        why.append(f"{len(casts)} are too small to pay for their casts")
+    if safety:
+        why.append(f"{len(safety)} have numeric-safety findings (plan.safety_nodes)")
+    way = []
+    if (slower or casts) and spec.kind == "cpu":
+        way.append("to plan for the GPU you deploy to, pass target='h100' (or 'a100', 't4', ...)")
+    if slower or casts:
+        way.append(f"to put every matmul/conv in {low} whatever it costs there, strategy='rules'")
+    if safety:
+        way.append("the safety findings hold in any plan (their evidence is in the plan)")
+    way_out = "; ".join(way)
+    return f"{text}: {'; '.join(why)}. {way_out[0].upper()}{way_out[1:]}."
 
 
 def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:
@@ -165,7 +218,7 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:
 def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, strategy,
                       keep_io_types, table, overrides, check, calibration, tolerance, progress,
                       plan, train):
-    from .pipeline import default_pipeline, prepare_pipeline
+    from mpgraph.passes.pipeline import default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress), gm)
     base = copy.deepcopy(gm) if tolerance is not None else None
     from_plan = None
@@ -234,7 +287,7 @@ def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
         seen.add(node.name)
         if record.target != target_name(node):
             problems.append(f"node {node.name}: op {target_name(node)}, the plan has {record.target}")
-        shape = _shape(info)
+        shape = shape_of(info)
         if record.shape is not None and shape is not None and tuple(record.shape) != shape:
             problems.append(f"node {node.name}: shape {shape}, the plan has {tuple(record.shape)}")
     problems += [f"node {name} of the plan is not in the model's graph"

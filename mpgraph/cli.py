@@ -5,21 +5,25 @@ import argparse
 import logging
 import sys
 
-from .api import resolve_dtype
+from mpgraph.api import resolve_dtype
 
 
 def _demo(args) -> int:
-    from . import demo
+    from mpgraph import demo
     names = ["transformer", "cnn"] if args.model == "all" else [args.model]
     dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else None
     for name in names:
         r = demo.run(name, dtype=dtype, rounds=args.rounds)
-        print(f"== {name} on {r.device}: {str(r.dtype).replace('torch.', '')} ({r.dtype_reason})")
+        print(f"== {name} on {r.device}, planned for {r.target}: "
+              f"{str(r.dtype).replace('torch.', '')} ({r.dtype_reason})")
         print(r.summary)
         print(r.casts)
         print(f"relative L2 error vs float32: {r.rel_err:.2e}")
-        print(f"eager median latency: float32 {r.fp32_ms:.1f} ms, mpgraph {r.mpgraph_ms:.1f} ms "
-              f"-> {r.speedup:.2f}x")
+        if r.speedup is None:
+            print(f"eager speed: not measured (a plan for {r.target} runs emulated here)")
+        else:
+            print(f"eager median latency: float32 {r.fp32_ms:.1f} ms, mpgraph {r.mpgraph_ms:.1f} ms "
+                  f"-> {r.speedup:.2f}x")
         print()
     return 0
 
@@ -58,8 +62,8 @@ def build_from(spec: str):
 
 
 def _export(args) -> int:
-    from .errors import MpgraphError
-    from .onnx_export import export_onnx
+    from mpgraph.errors import MpgraphError
+    from mpgraph.tools.onnx_export import export_onnx
     model, inputs, kwargs = build_from(args.factory)
     try:
         result = export_onnx(model, inputs, args.output, dtype=args.dtype, opset=args.opset,
@@ -75,9 +79,9 @@ def _export(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .api import convert
-    from .errors import MpgraphError
-    from .reporting import report
+    from mpgraph.api import convert
+    from mpgraph.errors import MpgraphError
+    from mpgraph.tools.report import report
     model, inputs, kwargs = build_from(args.factory)
     try:
         converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
@@ -95,7 +99,7 @@ def _inspect(args) -> int:
 
 
 def _profile(args) -> int:
-    from . import ncu
+    from mpgraph.tools import ncu
     if args.ncu_csv or args.nvprof_csv:  # a report made elsewhere: no model needed
         path = args.ncu_csv or args.nvprof_csv
         with open(path) as f:
@@ -112,8 +116,8 @@ def _profile(args) -> int:
         print("mpgraph: profile needs FILE.py:factory (or --ncu-csv/--nvprof-csv FILE)", file=sys.stderr)
         return 2
     import torch
-    from .api import convert
-    from .profiling import profile
+    from mpgraph.api import convert
+    from mpgraph.tools.profiling import profile
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.ncu:
         program = [sys.executable, "-m", "mpgraph.cli", "profile", args.factory, "--dtype", args.dtype,
@@ -133,7 +137,7 @@ def _profile(args) -> int:
         with open(args.ncu_log) as f:
             print(ncu.format_per_node(ncu.per_node(ncu.parse_ncu_csv(f.read()))))
         return 0
-    from .profiling import _to
+    from mpgraph.ir.graph import to_device as _to
     model, inputs, kwargs = build_from(args.factory)
     model, inputs, kwargs = model.to(device), _to(inputs, device), _to(kwargs, device)
     converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target)

@@ -6,10 +6,26 @@ class MpgraphError(Exception):
     """Base class for every error mpgraph raises on purpose."""
 
 
+# What a tracer's report says -> what to do about it (the causes users meet most)
+CAPTURE_FIXES = (
+    (("control flow", "data-dependent", "DataDependent"),
+     "the forward branches on a tensor's values (`if x.sum() > 0:`), which no tracer captures as "
+     "one graph. Write the branch with torch.cond(pred, true_fn, false_fn, (x,)), make the "
+     "condition static (a Python bool argument, a shape, a module attribute), or keep that "
+     "submodule out of the graph: convert the parts before and after it and call them from "
+     "your own forward"),
+    (("DynamicCache", "Cache in output", "past_key_values"),
+     "the model returns a KV cache object (a HuggingFace model with use_cache=True): convert "
+     "with use_cache=False (model.config.use_cache = False, or use_cache=False in "
+     "example_kwargs)"),
+)
+
+
 class CaptureError(MpgraphError):
     """Neither torch.fx.symbolic_trace nor torch.export could capture the model.
 
-    ``reports`` maps each tracer's name to what it said, so the user sees both.
+    ``reports`` maps each tracer's name to what it said, so the user sees both; ``fixes`` says
+    what to do where the reports name a known cause.
     """
 
     def __init__(self, reports: dict[str, str]):
@@ -19,6 +35,9 @@ class CaptureError(MpgraphError):
             lines.append(f"  {tracer}: {message}")
         if "torch.export" not in self.reports:
             lines.append("  (pass example_inputs so that torch.export can be tried)")
+        text = " ".join(self.reports.values())
+        self.fixes = [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)]
+        lines += [f"fix: {fix}" for fix in self.fixes]
         super().__init__("\n".join(lines))
 
 

@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 import torch.fx
 
-from .errors import ToleranceError
-from .graph_utils import float_tensors, input_nodes, run_recording
-from .meta import ESTIMATE, PRECISION, cast_source, dtype_name
+from mpgraph.errors import ToleranceError
+from mpgraph.ir.graph import float_tensors, input_nodes, run_recording
+from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -1,22 +1,24 @@
-"""mpgraph's passes, one file each, named for what they do.
+"""mpgraph's passes, one file each, named for what they do, with what they share: the pass
+contract (``infra``), the op table every pass reads (``op_table``) and the default pipeline
+(``pipeline``: a plain list of pass instances).
 
-Installed as ``mpgraph.passes``. The default pipeline is built by ``mpgraph.pipeline.default_pipeline``.
+Installed as ``mpgraph.passes``.
 """
-from .assign_precision import AssignPrecision
-from .assign_precision_optimal import AssignPrecisionOptimal
-from .calibrate import Calibrate
-from .channels_last import ChannelsLast
-from .check_dtypes import CheckDtypes
-from .classify_ops import ClassifyOps
-from .estimate_cost import EstimateCost
-from .follow_training_flag import FollowTrainingFlag
-from .fuse_tanh_gelu import FuseTanhGelu
-from .insert_casts import InsertCasts
-from .lint_tensor_cores import LintTensorCores
-from .numeric_safety import NumericSafety
-from .propagate_tensor_info import PropagateTensorInfo
-from .retarget_dtype_asserts import RetargetDtypeAsserts
-from .store_weights import StoreWeights
+from mpgraph.passes.assign_precision import AssignPrecision
+from mpgraph.passes.assign_precision_optimal import AssignPrecisionOptimal
+from mpgraph.passes.calibrate import Calibrate
+from mpgraph.passes.channels_last import ChannelsLast
+from mpgraph.passes.check_dtypes import CheckDtypes
+from mpgraph.passes.classify_ops import ClassifyOps
+from mpgraph.passes.estimate_cost import EstimateCost
+from mpgraph.passes.follow_training_flag import FollowTrainingFlag
+from mpgraph.passes.fuse_tanh_gelu import FuseTanhGelu
+from mpgraph.passes.insert_casts import InsertCasts
+from mpgraph.passes.lint_tensor_cores import LintTensorCores
+from mpgraph.passes.numeric_safety import NumericSafety
+from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
+from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
+from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
            "CheckDtypes", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "FuseTanhGelu", "InsertCasts",

@@ -26,11 +26,11 @@ from typing import Optional
 import torch
 import torch.fx
 
-from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import input_nodes, is_inplace, module_path, mutated_nodes, target_name
-from mpgraph.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
-from mpgraph.op_table import CAST, FOLLOW, TENSOR_CORE
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.edges import required_dtype
+from mpgraph.ir.graph import input_nodes, is_inplace, module_path, mutated_nodes, target_name
+from mpgraph.ir.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
+from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE
+from mpgraph.passes.infra import Pass, PassResult
 
 log = logging.getLogger(__name__)
 FP32 = torch.float32

@@ -18,17 +18,17 @@ from typing import Optional
 
 import torch
 
-from mpgraph.device_specs import DeviceSpec
-from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import input_nodes, is_inplace
-from mpgraph.op_table import CAST
-from mpgraph.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, Decision, TensorInfo,
+from mpgraph.cost.specs import DeviceSpec
+from mpgraph.ir.edges import required_dtype
+from mpgraph.ir.graph import input_nodes, is_inplace
+from mpgraph.passes.op_table import CAST
+from mpgraph.ir.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, Decision, TensorInfo,
                           dtype_name, is_float32_tensor)
-from mpgraph.mincut import FP32 as CUT_FP32, LOW as CUT_LOW, Problem, solve
-from mpgraph.pass_infra import PassResult
+from mpgraph.cost.mincut import FP32 as CUT_FP32, LOW as CUT_LOW, Problem, solve
+from mpgraph.passes.infra import PassResult
 
-from .assign_precision import AssignPrecision, explicit_dtype
-from .estimate_cost import EstimateCost
+from mpgraph.passes.assign_precision import AssignPrecision, explicit_dtype
+from mpgraph.passes.estimate_cost import EstimateCost
 
 FP32 = torch.float32
 _OUTPUT = "<graph output>"

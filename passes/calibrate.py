@@ -11,38 +11,19 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.fx
 
 from mpgraph.errors import CalibrationError
-from mpgraph.graph_utils import flat_inputs, float_tensors, run_recording
-from mpgraph.meta import RANGE, ValueRange
-from mpgraph.pass_infra import Pass, PassResult
-from mpgraph.weights import is_abstract
+from mpgraph.ir.graph import as_call, flat_inputs, float_tensors, run_recording
+from mpgraph.ir.meta import RANGE, ValueRange
+from mpgraph.passes.infra import Pass, PassResult
+from mpgraph.frontend.fake import is_abstract
 
 log = logging.getLogger(__name__)
 _PROGRESS_MIN_BATCHES = 8  # show a progress bar (on a terminal) from this many batches up
-
-
-class Call(NamedTuple):
-    """A batch given as positional and keyword arguments (how convert passes its example)."""
-
-    args: tuple
-    kwargs: dict
-
-
-def as_call(batch: Any) -> tuple[tuple, dict]:
-    """One calibration batch as (args, kwargs): a tensor, a tuple/list of arguments, a dict of
-    keyword arguments, or a Call."""
-    if isinstance(batch, Call):
-        return tuple(batch.args), dict(batch.kwargs)
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    return (batch,), {}
 
 
 def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from mpgraph.graph_utils import fetch_attr, set_attr, with_data
-from mpgraph.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, Decision, OpInfo, TensorInfo
-from mpgraph.op_table import FOLLOW, TENSOR_CORE
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.graph import fetch_attr, set_attr, with_data
+from mpgraph.ir.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, Decision, OpInfo, TensorInfo
+from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
+from mpgraph.passes.infra import Pass, PassResult
 
 CL = torch.channels_last
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from mpgraph.edges import required_dtype
+from mpgraph.ir.edges import required_dtype
 from mpgraph.errors import ConversionError
-from mpgraph.graph_utils import input_nodes, run_recording
-from mpgraph.meta import INSERTED_BY, PRECISION, TENSOR, planned_dtype
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.graph import input_nodes, run_recording
+from mpgraph.ir.meta import INSERTED_BY, PRECISION, TENSOR, planned_dtype
+from mpgraph.passes.infra import Pass, PassResult
 
 
 def expected_dtypes(node):

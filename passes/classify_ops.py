@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from mpgraph.modules import TrainingBatchNorm
-from mpgraph.meta import OP_CLASS, OpInfo
-from mpgraph.op_table import UNKNOWN, OpTable
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.modules import TrainingBatchNorm
+from mpgraph.ir.meta import OP_CLASS, OpInfo
+from mpgraph.passes.op_table import UNKNOWN, OpTable
+from mpgraph.passes.infra import Pass, PassResult
 
 _NON_CALL = {
     "placeholder": OpInfo("input", "graph input: keeps its dtype", "placeholder"),

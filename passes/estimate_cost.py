@@ -16,11 +16,12 @@ from typing import Optional
 import torch
 import torch.fx
 
-from mpgraph.device_specs import DeviceSpec
-from mpgraph.graph_utils import input_nodes, is_view
-from mpgraph.meta import COST, OP_CLASS, TENSOR, TensorInfo
-from mpgraph.op_table import TENSOR_CORE
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.cost.specs import DeviceSpec
+from mpgraph.cost.device import tf32_enabled
+from mpgraph.ir.graph import input_nodes, is_view, matmul_dims
+from mpgraph.ir.meta import COST, OP_CLASS, TENSOR, tensor_infos
+from mpgraph.passes.op_table import TENSOR_CORE
+from mpgraph.passes.infra import Pass, PassResult
 
 # Arithmetic per output element of non-matmul ops, by name fragment (transcendentals are dozens of
 # vector instructions); anything else counts 1. Matches device.VECTOR_FLOPS_PER_ELEMENT for GELU.
@@ -45,55 +46,22 @@ class NodeCost:
     t_low: float
 
 
-def _infos(value) -> list[TensorInfo]:
-    if isinstance(value, TensorInfo):
-        return [value]
-    if isinstance(value, tuple):
-        return [i for i in value if isinstance(i, TensorInfo)]
-    return []
-
-
-def _matmul_dims(node: torch.fx.Node, gm) -> Optional[tuple[int, int, int, int]]:
-    """(batch, M, N, K) of a matmul-class node, from recorded shapes."""
-    out = _infos(node.meta.get(TENSOR))
-    ins = [i for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))]
-    if not out or not ins:
-        return None
-    o = out[0].shape
-    name = str(node.target)
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        if isinstance(mod, torch.nn.Linear):
-            k = mod.in_features
-            return 1, math.prod(o[:-1]), o[-1], k
-        return None
-    if "addmm" in name:  # aten.addmm(bias, a, b) / torch.addmm
-        a = _infos(node.args[1].meta.get(TENSOR))[0].shape if isinstance(node.args[1], torch.fx.Node) else None
-        return (1, o[0], o[1], a[-1]) if a else None
-    a = ins[0].shape
-    if len(o) == 0 or len(a) == 0:
-        return None
-    k = a[-1]
-    m = o[-2] if len(o) >= 2 else 1
-    return math.prod(o[:-2]) if len(o) > 2 else 1, m, o[-1], k
-
-
 def _conv_flops(node: torch.fx.Node, gm) -> Optional[float]:
-    out = _infos(node.meta.get(TENSOR))
+    out = tensor_infos(node.meta.get(TENSOR))
     weight = None
     if node.op == "call_module":
         weight = getattr(gm.get_submodule(node.target), "weight", None)
         shape = tuple(weight.shape) if weight is not None else None
     else:
         w = node.args[1] if len(node.args) > 1 else None
-        infos = _infos(w.meta.get(TENSOR)) if isinstance(w, torch.fx.Node) else []
+        infos = tensor_infos(w.meta.get(TENSOR)) if isinstance(w, torch.fx.Node) else []
         shape = infos[0].shape if infos else None
     if not out or shape is None:
         return None
     transposed = "transpose" in str(node.target).lower() or (
         node.op == "call_module" and "Transpose" in type(gm.get_submodule(node.target)).__name__)
     if transposed:
-        inp = _infos(input_nodes(node)[0].meta.get(TENSOR))
+        inp = tensor_infos(input_nodes(node)[0].meta.get(TENSOR))
         return 2.0 * inp[0].numel * math.prod(shape[1:]) if inp else None
     return 2.0 * out[0].numel * math.prod(shape[1:])
 
@@ -104,13 +72,13 @@ def _conv_reduction(node: torch.fx.Node, gm) -> int:
         w = getattr(gm.get_submodule(node.target), "weight", None)
         return math.prod(w.shape[1:]) if w is not None else _CPU_FULL_K
     w = node.args[1] if len(node.args) > 1 else None
-    infos = _infos(w.meta.get(TENSOR)) if isinstance(w, torch.fx.Node) else []
+    infos = tensor_infos(w.meta.get(TENSOR)) if isinstance(w, torch.fx.Node) else []
     return math.prod(infos[0].shape[1:]) if infos else _CPU_FULL_K
 
 
 def _sdpa_shapes(node: torch.fx.Node):
-    q = _infos(node.args[0].meta.get(TENSOR)) if isinstance(node.args[0], torch.fx.Node) else []
-    k = _infos(node.args[1].meta.get(TENSOR)) if isinstance(node.args[1], torch.fx.Node) else []
+    q = tensor_infos(node.args[0].meta.get(TENSOR)) if isinstance(node.args[0], torch.fx.Node) else []
+    k = tensor_infos(node.args[1].meta.get(TENSOR)) if isinstance(node.args[1], torch.fx.Node) else []
     return (q[0].shape, k[0].shape) if q and k else None
 
 
@@ -124,9 +92,9 @@ def _per_element(node: torch.fx.Node, gm) -> int:
 def node_flops(node: torch.fx.Node, gm) -> tuple[float, bool, Optional[tuple]]:
     """(FLOPs, is matmul-class, GEMM dims for quantization or None)."""
     op_class = node.meta[OP_CLASS].op_class
-    out = _infos(node.meta.get(TENSOR))
+    out = tensor_infos(node.meta.get(TENSOR))
     elementwise = float(sum(i.numel for i in out) or
-                        sum(i.numel for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))))
+                        sum(i.numel for a in input_nodes(node) for i in tensor_infos(a.meta.get(TENSOR))))
     if op_class != TENSOR_CORE:
         return elementwise * _per_element(node, gm), False, None
     target = str(node.target).lower()
@@ -144,7 +112,7 @@ def node_flops(node: torch.fx.Node, gm) -> tuple[float, bool, Optional[tuple]]:
     if "multiheadattention" in kind:
         x = out[0] if out else None
         return (8.0 * x.numel * x.shape[-1] if x else elementwise), True, None
-    dims = _matmul_dims(node, gm)
+    dims = matmul_dims(node, gm)
     if dims is None:
         return elementwise, True, None
     b, m, n, k = dims
@@ -169,10 +137,6 @@ def _quantization(spec: DeviceSpec, dims: Optional[tuple]) -> float:
     return (b * m * n) / (waves * spec.sms * t * t)
 
 
-def tf32_enabled() -> bool:
-    return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-
-
 class EstimateCost(Pass):
     """Analysis: writes ``mpgraph.cost`` (NodeCost) on every call node that touches float32."""
 
@@ -188,8 +152,8 @@ class EstimateCost(Pass):
 
     def _bytes(self, node, gm, dtype) -> float:
         total = 0.0
-        for info in [i for a in input_nodes(node) for i in _infos(a.meta.get(TENSOR))] \
-                + _infos(node.meta.get(TENSOR)):
+        for info in [i for a in input_nodes(node) for i in tensor_infos(a.meta.get(TENSOR))] \
+                + tensor_infos(node.meta.get(TENSOR)):
             size = dtype.itemsize if info.dtype == torch.float32 else info.dtype.itemsize
             total += info.numel * size
         if node.op == "call_module":
@@ -201,7 +165,7 @@ class EstimateCost(Pass):
         spec = self.spec
         no_kernel = is_view(node) or node.target in (operator.getitem, getattr) \
             or (node.op == "call_method" and node.target in _NO_KERNEL_METHODS) \
-            or not _infos(node.meta.get(TENSOR))
+            or not tensor_infos(node.meta.get(TENSOR))
         if no_kernel:
             return NodeCost(0.0, 0.0, 0.0, spec.launch, spec.launch)
         flops, matmul, dims = node_flops(node, gm)

@@ -3,7 +3,7 @@
 torch.export records the training flag as constants: ``aten.dropout(x, p, train)``, batch norm
 with ``training=True/False`` and, in training, ``num_batches_tracked.add_(1)``. In the model,
 nn.Dropout and nn.BatchNorm read ``self.training`` at run time. This pass puts modules that do
-the same in their place (nn.Dropout, mpgraph.modules.TrainingBatchNorm and CountBatches; for
+the same in their place (nn.Dropout, mpgraph.ir.modules.TrainingBatchNorm and CountBatches; for
 attention with ``dropout_p``, a DropoutRate module gives the rate at run time), so a
 converted module trains with dropout and batch statistics, and evaluates without, whichever mode
 it was captured in. Graphs from symbolic_trace call those modules already and are left alone.
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from mpgraph.graph_utils import free_attr_name
-from mpgraph.meta import INSERTED_BY, TENSOR
-from mpgraph.modules import CountBatches, DropoutRate, TrainingBatchNorm
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.graph import free_attr_name
+from mpgraph.ir.meta import INSERTED_BY, TENSOR
+from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm
+from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
 

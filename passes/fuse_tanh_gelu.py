@@ -17,8 +17,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from mpgraph.meta import INSERTED_BY, TENSOR
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.meta import INSERTED_BY, TENSOR
+from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
 _MUL = {operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar, "mul"}

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import input_nodes, mutated_nodes
-from mpgraph.meta import (INSERTED_BY, OP_CLASS, PRECISION, SHORT_DTYPE_NAMES, TENSOR, Decision,
+from mpgraph.ir.edges import required_dtype
+from mpgraph.ir.graph import input_nodes, mutated_nodes
+from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, SHORT_DTYPE_NAMES, TENSOR, Decision,
                           OpInfo, TensorInfo)
-from mpgraph.op_table import CAST
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.passes.op_table import CAST
+from mpgraph.passes.infra import Pass, PassResult
 
 
 

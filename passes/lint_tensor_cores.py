@@ -16,12 +16,13 @@ from typing import Optional
 
 import torch
 
-from mpgraph.device_specs import DeviceSpec
-from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, TENSOR_CORES, TensorInfo, dtype_name
-from mpgraph.op_table import TENSOR_CORE
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.cost.specs import DeviceSpec
+from mpgraph.ir.meta import OP_CLASS, PRECISION, TENSOR, TENSOR_CORES, TensorInfo, dtype_name
+from mpgraph.passes.op_table import TENSOR_CORE
+from mpgraph.passes.infra import Pass, PassResult
 
-from .estimate_cost import _matmul_dims, tf32_enabled
+from mpgraph.cost.device import tf32_enabled
+from mpgraph.ir.graph import matmul_dims
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _gemm_dims(node, gm) -> Optional[dict]:
         return {"C": shape[1] * groups, "K": shape[0]}
     if "scaled_dot_product" in kind or "multihead" in kind.lower():
         return None
-    dims = _matmul_dims(node, gm)
+    dims = matmul_dims(node, gm)
     if dims is None:
         return None
     _, m, n, k = dims

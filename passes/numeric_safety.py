@@ -33,12 +33,12 @@ from typing import Optional
 import torch
 import torch.fx
 
-from mpgraph.graph_utils import fetch_attr, input_nodes
-from mpgraph.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
-from mpgraph.op_table import CAST, FOLLOW, FP32_ONLY, RANGE_EXPANDING_REASON, TENSOR_CORE
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.graph import fetch_attr, input_nodes
+from mpgraph.ir.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
+from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, RANGE_EXPANDING_REASON, TENSOR_CORE
+from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
-from mpgraph.weights import is_abstract
+from mpgraph.frontend.fake import is_abstract
 
 log = logging.getLogger(__name__)
 

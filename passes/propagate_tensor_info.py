@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from mpgraph.graph_utils import run_recording
-from mpgraph.meta import TENSOR, TensorInfo
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.graph import run_recording
+from mpgraph.ir.meta import TENSOR, TensorInfo
+from mpgraph.passes.infra import Pass, PassResult
 
 
 def value_info(value):

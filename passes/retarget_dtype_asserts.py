@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from mpgraph.meta import PRECISION
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.ir.meta import PRECISION
+from mpgraph.passes.infra import Pass, PassResult
 
 _ASSERT = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
 

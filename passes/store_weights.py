@@ -14,11 +14,11 @@ from collections import defaultdict
 import torch
 import torch.fx
 
-from mpgraph.edges import required_dtype
-from mpgraph.graph_utils import fetch_attr, free_attr_name, owner_of, set_attr, with_data
-from mpgraph.meta import (INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo,
+from mpgraph.ir.edges import required_dtype
+from mpgraph.ir.graph import fetch_attr, free_attr_name, owner_of, set_attr, with_data
+from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo,
                           WeightRecord, dtype_name)
-from mpgraph.pass_infra import Pass, PassResult
+from mpgraph.passes.infra import Pass, PassResult
 
 
 def _converted(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpgraph
-from mpgraph.meta import INSERTED_BY
+from mpgraph.ir.meta import INSERTED_BY
 
 # Plans for "this machine" (no target) come from a CPU micro-benchmark cached in ~/.cache/mpgraph.
 # The tests measure afresh into a private directory, so a stale or noisy cache cannot decide them.
@@ -152,7 +152,7 @@ def round_trips(gm) -> list[str]:
     From each inserted cast A->B, walk forward through unpinned follow ops with a single float
     input; reaching a cast B->A there means the value went down and came back for nothing.
     """
-    from mpgraph.meta import OP_CLASS, PRECISION, TENSOR, is_float32_tensor
+    from mpgraph.ir.meta import OP_CLASS, PRECISION, TENSOR, is_float32_tensor
     found = []
     for c in casts(gm):
         src = c.args[0].meta[PRECISION].dtype

@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 
 import mpgraph
-from mpgraph.meta import CAPTURE, TENSOR, TensorInfo
+from mpgraph.ir.meta import CAPTURE, TENSOR, TensorInfo
 
 from conftest import GPU, MLP
 
@@ -40,13 +40,25 @@ class DataDependent(nn.Module):
         return x - 1
 
 
-def test_capture_error_names_what_each_tracer_said():
+def test_capture_error_names_what_each_tracer_said_and_the_fix_without_torch_noise(capfd):
     with pytest.raises(mpgraph.CaptureError) as info:
         mpgraph.capture(DataDependent(), torch.randn(3))
     text = str(info.value)
     assert "torch.fx.symbolic_trace" in text and "torch.export" in text
     assert "control flow" in text  # fx names the construct
     assert set(info.value.reports) == {"torch.fx.symbolic_trace", "torch.export"}
+    assert len(info.value.fixes) == 1 and "torch.cond" in info.value.fixes[0]
+    assert text.splitlines()[-1].startswith("fix: the forward branches on a tensor's values")
+    assert "TORCH_LOGS" not in text and len(text.splitlines()) <= 6
+    # torch's narration of the failed trace (log records, the partial graph it prints) stays off
+    out, err = capfd.readouterr()
+    assert err == "" and out == ""
+
+
+def test_capture_error_for_a_kv_cache_output_says_use_cache_false(gpt2):
+    gpt2.config.use_cache = True
+    with pytest.raises(mpgraph.CaptureError, match=r"(?s)DynamicCache.*fix: .*use_cache=False"):
+        mpgraph.convert(gpt2, torch.randint(0, 100, (2, 8)), dtype="fp16", target=GPU)
 
 
 def test_capture_error_without_inputs_suggests_them():

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 import mpgraph
-from mpgraph.meta import PRECISION, TENSOR
+from mpgraph.ir.meta import PRECISION, TENSOR
 
 from conftest import (convert_rules, LOW_DTYPES, TOL, ConvBnReluPool, MLP, SoftmaxAttention, casts, rel_err,
                       round_trips)
@@ -60,7 +60,7 @@ def _check_every_edge(gm, args, kwargs=None):
             real[n] = out
             return out
 
-    from mpgraph.graph_utils import flat_inputs
+    from mpgraph.ir.graph import flat_inputs
     with torch.no_grad():
         Rec(gm).run(*flat_inputs(gm, args, kwargs or {}), enable_io_processing=False)
     checked = 0

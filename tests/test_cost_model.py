@@ -1,13 +1,15 @@
 """Device specs, the roofline estimate, the cost-optimal decision and the Tensor Core lint."""
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 
 import mpgraph
-from mpgraph.device import (auto_dtype, cpu_flags, measure_cpu, range_dtype, resolve_target,
+from mpgraph.cost.device import (auto_dtype, cpu_flags, measure_cpu, range_dtype, resolve_target,
                             target_names)
-from mpgraph.device_specs import GPU_SPECS, DeviceSpec
-from mpgraph.meta import COST
+from mpgraph.cost.specs import GPU_SPECS, DeviceSpec
+from mpgraph.ir.meta import COST
 
 from conftest import SharedInput, casts
 
@@ -75,6 +77,40 @@ def test_auto_keeps_fp32_where_low_precision_is_slower_and_says_so():
     assert "kept float32: low precision is slower than float32" in gm.plan.summary()
     gm = mpgraph.convert(model, torch.randn(32, 64), dtype="auto", target="t4", strategy="rules")
     assert gm.plan.dtype == torch.float16
+
+
+SLOW_CPU = DeviceSpec("AVX2-only CPU", "cpu", {"fp32": 89e9, "bf16": 0.97e9, "fp16": 0.9e9},
+                     20e9, 2, 2e-6, tile=1, source="measured on this CPU, flags avx2")
+
+
+def test_explicit_dtype_that_converts_little_says_why_once_with_the_way_out():
+    """On a CPU whose fp16 matmuls run at 1% of fp32 (the AVX2-only machines: figures from
+    mpgraph's own measurement there), dtype=float16 keeps every matmul float32: a UserWarning and
+    the summary's first line say so, why, and what to do instead."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = mpgraph.convert(model, x, dtype=torch.float16, target=SLOW_CPU)
+    ours = [w for w in caught if "matmul/conv nodes" in str(w.message)]
+    assert len(ours) == 1 and ours[0].category is UserWarning
+    text = str(ours[0].message)
+    assert text.startswith("dtype=float16 converted 0 of 2 matmul/conv nodes (0% of their FLOPs) "
+                           "for AVX2-only CPU")
+    assert "2 are slower in float16 there: this CPU runs float16 matmul at 0.01x float32" in text
+    assert "target='h100'" in text and "strategy='rules'" in text
+    assert gm.plan.warning == text and gm.plan.low_nodes == []
+    assert gm.plan.summary().splitlines()[0] == f"warning: {text}"
+    assert mpgraph.Plan.from_dict(gm.plan.to_dict()).warning == text
+    # the ways out it names: a GPU target, or the rules; and dtype="auto" explains itself instead
+    for options in ({"target": "h100"}, {"target": SLOW_CPU, "strategy": "rules"},
+                    {"target": SLOW_CPU, "dtype": "auto"}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gm = mpgraph.convert(model, x, **{"dtype": torch.float16, **options})
+        assert not [w for w in caught if "matmul/conv nodes" in str(w.message)], options
+        assert gm.plan.warning is None
+    assert gm.plan.kept_fp32 and "kept float32" in gm.plan.summary()
 
 
 def _sandwich(n):

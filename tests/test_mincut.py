@@ -4,7 +4,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpgraph.mincut import FP32, LOW, Problem, solve, total_cost
+from mpgraph.cost.mincut import FP32, LOW, Problem, solve, total_cost
 
 
 def brute_force(problem: Problem) -> float:

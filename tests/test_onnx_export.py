@@ -12,7 +12,7 @@ ir = pytest.importorskip("onnx_ir")
 pytest.importorskip("onnxruntime")
 
 import mpgraph  # noqa: E402
-from mpgraph.onnx_check import inspect_model, load_with_types, validate_onnx  # noqa: E402
+from mpgraph.tools.onnx_check import inspect_model, load_with_types, validate_onnx  # noqa: E402
 
 from conftest import convert_rules, MLP, ConvBnReluPool, ConvNextish, SoftmaxAttention  # noqa: E402
 

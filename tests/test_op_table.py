@@ -6,7 +6,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mpgraph.op_table import (CAST, FOLLOW, FP32_COMPUTE, FP32_ONLY, OP_CLASSES, TENSOR_CORE,
+from mpgraph.passes.op_table import (CAST, FOLLOW, FP32_COMPUTE, FP32_ONLY, OP_CLASSES, TENSOR_CORE,
                               UNKNOWN, ATEN_TABLE, FUNCTION_TABLE, METHOD_TABLE, MODULE_TABLE,
                               OpEntry, OpTable)
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import mpgraph
-from mpgraph import ncu
+from mpgraph.tools import ncu
 from mpgraph.cli import main as cli
-from mpgraph.profiling import is_tensor_core_kernel
+from mpgraph.tools.profiling import is_tensor_core_kernel
 
 from test_report import _blocks, _small_bert
 

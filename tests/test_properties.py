@@ -5,7 +5,6 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mpgraph
 
 from conftest import convert_rules, casts, rel_err, round_trips
 

@@ -4,7 +4,7 @@ For HuggingFace ``LlamaConfig`` decoders of 2, 8 and 32 layers (hidden 4096) and
 Llama-2-70B shape (80 layers, hidden 8192, intermediate 28672, 64 heads, 8 KV heads), built under
 ``torch.device("meta")`` (no weight is allocated), each in its own process: the time of
 ``mpgraph.capture`` alone (torch.export on the meta tensors), of the whole ``mpgraph.convert``
-(its own trace on fake tensors that claim the CPU, see mpgraph/weights.py, then every pass,
+(its own trace on fake tensors that claim the CPU, see mpgraph/frontend/fake.py, then every pass,
 planned for an H100 in bf16), of the min-cut solve inside it, and the process's peak resident
 memory. Bar (issue 9): the 70B-shaped plan in under 30 s and 4 GiB.
 
@@ -31,7 +31,7 @@ def child(name: str) -> dict:
     import transformers as hf
 
     import mpgraph
-    import mpgraph.mincut as mincut
+    import mpgraph.cost.mincut as mincut
     import mpgraph.passes.assign_precision_optimal as optimal
 
     layers, hidden, inter, heads, kv = CONFIGS[name]

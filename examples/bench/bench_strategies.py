@@ -23,8 +23,8 @@ import torch
 
 import mpgraph
 from interleave import interleaved_medians  # examples/bench/interleave.py
-from mpgraph.graph_utils import flat_inputs
-from mpgraph.meta import COST, OP_CLASS, PRECISION
+from mpgraph.ir.graph import flat_inputs
+from mpgraph.ir.meta import COST, OP_CLASS, PRECISION
 
 BF16 = torch.bfloat16
 

@@ -4,7 +4,7 @@ BERT-base and GPT-2 small (random weights from their configs) are exported to fp
 same exporter mpgraph uses (torch.onnx.export(dynamo=True), at the same opset), then converted by
 ``onnxconverter_common.float16.convert_float_to_float16(keep_io_types=True)`` and
 ``onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True)``; mpgraph exports
-its own plan. Every file is measured the same way (``mpgraph.onnx_check.inspect_model`` after ONNX
+its own plan. Every file is measured the same way (``mpgraph.tools.onnx_check.inspect_model`` after ONNX
 shape inference) and run on onnxruntime's CPU provider.
 
     python examples/bench/compare_onnx_fp16.py                 # opsets 18 and 23, both models
@@ -24,7 +24,7 @@ import onnx
 import torch
 
 import mpgraph
-from mpgraph.onnx_check import inspect_model, load_with_types
+from mpgraph.tools.onnx_check import inspect_model, load_with_types
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bert as bert_example  # noqa: E402  (examples/bert.py)

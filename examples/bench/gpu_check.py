@@ -24,7 +24,7 @@ import torch
 
 import mpgraph
 from bench_strategies import build  # examples/bench/bench_strategies.py: the five models
-from mpgraph.ncu import ncu_command, query_metrics, shell
+from mpgraph.tools.ncu import ncu_command, query_metrics, shell
 
 FP16 = torch.float16
 SIZES = {"bert": 8, "gpt2": 4, "vit": 8, "resnet50": 8, "convnext": 8}

@@ -2,7 +2,7 @@ import torch
 import torch.nn as nn
 
 import mpgraph
-from mpgraph.meta import PRECISION
+from mpgraph.ir.meta import PRECISION
 from mpgraph.passes import AssignPrecision, ClassifyOps
 
 from conftest import convert_rules, MLP, ConvNextish, SoftmaxAttention

@@ -1,7 +1,6 @@
 import torch
 
-import mpgraph
-from mpgraph.meta import INSERTED_BY
+from mpgraph.ir.meta import INSERTED_BY
 from mpgraph.passes import ChannelsLast
 
 from conftest import ConvBnReluPool, convert_rules, rel_err

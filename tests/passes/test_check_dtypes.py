@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mpgraph
-from mpgraph.meta import PRECISION
+from mpgraph.ir.meta import PRECISION
 from mpgraph.passes import CheckDtypes
 
 from conftest import convert_rules, MLP

@@ -1,8 +1,7 @@
 import torch
 import torch.nn as nn
 
-import mpgraph
-from mpgraph.meta import INSERTED_BY
+from mpgraph.ir.meta import INSERTED_BY
 from mpgraph.passes import InsertCasts
 
 from conftest import convert_rules, MLP, ConvBnReluPool, SharedInput, casts

@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from .profiling import RANGE_PREFIX
+from mpgraph.tools.profiling import RANGE_PREFIX
 
 # Tensor pipe metrics, most specific first: ncu --query-metrics decides which exist on a GPU.
 TENSOR_METRICS = (

@@ -5,17 +5,21 @@ parameters and the caller's parameters, buffers, training flag and hooks stay as
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import logging
+import threading
 from typing import Any, Optional
 
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from .errors import CaptureError
-from .meta import CAPTURE
+from mpgraph.errors import CaptureError
+from mpgraph.ir.graph import as_call
+from mpgraph.ir.meta import CAPTURE
 
 log = logging.getLogger(__name__)
 
@@ -23,23 +27,18 @@ SYMBOLIC = "torch.fx.symbolic_trace"
 EXPORT = "torch.export"
 
 
-def normalize_inputs(example_inputs: Any, example_kwargs: Optional[dict]) -> tuple[tuple, dict]:
-    """Example inputs as (args tuple, kwargs dict): a tensor, a tuple/list, or a dict of kwargs."""
-    kwargs = dict(example_kwargs or {})
-    if example_inputs is None:
-        return (), kwargs
-    if isinstance(example_inputs, dict):
-        return (), {**example_inputs, **kwargs}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), kwargs
-    return (example_inputs,), kwargs
+# words of the lines in torch's error texts that point into torch's debugging, not at the model
+_TORCH_POINTERS = ("TORCH", "For more", "For extended", "If you suspect", "Caused by",
+                   "consider using", "User Stack", "docs.google", "github.com")
 
 
-def _brief(exc: BaseException, lines: int = 4) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    parts = [p for p in text.splitlines() if p.strip()]
-    out = "\n    ".join(parts[:lines])
-    return out + (" ..." if len(parts) > lines else "")
+def _brief(exc: BaseException, lines: int = 2) -> str:
+    """The first line of an error (up to 400 characters) and the next ones that are about the
+    model, not pointers into torch's debugging."""
+    parts = [p for p in f"{type(exc).__name__}: {exc}".strip().splitlines() if p.strip()]
+    first, rest = parts[0], [p for p in parts[1:] if not any(w in p for w in _TORCH_POINTERS)]
+    out = "\n    ".join([first[:400] + (" ..." if len(first) > 400 else "")] + rest[:lines - 1])
+    return out + (" ..." if len(rest) > lines - 1 else "")
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
@@ -57,9 +56,39 @@ def _dynamic_shapes(args: tuple, kwargs: dict):
     return pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
 
 
+# torch.export keeps its state in module globals (_EXPORT_MODULE_HIERARCHY): two exports at once
+# in one process fail inside torch. Captures take turns.
+_EXPORT_LOCK = threading.Lock()
+# torch's own loggers that narrate a failed trace (fake-tensor errors, unbacked-symbol warnings);
+# CaptureError says what failed, and why, in a few lines
+_NARRATORS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+              "torch.export", "torch._export", "torch._dynamo")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Keep torch's narration of a failed trace (log records, and the partial graph torch.export
+    prints to stderr) off the screen; with mpgraph's DEBUG logging on, it is logged instead."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _NARRATORS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    ep = torch.export.export(model, args, kwargs, strict=False,
-                             dynamic_shapes=_as_dynamic_spec(model, args, kwargs))
+    with _EXPORT_LOCK, _quiet():
+        ep = torch.export.export(model, args, kwargs, strict=False,
+                                 dynamic_shapes=_as_dynamic_spec(model, args, kwargs))
     unlifted = ep.module()
     # A plain GraphModule on the same graph and attributes: the unlifted module refuses .train()
     # and .eval(), which users call on what convert returns (FollowTrainingFlag gives the flag
@@ -88,12 +117,12 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     With example inputs, every node's output shape and dtype is recorded in
     ``node.meta["mpgraph.tensor"]``, and a symbolic trace that fails to run on them falls back to
     torch.export. Raises CaptureError naming what each tracer reported when none works.
-    ``abstract`` (an ``mpgraph.weights.Abstract``): trace fakes of the model's tensors and of the
-    example inputs on the device it fakes (a model on the meta device, see mpgraph.weights).
+    ``abstract`` (an ``mpgraph.frontend.fake.Abstract``): trace fakes of the model's tensors and of the
+    example inputs on the device it fakes (a model on the meta device, see mpgraph.frontend.fake).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    args, kwargs = as_call(example_inputs, example_kwargs)
     has_inputs = example_inputs is not None or example_kwargs is not None
     try:
         work = copy.deepcopy(model)
@@ -103,16 +132,23 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     if abstract is not None:
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
-    from .weights import fake_mode
+    from mpgraph.frontend.fake import fake_mode
     with fake_mode(abstract):
         return _trace(work, model, args, kwargs, has_inputs, export_only)
+
+
+def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
+    with _quiet():
+        return torch.fx.symbolic_trace(model)
 
 
 def _trace(work, model, args, kwargs, has_inputs, export_only):
     from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
     reports: dict[str, str] = {}
-    # export_only (training): every parameter a get_attr node, no leaf module hiding its weights
-    attempts = [] if export_only else [(SYMBOLIC, lambda: torch.fx.symbolic_trace(work))]
+    # export_only (training): every parameter a get_attr node, no leaf module hiding its weights.
+    # HuggingFace models do not trace with plain fx (transformers 5): straight to torch.export
+    hf = type(model).__module__.startswith("transformers.") and has_inputs
+    attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work))]
     if has_inputs:
         attempts.append((EXPORT, lambda: _export(work, args, kwargs)))
     for name, trace in attempts:

@@ -14,14 +14,14 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import ExportError
-from .meta import dtype_name
+from mpgraph.errors import ExportError
+from mpgraph.ir.meta import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,6 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
     ``display_name`` is the path to name in messages (export validates a file before moving it).
     """
     import onnx
-    from .onnx_export import ort_session
 
     path = os.fspath(path)
     shown = display_name or path
@@ -388,7 +387,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         if bad:
             torch_values = None
             if exported_program is not None:
-                from .graph_utils import run_recording
+                from mpgraph.ir.graph import run_recording
                 torch_values = {}
                 try:
                     run_recording(exported_program.module(), args, kwargs,
@@ -407,3 +406,39 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         return ValidationResult(checks, provider, emulated, err_conv, err_ref, stats)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def ort_session(path: Union[str, os.PathLike], device: Optional[str] = None, **session_options):
+    """An onnxruntime InferenceSession on CUDA when that is usable, else on the CPU.
+
+    CUDA is only asked for when torch sees a GPU (or ``device="cuda"``), and onnxruntime's own
+    logging is silenced while the provider loads, so a machine without the CUDA libraries gets no
+    screen of library errors. ``device="cpu"`` forces the CPU.
+    """
+    import onnxruntime as ort
+
+    want_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    for key, value in session_options.items():
+        setattr(options, key, value)
+    path = os.fspath(path)
+    if want_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
+        ort.set_default_logger_severity(4)
+        try:
+            session = ort.InferenceSession(path, options, providers=["CUDAExecutionProvider",
+                                                                     "CPUExecutionProvider"])
+        except Exception as e:  # CUDA libraries missing or mismatched: fall back quietly
+            log.info("onnxruntime CUDA provider unusable (%s); using the CPU", str(e).splitlines()[0][:300])
+            session = None
+        finally:
+            ort.set_default_logger_severity(2)
+        if session is not None and "CUDAExecutionProvider" in session.get_providers():
+            return session
+        if device == "cuda":
+            raise RuntimeError("device='cuda' asked for, but onnxruntime's CUDA provider is not usable "
+                               "here (check the CUDA/cuDNN libraries onnxruntime-gpu needs)")
+    elif device == "cuda":
+        raise RuntimeError("device='cuda' asked for, but onnxruntime has no CUDA provider here "
+                           "(install onnxruntime-gpu on a machine with a GPU)")
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])

@@ -5,14 +5,14 @@ from typing import Iterable, Optional
 
 import torch
 
-from mpgraph.device_specs import DeviceSpec
-from mpgraph.op_table import OpTable
-from mpgraph.pass_infra import Pass
+from mpgraph.cost.specs import DeviceSpec
+from mpgraph.passes.op_table import OpTable
+from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
                             FollowTrainingFlag,
                             CheckDtypes, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
                             LintTensorCores, NumericSafety, RetargetDtypeAsserts, StoreWeights)
-from mpgraph.passes.calibrate import Call
+from mpgraph.ir.graph import Call
 
 
 STRATEGIES = ("optimal", "rules")

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .plan import Plan
-from .reporting import _plan_of
+from mpgraph.plans.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ def _title(plan: Plan) -> str:
 
 def diff(plan_a, plan_b) -> PlanDiff:
     """The node-by-node difference of two plans (or converted modules)."""
-    a, b = _plan_of(plan_a), _plan_of(plan_b)
+    a, b = Plan.of(plan_a, "diff"), Plan.of(plan_b, "diff")
     nodes_a = {r.name: r for r in a.compute_nodes}
     nodes_b = {r.name: r for r in b.compute_nodes}
     out = PlanDiff(_title(a), _title(b), casts_a=len(a.casts), casts_b=len(b.casts))

@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import torch
 
-from .device_specs import ALIASES, GPU_SPECS, DeviceSpec
+from mpgraph.cost.specs import ALIASES, GPU_SPECS, DeviceSpec
 
 log = logging.getLogger(__name__)
 # GELU counted as this many FLOPs per element when measuring the CPU's vector-math rate; the cost
@@ -126,8 +126,9 @@ def measure_cpu(cache: bool = True) -> DeviceSpec:
                 log.info("could not cache the CPU measurement: %s", e)
     return DeviceSpec(f"CPU {_cpu_name()} ({torch.get_num_threads()} threads)", "cpu",
                       dict(data["peak"]), data["bandwidth"], torch.get_num_threads(),
-                      data["launch"], tile=1, source=f"measured ({', '.join(flags) or 'no SIMD flags'}"
-                      + (f"; capped by {caps}" if caps else "") + ")")
+                      data["launch"], tile=1,
+                      source=f"measured on this CPU, flags {' '.join(flags) or '-'}"
+                             + (f", capped by {caps}" if caps else ""))
 
 
 def _gpu_spec(index: int = 0) -> DeviceSpec:
@@ -196,8 +197,8 @@ def auto_dtype(spec: DeviceSpec) -> tuple[Optional[torch.dtype], str]:
             return torch.bfloat16, f"{spec.name} has bf16 Tensor Cores: bf16 keeps fp32's range"
         return torch.float16, f"{spec.name} has fp16 Tensor Cores but no bf16"
     if bf16 and bf16 > 1.2 * fp32:
-        return torch.bfloat16, (f"this CPU runs bf16 matmul at {bf16 / fp32:.1f}x fp32 "
-                                f"({spec.source}); fp16 at {(fp16 or 0) / fp32:.2f}x")
+        return torch.bfloat16, (f"this CPU runs bf16 matmul at {bf16 / fp32:.1f}x fp32, fp16 at "
+                                f"{(fp16 or 0) / fp32:.2f}x ({spec.source})")
     if fp16 and fp16 > 1.2 * fp32:
         return torch.float16, f"this CPU runs fp16 matmul at {fp16 / fp32:.1f}x fp32"
     return None, (f"low precision is slower than float32 on this CPU (bf16 {(bf16 or 0) / fp32:.2f}x, "
@@ -211,10 +212,6 @@ def range_dtype(spec: DeviceSpec, low: torch.dtype) -> Optional[torch.dtype]:
     return None
 
 
-def default_low_dtype(device: torch.device) -> tuple[torch.dtype, str]:
-    """The low dtype worth using on ``device``, with the reason in words (for the demo)."""
-    spec = resolve_target("cuda" if device.type == "cuda" else "cpu")
-    dtype, reason = auto_dtype(spec)
-    if dtype is None:
-        return torch.bfloat16, reason + "; the demo shows bfloat16 anyway"
-    return dtype, reason
+def tf32_enabled() -> bool:
+    """Whether torch runs float32 matmuls as TF32 on GPUs that have it (the fp32 baseline)."""
+    return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"

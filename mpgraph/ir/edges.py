@@ -6,8 +6,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 
-from .graph_utils import is_inplace
-from .meta import PRECISION, TENSOR, Decision, is_float32_tensor
+from mpgraph.ir.graph import is_inplace
+from mpgraph.ir.meta import PRECISION, TENSOR, Decision, is_float32_tensor
 
 DecisionOf = Callable[[torch.fx.Node], Optional[Decision]]
 

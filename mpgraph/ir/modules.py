@@ -24,7 +24,7 @@ class TrainingBatchNorm(torch.nn.Module):
 
     @property
     def mutates_args(self) -> tuple:
-        """For graph_utils.mutated_nodes: the running statistics, written in training only."""
+        """For mpgraph.ir.graph.mutated_nodes: the running statistics, written in training only."""
         return (3, 4) if self.training else ()
 
 

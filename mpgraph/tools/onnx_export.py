@@ -21,14 +21,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .api import convert, resolve_dtype
-from .device import auto_dtype, resolve_target
-from .capture import normalize_inputs
-from .graph_utils import target_name
-from .errors import ExportError, MpgraphError
-from .meta import dtype_name
-from .onnx_check import ir_dtype, is_precision_cast
-from .plan import Plan
+from mpgraph.api import convert, resolve_dtype
+from mpgraph.cost.device import auto_dtype, resolve_target
+from mpgraph.ir.graph import as_call, target_name
+from mpgraph.errors import ExportError, MpgraphError
+from mpgraph.ir.meta import dtype_name
+from mpgraph.tools.onnx_check import ir_dtype, is_precision_cast
+from mpgraph.plans.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +352,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         low = auto_dtype(resolve_target(target))[0] or dtype
     else:
         low = resolve_dtype(dtype)
-    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    args, kwargs = as_call(example_inputs, example_kwargs)
     reference = None
     if is_converted(model_or_converted):
         converted = model_or_converted
@@ -388,7 +387,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                               plan=converted.plan, external_data=data, casts_in_file=in_file,
                               casts_expected=expected, cast_differences=differences, edits=edits)
         if validate:
-            from .onnx_check import validate_onnx
+            from mpgraph.tools.onnx_check import validate_onnx
             result.validation = validate_onnx(tmp_path, converted, args, kwargs, reference=reference,
                                               exported_program=program, device=device,
                                               display_name=path)
@@ -399,39 +398,3 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def ort_session(path: Union[str, os.PathLike], device: Optional[str] = None, **session_options):
-    """An onnxruntime InferenceSession on CUDA when that is usable, else on the CPU.
-
-    CUDA is only asked for when torch sees a GPU (or ``device="cuda"``), and onnxruntime's own
-    logging is silenced while the provider loads, so a machine without the CUDA libraries gets no
-    screen of library errors. ``device="cpu"`` forces the CPU.
-    """
-    import onnxruntime as ort
-
-    want_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    for key, value in session_options.items():
-        setattr(options, key, value)
-    path = os.fspath(path)
-    if want_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
-        ort.set_default_logger_severity(4)
-        try:
-            session = ort.InferenceSession(path, options, providers=["CUDAExecutionProvider",
-                                                                     "CPUExecutionProvider"])
-        except Exception as e:  # CUDA libraries missing or mismatched: fall back quietly
-            log.info("onnxruntime CUDA provider unusable (%s); using the CPU", _brief(e))
-            session = None
-        finally:
-            ort.set_default_logger_severity(2)
-        if session is not None and "CUDAExecutionProvider" in session.get_providers():
-            return session
-        if device == "cuda":
-            raise RuntimeError("device='cuda' asked for, but onnxruntime's CUDA provider is not usable "
-                               "here (check the CUDA/cuDNN libraries onnxruntime-gpu needs)")
-    elif device == "cuda":
-        raise RuntimeError("device='cuda' asked for, but onnxruntime has no CUDA provider here "
-                           "(install onnxruntime-gpu on a machine with a GPU)")
-    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])

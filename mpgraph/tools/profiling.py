@@ -3,7 +3,7 @@
 ``profile(converted, example_inputs)`` runs the graph node by node under a torch.fx Interpreter
 that wraps every node in a ``record_function`` range and, on CUDA, an NVTX range, both named
 ``mpgraph:<node>``, so torch.profiler's events (and Nsight Compute's kernels, see
-``mpgraph.ncu``) map back to graph nodes. Each node gets its measured time per run, its kernels
+``mpgraph.tools.ncu``) map back to graph nodes. Each node gets its measured time per run, its kernels
 (CUDA kernel names on GPUs; the ATen/oneDNN ops on CPUs, where there are no kernels to name),
 whether those kernels run on Tensor Cores (recognised by name: ``TENSOR_CORE_KERNELS``), the cost
 model's prediction, and the share of matmul/conv time on Tensor Cores. Interpreting adds Python
@@ -19,10 +19,9 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .capture import normalize_inputs
-from .graph_utils import flat_inputs
-from .meta import INSERTED_BY, dtype_name
-from .plan import Plan
+from mpgraph.ir.graph import as_call, flat_inputs, to_device
+from mpgraph.ir.meta import INSERTED_BY, dtype_name
+from mpgraph.plans.plan import Plan
 
 RANGE_PREFIX = "mpgraph:"
 
@@ -40,7 +39,7 @@ _MATMUL_CLASSES = ("tensor_core",)
 
 def is_tensor_core_kernel(name: str) -> bool:
     """True when a CUDA kernel's name says it runs on Tensor Cores (names, not counters: ncu's
-    tensor pipe metrics are the proof, see mpgraph.ncu)."""
+    tensor pipe metrics are the proof, see mpgraph.tools.ncu)."""
     return bool(TENSOR_CORE_KERNELS.search(name)) and not SIMT_KERNELS.search(name)
 
 
@@ -126,16 +125,6 @@ def run_with_ranges(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, nvtx: b
                                                enable_io_processing=False)
 
 
-def _to(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
-
-
 def _finding(record, tensor_core: Optional[bool], plan: Plan) -> str:
     """Why an eligible matmul/conv is not on Tensor Cores, when it is not."""
     if record.op_class != "tensor_core" or tensor_core is not False:
@@ -159,13 +148,13 @@ def profile(converted: torch.fx.GraphModule, example_inputs: Any = None, *,
         raise TypeError("profile expects a module returned by mpgraph.convert (it carries .plan)")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    args, kwargs = normalize_inputs(example_inputs, example_kwargs)
+    args, kwargs = as_call(example_inputs, example_kwargs)
     here = next((p.device for p in converted.parameters()), torch.device("cpu"))
     dev = torch.device(device) if device is not None else here
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no GPU")
     gm = converted if dev == here else copy.deepcopy(converted).to(dev)
-    args, kwargs = _to(args, dev), _to(kwargs, dev)
+    args, kwargs = to_device(args, dev), to_device(kwargs, dev)
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         run_with_ranges(gm, args, kwargs)

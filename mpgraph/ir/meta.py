@@ -78,6 +78,21 @@ SHORT_DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16:
                      torch.float64: "f64"}  # cast node names, cast arrows in reports
 
 
+def tensor_infos(info: ValueInfo) -> list[TensorInfo]:
+    """The TensorInfos of a value: one, the tensor parts of a multi-output op, or none."""
+    if isinstance(info, TensorInfo):
+        return [info]
+    if isinstance(info, tuple):
+        return [i for i in info if isinstance(i, TensorInfo)]
+    return []
+
+
+def shape_of(info: ValueInfo) -> Optional[tuple[int, ...]]:
+    """The shape of a value's (first) tensor, None when it has none."""
+    infos = tensor_infos(info)
+    return tuple(infos[0].shape) if infos else None
+
+
 def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
     """"bfloat16" for torch.bfloat16: how plans, reasons and reports name a dtype."""
     return None if dtype is None else str(dtype).replace("torch.", "")

@@ -12,10 +12,10 @@ from typing import Optional
 import torch
 import torch.fx
 
-from .graph_utils import module_path, target_name
-from .meta import (CAPTURE, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, RANGE, SAFETY,
-                   TENSOR, TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord, cast_source, dtype_name,
-                   planned_dtype)
+from mpgraph.ir.graph import module_path, target_name
+from mpgraph.ir.meta import (CAPTURE, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, RANGE,
+                             SAFETY, TENSOR, TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord,
+                             cast_source, dtype_name, planned_dtype, shape_of)
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class Plan:
     target: str = ""
     strategy: str = ""
     kept_fp32: Optional[str] = None  # why everything stayed float32 (dtype="auto"), if it did
+    # an explicit dtype that converted little of the matmul/conv work: why, and the way out
+    # (also a UserWarning from convert, and the summary's first line)
+    warning: Optional[str] = None
     estimate: dict = field(default_factory=dict)  # {"fp32_s", "plan_s"} on the target
     nodes: list[NodeRecord] = field(default_factory=list)
     casts: list[CastRecord] = field(default_factory=list)
@@ -109,10 +112,18 @@ class Plan:
                 safety=tuple(f"{f.rule}: {f.evidence}" for f in node.meta.get(SAFETY, ())),
                 absmax=rng.absmax if (rng := node.meta.get(RANGE)) is not None else None,
                 inputs=tuple(cast_source(a).name for a in node.all_input_nodes),
-                shape=_shape(node.meta.get(TENSOR)),
+                shape=shape_of(node.meta.get(TENSOR)),
                 flops=cost.flops if cost is not None else None,
                 kind=op_info.key if op_info else ""))
         plan.calibration_batches = int(gm.meta.get(RANGE, 0))
+        return plan
+
+    @classmethod
+    def of(cls, obj, who: str = "this") -> "Plan":
+        """The plan of a converted module, or a Plan itself; anything else is a TypeError."""
+        plan = getattr(obj, "plan", obj)
+        if not isinstance(plan, cls):
+            raise TypeError(f"{who} expects a converted module or a Plan, got {type(obj).__name__}")
         return plan
 
     # -- saving and loading ----------------------------------------------------------------
@@ -147,6 +158,7 @@ class Plan:
         plan = cls(dtype=getattr(torch, data["dtype"]), capture=data["capture"],
                    keep_io_types=data["keep_io_types"], target=data["target"],
                    strategy=data["strategy"], kept_fp32=data.get("kept_fp32"),
+                   warning=data.get("warning"),
                    estimate=dict(data.get("estimate") or {}),
                    nodes=[node(d) for d in data["nodes"]],
                    casts=[CastRecord(**{**c, "consumers": tuple(c["consumers"])}) for c in data["casts"]],
@@ -200,7 +212,8 @@ class Plan:
     def summary(self) -> str:
         low = dtype_name(self.dtype)
         stored = sum(w.numel for w in self.weights)
-        text = (f"converted {len(self.low_nodes)}/{len(self.compute_nodes)} nodes to {low} "
+        text = f"warning: {self.warning}\n" if self.warning else ""
+        text += (f"converted {len(self.low_nodes)}/{len(self.compute_nodes)} nodes to {low} "
                 f"with {len(self.casts)} casts; {len(self.weights)} weights "
                 f"({stored / 1e6:.2f}M values) stored as {low}; captured with {self.capture}")
         if self.kept_fp32:
@@ -243,7 +256,8 @@ class Plan:
             "format": PLAN_FORMAT,
             "dtype": dtype_name(self.dtype), "capture": self.capture,
             "keep_io_types": self.keep_io_types, "target": self.target, "strategy": self.strategy,
-            "kept_fp32": self.kept_fp32, "estimate": self.estimate, "summary": self.summary(),
+            "kept_fp32": self.kept_fp32, "warning": self.warning, "estimate": self.estimate,
+            "summary": self.summary(),
             "mode": self.mode,
             "calibration_batches": self.calibration_batches,
             "tolerance": _jsonable(self.tolerance),
@@ -265,12 +279,6 @@ def _jsonable(value):
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-def _shape(info) -> Optional[tuple[int, ...]]:
-    if isinstance(info, tuple):
-        info = next((i for i in info if isinstance(i, TensorInfo)), None)
-    return tuple(info.shape) if isinstance(info, TensorInfo) else None
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

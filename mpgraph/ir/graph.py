@@ -2,19 +2,44 @@
 from __future__ import annotations
 
 import inspect
+import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
+from mpgraph.ir.meta import TENSOR, tensor_infos
+
 # Ops whose output aliases their first input (a view), so mutating the output mutates the input.
 _VIEW_METHODS = {"view", "view_as", "reshape", "permute", "transpose", "t", "expand", "expand_as",
                  "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "split",
                  "chunk", "unbind", "__getitem__", "detach", "diagonal", "movedim", "contiguous"}
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+class Call(NamedTuple):
+    """A batch given as positional and keyword arguments (how convert passes its example)."""
+
+    args: tuple
+    kwargs: dict
+
+
+def as_call(batch: Any, kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
+    """Inputs as (args tuple, kwargs dict): a tensor, a tuple/list of arguments, a dict of
+    keyword arguments, a Call, or None (no positional arguments); ``kwargs`` are added."""
+    extra = dict(kwargs or {})
+    if batch is None:
+        return (), extra
+    if isinstance(batch, Call):
+        return tuple(batch.args), {**batch.kwargs, **extra}
+    if isinstance(batch, dict):
+        return (), {**batch, **extra}
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), extra
+    return (batch,), extra
 
 
 def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -203,3 +228,39 @@ def with_data(value: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     if isinstance(value, torch.nn.Parameter):
         return torch.nn.Parameter(data, requires_grad=value.requires_grad)
     return data
+
+
+def matmul_dims(node: torch.fx.Node, gm) -> Optional[tuple[int, int, int, int]]:
+    """(batch, M, N, K) of a matmul-class node, from recorded shapes."""
+    out = tensor_infos(node.meta.get(TENSOR))
+    ins = [i for a in input_nodes(node) for i in tensor_infos(a.meta.get(TENSOR))]
+    if not out or not ins:
+        return None
+    o = out[0].shape
+    name = str(node.target)
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if isinstance(mod, torch.nn.Linear):
+            k = mod.in_features
+            return 1, math.prod(o[:-1]), o[-1], k
+        return None
+    if "addmm" in name:  # aten.addmm(bias, a, b) / torch.addmm
+        a = tensor_infos(node.args[1].meta.get(TENSOR))[0].shape if isinstance(node.args[1], torch.fx.Node) else None
+        return (1, o[0], o[1], a[-1]) if a else None
+    a = ins[0].shape
+    if len(o) == 0 or len(a) == 0:
+        return None
+    k = a[-1]
+    m = o[-2] if len(o) >= 2 else 1
+    return math.prod(o[:-2]) if len(o) > 2 else 1, m, o[-1], k
+
+
+def to_device(value, device):
+    """Tensors in a nest of tuples, lists and dicts moved to ``device`` (inputs for a run)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value

@@ -15,19 +15,12 @@ from typing import Optional, Union
 
 import torch
 
-from .meta import SHORT_DTYPE_NAMES, dtype_name
-from .plan import CastRecord, NodeRecord, Plan
+from mpgraph.ir.meta import SHORT_DTYPE_NAMES, dtype_name
+from mpgraph.plans.plan import CastRecord, NodeRecord, Plan
 
 FORMATS = ("text", "json", "html", "dot")
 COLOURS = {"float32": "#6c8ebf", "float16": "#82b366", "bfloat16": "#d79b00", None: "#bbbbbb"}
 
-
-
-def _plan_of(obj) -> Plan:
-    plan = getattr(obj, "plan", obj)
-    if not isinstance(plan, Plan):
-        raise TypeError(f"report expects a converted module or a Plan, got {type(obj).__name__}")
-    return plan
 
 
 def report(obj, format: str = "text", path: Union[None, str, os.PathLike] = None,
@@ -36,7 +29,7 @@ def report(obj, format: str = "text", path: Union[None, str, os.PathLike] = None
     ``profile`` (``mpgraph.profile(...)``), measured time per node beside the prediction."""
     if format not in FORMATS:
         raise ValueError(f"unknown report format {format!r}; one of {', '.join(FORMATS)}")
-    plan = _plan_of(obj)
+    plan = Plan.of(obj, "report")
     measured = {n.name: n for n in profile.nodes} if profile is not None else None
     if format == "dot":
         text = dot_report(plan)

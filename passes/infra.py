@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch.fx
 
-from .errors import MpgraphError, PassError
+from mpgraph.errors import MpgraphError, PassError
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .modules import CountBatches, DropoutRate, TrainingBatchNorm
+from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm
 
 TENSOR_CORE = "tensor_core"
 FOLLOW = "follow"

@@ -1,0 +1,2 @@
+"""What users do with a converted module: reports, ONNX export and validation, profiling,
+loading weights."""
