@@ -13,7 +13,7 @@ from mpgraph.frontend.capture import capture
 from mpgraph.cost.device import auto_dtype, range_dtype, resolve_target
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
-from mpgraph.passes.infra import run_passes
+from mpgraph.passes.infra import run_passes, stage
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import as_call, target_name
 from mpgraph.ir.meta import TENSOR, dtype_name, is_float32_tensor, shape_of
@@ -136,7 +136,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              "or convert the materialised model)")
         abstract = Abstract(trace_device(spec))
         args, kwargs = abstract.fake_inputs(args, kwargs)  # once: capture and the passes share them
-    gm = capture(model, args, kwargs, export_only=train, abstract=abstract)
+    with stage("capture"):
+        gm = capture(model, args, kwargs, export_only=train, abstract=abstract)
     with fake_mode(abstract):
         gm, report = _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, strategy,
                                keep_io_types, table, overrides, check, calibration, tolerance,
@@ -238,8 +239,9 @@ def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, str
     report = None
     if tolerance is not None:
         calls = [as_call(b) for b in calibration] if calibration is not None else [(args, kwargs)]
-        gm, report = meet_tolerance(base, lambda pins: build(copy.deepcopy(base), pins), gm, calls,
-                                    tolerance, low)
+        with stage("tolerance search"):
+            gm, report = meet_tolerance(base, lambda pins: build(copy.deepcopy(base), pins), gm,
+                                        calls, tolerance, low)
     _restore_buffers(gm, model)
     if not train:
         # inference: the low-precision parameters are rounded copies, not something to train (an

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import logging
 import sys
+import warnings
 
 from mpgraph.api import resolve_dtype
 
@@ -51,9 +54,19 @@ def load_factory(spec: str):
     return factory
 
 
-def build_from(spec: str):
-    """Call a factory; it returns (model, example_inputs) or (model, example_inputs, example_kwargs)."""
-    built = load_factory(spec)()
+def build_from(spec: str, **sizes):
+    """Call a factory; it returns (model, example_inputs) or (model, example_inputs, example_kwargs).
+    ``sizes`` (batch=, seq= from the command line; None: the factory's default) are passed to it
+    by name; a factory without such a parameter is an error that lists the ones it has."""
+    factory = load_factory(spec)
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if sizes:
+        params = inspect.signature(factory).parameters
+        missing = [k for k in sizes if k not in params]
+        if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ValueError(f"{spec} takes no {', '.join(missing)} argument (its parameters: "
+                             f"{', '.join(params) or 'none'})")
+    built = factory(**sizes)
     if not isinstance(built, tuple) or len(built) not in (2, 3):
         raise ValueError(f"{spec} must return (model, example_inputs[, example_kwargs])")
     model, inputs = built[0], built[1]
@@ -64,7 +77,7 @@ def build_from(spec: str):
 def _export(args) -> int:
     from mpgraph.errors import MpgraphError
     from mpgraph.tools.onnx_export import export_onnx
-    model, inputs, kwargs = build_from(args.factory)
+    model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     try:
         result = export_onnx(model, inputs, args.output, dtype=args.dtype, opset=args.opset,
                              example_kwargs=kwargs, validate=not args.no_validate,
@@ -82,7 +95,7 @@ def _inspect(args) -> int:
     from mpgraph.api import convert
     from mpgraph.errors import MpgraphError
     from mpgraph.tools.report import report
-    model, inputs, kwargs = build_from(args.factory)
+    model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     try:
         converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
                             target=args.target, strategy=args.strategy)
@@ -138,23 +151,42 @@ def _profile(args) -> int:
             print(ncu.format_per_node(ncu.per_node(ncu.parse_ncu_csv(f.read()))))
         return 0
     from mpgraph.ir.graph import to_device as _to
-    model, inputs, kwargs = build_from(args.factory)
+    model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     model, inputs, kwargs = model.to(device), _to(inputs, device), _to(kwargs, device)
     converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target)
-    print(profile(converted, inputs, example_kwargs=kwargs, device=device, iters=args.iters).table())
+    if args.target is not None:
+        from mpgraph.cost.device import resolve_target
+        planned = resolve_target(args.target)
+        if (planned.kind == "gpu") != (device == "cuda"):
+            print(f"mpgraph: note: planned for {planned.name}, profiled on {device}: the measured "
+                  f"times are this {device}'s (low precision may be emulated here), the predicted "
+                  f"ones {planned.name}'s; compare their ranks, not their values", file=sys.stderr)
+    with _c_stderr_silenced(not args.verbose):  # the profiler's C++ side prints to fd 2
+        result = profile(converted, inputs, example_kwargs=kwargs, device=device, iters=args.iters)
+    print(result.table())
     return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mpgraph", description="Whole-graph mixed precision for PyTorch.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the passes do")
+    # -v and --progress go before or after the command (SUPPRESS: a command's parser does not
+    # overwrite what was given before it)
+    common = argparse.ArgumentParser(add_help=False)
+    for where, default in ((parser, None), (common, argparse.SUPPRESS)):
+        where.add_argument("-v", "--verbose", action="store_true",
+                           default=False if default is None else default,
+                           help="log what the passes do; show third-party warnings and logs")
+        where.add_argument("--progress", action=argparse.BooleanOptionalAction, default=default,
+                           help="a line per stage on stderr (default: when stderr is a terminal)")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="convert the built-in models, check them against fp32, time them")
+    d = sub.add_parser("demo", parents=[common],
+                       help="convert the built-in models, check them against fp32, time them")
     d.add_argument("--model", choices=["transformer", "cnn", "all"], default="all")
     d.add_argument("--dtype", default="auto", help="auto (what this machine is fast at), fp16 or bf16")
     d.add_argument("--rounds", type=int, default=10, help="timed calls of each variant")
     d.set_defaults(func=_demo)
-    e = sub.add_parser("export", help="convert a model and export it to ONNX with the plan's types")
+    e = sub.add_parser("export", parents=[common],
+                       help="convert a model and export it to ONNX with the plan's types")
     e.add_argument("factory", help="FILE.py:name or module:name returning (model, inputs[, kwargs])")
     e.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     e.add_argument("--dtype", default="fp16", help="fp16 (default) or bf16")
@@ -167,7 +199,8 @@ def main(argv=None) -> int:
     e.add_argument("--external-data-threshold", type=int, default=None,
                    help="bytes of weights above which they go to FILE.onnx.data")
     e.set_defaults(func=_export)
-    i = sub.add_parser("inspect", help="convert a model and report every decision and cast")
+    i = sub.add_parser("inspect", parents=[common],
+                       help="convert a model and report every decision and cast")
     i.add_argument("factory", help="FILE.py:name or module:name returning (model, inputs[, kwargs])")
     i.add_argument("--dtype", default="auto", help="auto (what the target is fast at), fp16 or bf16")
     i.add_argument("--target", default=None, help="cpu, h100, a100, t4, ... (default: this machine)")
@@ -176,7 +209,8 @@ def main(argv=None) -> int:
     i.add_argument("--json", help="write the plan as JSON here (mpgraph.Plan.load reads it)")
     i.add_argument("--dot", help="write the Graphviz source here")
     i.set_defaults(func=_inspect)
-    p = sub.add_parser("profile", help="per-node time and Tensor Core use of a converted model")
+    p = sub.add_parser("profile", parents=[common],
+                       help="per-node time and Tensor Core use of a converted model")
     p.add_argument("factory", nargs="?", help="FILE.py:name or module:name returning (model, inputs[, kwargs])")
     p.add_argument("--dtype", default="auto", help="auto, fp16 or bf16")
     p.add_argument("--target", default=None, help="the device to plan for (default: this one)")
@@ -187,14 +221,110 @@ def main(argv=None) -> int:
     p.add_argument("--ncu-csv", help="read an ncu --csv report made elsewhere")
     p.add_argument("--nvprof-csv", help="read an nvprof --csv --metrics tensor_precision_fu_utilization report")
     p.set_defaults(func=_profile)
+    for command in (e, i, p):
+        command.add_argument("--batch", type=int, default=None,
+                             help="passed to the factory as batch= (default: the factory's)")
+        command.add_argument("--seq", type=int, default=None,
+                             help="passed to the factory as seq= (default: the factory's)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    with _console(args.verbose, show):
+        try:
+            return args.func(args)
+        except (ValueError, TypeError, OSError) as e:
+            print(f"mpgraph: error: {e}", file=sys.stderr)
+            return 2
+
+
+# third-party loggers that narrate on the screen (torch's fake-tensor E-logs, the ONNX exporter's
+# notes on torchvision, onnxscript's constant folding, transformers' config checks): shown with -v
+_THIRD_PARTY = ("torch", "onnxscript", "onnx_ir", "onnxruntime", "transformers")
+
+
+class StageLines(logging.Handler):
+    """mpgraph's stage progress as lines on stderr: 'mpgraph: capture ... 7.1 s'."""
+
+    def __init__(self, stream=None):
+        super().__init__(logging.INFO)
+        self.stream = stream
+        self.open = None  # the stage whose line waits for its time
+
+    def emit(self, record):
+        out = self.stream or sys.stderr
+        name, seconds = getattr(record, "mpgraph_stage", None), getattr(record, "mpgraph_seconds", None)
+        if name is None:
+            return
+        if seconds is None:  # a stage starts
+            out.write(("\n" if self.open else "") + f"mpgraph: {name} ...")
+            self.open = name
+        elif self.open == name:
+            out.write(f" {seconds:.1f} s\n")
+            self.open = None
+        else:  # a stage ends after another one printed inside it
+            out.write(("\n" if self.open else "") + f"mpgraph: {name}: {seconds:.1f} s\n")
+            self.open = None
+        out.flush()
+
+
+@contextlib.contextmanager
+def _c_stderr_silenced(silence: bool):
+    """File descriptor 2 pointed at /dev/null (what C++ libraries print bypasses sys.stderr)."""
+    if not silence:
+        yield
+        return
+    import os
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
     try:
-        return args.func(args)
-    except (ValueError, TypeError, OSError) as e:
-        print(f"mpgraph: error: {e}", file=sys.stderr)
-        return 2
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _console(verbose: bool, progress: bool):
+    """What reaches the screen while a command runs: mpgraph's own warnings (one line each) and
+    stage progress; third-party logs and warnings only with -v."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s" if verbose
+                                           else "mpgraph: %(levelname)s: %(message)s"))
+    old_root = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    quiet = [] if verbose else [logging.getLogger(n) for n in _THIRD_PARTY]
+    old_levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
+    steps = logging.getLogger("mpgraph.progress")
+    stage_lines = StageLines() if progress else None
+    old_steps = (steps.level, steps.propagate)
+    if stage_lines:
+        steps.addHandler(stage_lines)
+        steps.setLevel(logging.INFO)
+        steps.propagate = False
+    show = warnings.showwarning
+    with warnings.catch_warnings():
+        if not verbose:
+            warnings.simplefilter("ignore")
+            warnings.filterwarnings("default", module=r"mpgraph(\.|$)")
+            warnings.showwarning = lambda message, *a, **k: print(f"mpgraph: warning: {message}",
+                                                                  file=sys.stderr)
+        try:
+            yield
+        finally:
+            warnings.showwarning = show
+            root.removeHandler(handler)
+            root.setLevel(old_root)
+            for lg, level in zip(quiet, old_levels):
+                lg.setLevel(level)
+            if stage_lines:
+                steps.removeHandler(stage_lines)
+                steps.setLevel(old_steps[0])
+                steps.propagate = old_steps[1]
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ class AssignPrecision(Pass):
     ("class:tensor_core"). A key that matches no node is a warning naming it. ``from_plan`` maps
     node names to (dtype name, reason) of a saved plan: applied like node-name overrides.
     """
+    stage = "decide"
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,

@@ -69,6 +69,7 @@ def _logged(batches, total):
 
 class Calibrate(Pass):
     """Analysis: writes ``mpgraph.range`` (a ValueRange) on every node with a float output."""
+    stage = "calibrate"
 
     def __init__(self, batches: Iterable, progress: Optional[bool] = None,
                  example: Optional[tuple[tuple, dict]] = None):

@@ -36,6 +36,8 @@ def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
 
 
 class ChannelsLast(Pass):
+    stage = "rewrite"
+
     def call(self, gm):
         convs = [n for n in gm.graph.nodes if n.meta.get(OP_CLASS) is not None
                  and n.meta[OP_CLASS].op_class == TENSOR_CORE and _is_conv2d(n, gm)

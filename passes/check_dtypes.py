@@ -29,6 +29,8 @@ def _actual(value):
 
 
 class CheckDtypes(Pass):
+    stage = "check"
+
     def __init__(self, example_args: tuple, example_kwargs: dict | None = None,
                  keep_io_types: bool = True):
         self.args = tuple(example_args)

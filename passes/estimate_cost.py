@@ -139,6 +139,7 @@ def _quantization(spec: DeviceSpec, dims: Optional[tuple]) -> float:
 
 class EstimateCost(Pass):
     """Analysis: writes ``mpgraph.cost`` (NodeCost) on every call node that touches float32."""
+    stage = "decide"
 
     def __init__(self, spec: DeviceSpec, low_dtype: torch.dtype, tf32: Optional[bool] = None):
         self.spec = spec

@@ -28,6 +28,8 @@ def _dropout_p(node):
 
 
 class FollowTrainingFlag(Pass):
+    stage = "prepare"
+
     def _rate(self, gm, node) -> None:
         """Attention keeps its op; its dropout_p comes from a DropoutRate module at run time."""
         module = DropoutRate(float(_dropout_p(node)))

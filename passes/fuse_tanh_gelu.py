@@ -96,6 +96,8 @@ def match(tanh: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, l
 
 
 class FuseTanhGelu(Pass):
+    stage = "prepare"
+
     def call(self, gm):
         graph = gm.graph
         fused = 0

@@ -6,7 +6,10 @@ pipeline can run to a fixed point and a caller can tell what changed.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -15,6 +18,22 @@ import torch.fx
 from mpgraph.errors import MpgraphError, PassError
 
 log = logging.getLogger(__name__)
+# One record when a stage starts and one when it ends (extra: mpgraph_stage, mpgraph_seconds):
+# the CLI shows them on a terminal; a library user can attach a handler of their own.
+progress = logging.getLogger("mpgraph.progress")
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """Report a stage of the work (capture, calibrate, decide, rewrite, check, export, ...)."""
+    start = time.perf_counter()
+    progress.info("%s ...", name, extra={"mpgraph_stage": name, "mpgraph_seconds": None})
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - start
+        progress.info("%s: %.1f s", name, seconds,
+                      extra={"mpgraph_stage": name, "mpgraph_seconds": seconds})
 
 
 @dataclass(frozen=True)
@@ -25,6 +44,8 @@ class PassResult:
 
 class Pass:
     """Base class. Subclasses implement ``call`` and may check ``requires``/``ensures``."""
+
+    stage = "plan"  # what progress calls the part of the work this pass belongs to
 
     @property
     def name(self) -> str:
@@ -54,17 +75,19 @@ class Pass:
 def run_passes(passes: Iterable[Pass], gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Run a pipeline (a plain list of pass instances) in order, with context on failure."""
     ran: list[str] = []
-    for p in passes:
-        try:
-            result = p(gm)
-        except PassError as e:
-            e.ran_before = e.ran_before or list(ran)
-            raise
-        except MpgraphError:
-            raise
-        except Exception as e:  # an unexpected failure inside a pass: say which pass
-            raise PassError(p.name, f"{type(e).__name__}: {e}", None, ran) from e
-        gm = result.graph_module
-        log.debug("pass %s: modified=%s", p.name, result.modified)
-        ran.append(p.name)
+    for name, group in itertools.groupby(passes, key=lambda p: p.stage):
+        with stage(name):
+            for p in group:
+                try:
+                    result = p(gm)
+                except PassError as e:
+                    e.ran_before = e.ran_before or list(ran)
+                    raise
+                except MpgraphError:
+                    raise
+                except Exception as e:  # an unexpected failure inside a pass: say which pass
+                    raise PassError(p.name, f"{type(e).__name__}: {e}", None, ran) from e
+                gm = result.graph_module
+                log.debug("pass %s: modified=%s", p.name, result.modified)
+                ran.append(p.name)
     return gm

@@ -19,6 +19,8 @@ from mpgraph.passes.infra import Pass, PassResult
 
 
 class InsertCasts(Pass):
+    stage = "rewrite"
+
     def __init__(self, keep_io_types: bool = True):
         self.keep_io_types = keep_io_types
 

@@ -78,6 +78,7 @@ def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype,
 class NumericSafety(Pass):
     """Analysis: writes ``mpgraph.safety`` (a tuple of SafetyFinding) on nodes that must stay
     float32; relaxes calibrated-safe range-expanding ops to ``follow`` in fp16."""
+    stage = "decide"
 
     def __init__(self, low_dtype: torch.dtype, margin: float = RANGE_MARGIN,
                  alt_dtype: Optional[torch.dtype] = None):

@@ -19,6 +19,7 @@ def value_info(value):
 
 class PropagateTensorInfo(Pass):
     """Analysis: writes ``mpgraph.tensor`` on every node. Runs the graph once, under no_grad."""
+    stage = "capture"
 
     def __init__(self, example_args: tuple, example_kwargs: dict | None = None):
         self.args = tuple(example_args)

@@ -14,6 +14,8 @@ _ASSERT = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
 
 
 class RetargetDtypeAsserts(Pass):
+    stage = "rewrite"
+
     def call(self, gm):
         changed = 0
         if _ASSERT is None:

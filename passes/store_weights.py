@@ -41,6 +41,8 @@ def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
 
 
 class StoreWeights(Pass):
+    stage = "rewrite"
+
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True):
         self.low = low_dtype
         self.keep_io_types = keep_io_types

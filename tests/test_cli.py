@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -42,3 +43,60 @@ def test_console_script_reports_bad_dtype():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "dtype must be torch.float16 or torch.bfloat16" in proc.stderr
+
+
+FACTORY = '''import logging, warnings
+import torch, torch.nn as nn
+
+def build(batch: int = 16, seq: int = 64):
+    warnings.warn("a third-party deprecation", FutureWarning)
+    logging.getLogger("torch.export").error("torch narrating something")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(seq, 64), nn.ReLU(), nn.Linear(64, 8))
+    return model, torch.randn(batch, seq)
+'''
+
+
+def test_cli_shows_stage_progress_and_keeps_third_party_noise_for_verbose(tmp_path):
+    """Run as a user would (a real stderr, torch's own log handlers included)."""
+    factory = tmp_path / "factory.py"
+    factory.write_text(FACTORY)
+
+    def cli_run(*argv):
+        proc = subprocess.run([sys.executable, "-m", "mpgraph", *argv], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout, proc.stderr
+
+    out, err = cli_run("--progress", "inspect", f"{factory}:build", "--dtype", "fp16",
+                       "--target", "a100", "--batch", "4", "--seq", "32")
+    stages = [line.split(" ...")[0] for line in err.splitlines()]
+    assert stages == ["mpgraph: capture", "mpgraph: prepare", "mpgraph: calibrate",
+                      "mpgraph: decide", "mpgraph: rewrite", "mpgraph: check"], err
+    assert all(line.endswith(" s") for line in err.splitlines())
+    # the factory got --batch and --seq: the input cast moves 4 x 32 values, M is 4
+    assert re.search(r"float32 -> float16\s+128\s", out) and "pad M 4->8" in out
+    # -v: the third-party warning and log record are shown; no progress when not asked for
+    _, err = cli_run("-v", "--no-progress", "inspect", f"{factory}:build", "--dtype", "fp16",
+                     "--target", "a100")
+    assert "third-party deprecation" in err and "torch narrating something" in err
+    assert "mpgraph: capture" not in err
+
+
+def test_cli_passes_sizes_only_to_factories_that_take_them(tmp_path, capsys):
+    factory = tmp_path / "plain.py"
+    factory.write_text("import torch, torch.nn as nn\n"
+                       "def build():\n    return nn.Linear(8, 8), torch.randn(2, 8)\n")
+    assert cli.main(["inspect", f"{factory}:build", "--seq", "16", "--target", "a100"]) == 2
+    assert "takes no seq argument (its parameters: none)" in capsys.readouterr().err
+
+
+def test_cli_prints_mpgraph_warnings_as_one_line(tmp_path, capsys):
+    factory = tmp_path / "small.py"
+    factory.write_text("import torch, torch.nn as nn\n"
+                       "def build():\n    return nn.Sequential(nn.Linear(8, 8)), torch.randn(2, 8)\n")
+    assert cli.main(["inspect", f"{factory}:build", "--dtype", "fp16", "--target", "h100"]) == 0
+    err = capsys.readouterr().err
+    # an 8x8 matmul does not pay for its casts on an H100: said once, as mpgraph's own line
+    assert err.count("mpgraph: warning: dtype=float16 converted 0 of 1 matmul/conv nodes") == 1
+    assert "UserWarning" not in err and "warnings.warn" not in err

@@ -24,6 +24,7 @@ import torch
 from mpgraph.api import convert, resolve_dtype
 from mpgraph.cost.device import auto_dtype, resolve_target
 from mpgraph.ir.graph import as_call, target_name
+from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
 from mpgraph.ir.meta import dtype_name
 from mpgraph.tools.onnx_check import ir_dtype, is_precision_cast
@@ -373,24 +374,28 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     opset = opset or DEFAULT_OPSET
     workdir = tempfile.mkdtemp(prefix=".mpgraph-export-", dir=os.path.dirname(path))
     try:
-        model, exporter, program = _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir)
-        edits, (in_file, expected, differences) = _postprocess(model, converted.plan, exporter, ir)
-        if differences:
-            log.warning("Cast nodes in the file differ from the plan:\n  %s", "\n  ".join(differences))
-        name = os.path.basename(path)
-        data = None
-        if _initializer_bytes(model) > min(external_data_threshold, _PROTOBUF_LIMIT):
-            data = name + ".data"
-        tmp_path = os.path.join(workdir, name)
-        ir.save(model, tmp_path, external_data=data)
+        with stage("export"):
+            model, exporter, program = _export_ir(converted, args, kwargs, opset, dynamic_shapes,
+                                                  workdir)
+            edits, (in_file, expected, differences) = _postprocess(model, converted.plan, exporter, ir)
+            if differences:
+                log.warning("Cast nodes in the file differ from the plan:\n  %s",
+                            "\n  ".join(differences))
+            name = os.path.basename(path)
+            data = None
+            if _initializer_bytes(model) > min(external_data_threshold, _PROTOBUF_LIMIT):
+                data = name + ".data"
+            tmp_path = os.path.join(workdir, name)
+            ir.save(model, tmp_path, external_data=data)
         result = ExportResult(path=path, exporter=exporter, opset=model.opset_imports.get("", opset),
                               plan=converted.plan, external_data=data, casts_in_file=in_file,
                               casts_expected=expected, cast_differences=differences, edits=edits)
         if validate:
             from mpgraph.tools.onnx_check import validate_onnx
-            result.validation = validate_onnx(tmp_path, converted, args, kwargs, reference=reference,
-                                              exported_program=program, device=device,
-                                              display_name=path)
+            with stage("validate"):
+                result.validation = validate_onnx(tmp_path, converted, args, kwargs,
+                                                  reference=reference, exported_program=program,
+                                                  device=device, display_name=path)
         for produced in (name, data):
             if produced:
                 os.replace(os.path.join(workdir, produced), os.path.join(os.path.dirname(path), produced))
