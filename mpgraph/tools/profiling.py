@@ -5,9 +5,11 @@ that wraps every node in a ``record_function`` range and, on CUDA, an NVTX range
 ``mpgraph:<node>``, so torch.profiler's events (and Nsight Compute's kernels, see
 ``mpgraph.tools.ncu``) map back to graph nodes. Each node gets its measured time per run, its kernels
 (CUDA kernel names on GPUs; the ATen/oneDNN ops on CPUs, where there are no kernels to name),
-whether those kernels run on Tensor Cores (recognised by name: ``TENSOR_CORE_KERNELS``), the cost
-model's prediction, and the share of matmul/conv time on Tensor Cores. Interpreting adds Python
-overhead per node (a few microseconds): the numbers are for attribution, not a benchmark.
+whether those kernels run on Tensor Cores (by name: ``KERNEL_RULES``; yes, no or unknown), the
+cost model's prediction, and the share of matmul/conv time on Tensor Cores. Interpreting adds Python
+overhead per node (a few microseconds): the numbers are for attribution, not a benchmark. Under
+Nsight Compute torch.profiler sees no kernels (ncu holds CUPTI): the result then says the kernels
+were not observed and makes no finding, rather than reporting 0 us and false findings.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx
+from torch.autograd import DeviceType
 
 from mpgraph.ir.graph import as_call, flat_inputs, to_device
 from mpgraph.ir.meta import INSERTED_BY, dtype_name
@@ -25,22 +28,61 @@ from mpgraph.plans.plan import Plan
 
 RANGE_PREFIX = "mpgraph:"
 
-# CUDA kernel names that run on Tensor Cores. The PyTorch TensorBoard plugin's list (h884, s884,
-# h1688, s1688, hmma, i8816, 16816, xmma_gemm, xmma_implicit_gemm, c1688, ...) misses CUTLASS
-# tensorop kernels, Hopper's sm90 xmma/gmma kernels and cuBLAS's nvjet kernels: all here.
-TENSOR_CORE_KERNELS = re.compile(
-    r"(h884|s884|h1688|s1688|c1688|i8816|i16832|h16816|s16816|bf16816|16816|hmma|imma|gmma|wgmma"
-    r"|xmma|tensorop|nvjet|sm80_xmma|sm90_xmma|sm90_gemm|_tc_|tensor_core|cutlass_80_tensorop"
-    r"|flash_fwd|flash_bwd|fmha|tensorcore)", re.IGNORECASE)
-# CUDA-core GEMMs (FFMA): volta_sgemm_..., cutlass_80_simt_sgemm_..., gemv kernels.
-SIMT_KERNELS = re.compile(r"simt|(^|_)[sdcz]gemm(_|$)|gemv", re.IGNORECASE)
+# What a CUDA kernel's name says about where its math runs: (kind, pattern, why), matched against
+# the lower-cased name in this order, the first match deciding. Kinds: "cuda_core" (a GEMM on FFMA
+# units), "tensor_core" (MMA instructions), "not_gemm" (no matmul at all: elementwise, reductions,
+# copies). A name no rule matches is unknown: the plain ``xmma``/``sm80``/``sm90`` prefix says
+# which library and GPU, not which units (cuBLAS's FP32 kernels are ``sm80_xmma_gemm_..._ffma``).
+_T = r"(?:bf16|tf32|f16|f32|f64|e4m3|e5m2|i8|i32)"  # element types in xmma/cuDNN/CUTLASS names
+KERNEL_RULES: tuple[tuple[str, str, str], ...] = (
+    ("cuda_core", r"ffma|simt|(?:^|[^a-z0-9])sgemm|gemv|gemmsn",
+     "FFMA/SIMT GEMM (volta_sgemm, cudnn implicit_convolve_sgemm, cutlass simt, gemv, gemmSN)"),
+    ("tensor_core", r"(?:884|1688|8816|16816|16832)(?:gemm|fprop|dgrad|wgrad)|_tensor\d+x\d+x\d+",
+     "MMA instruction shape (h884, s1688, s16816, i8816, _tensor16x8x16)"),
+    ("tensor_core", r"[hibd]mma|gmma|tcgen05|tensorop|tensor_?core|tf32",
+     "MMA family (hmma, imma, wgmma, tcgen05, CUTLASS tensorop, tf32)"),
+    ("tensor_core", rf"(?:^|_){_T}{_T}_(?:bf16|f16|tf32|e4m3|e5m2|i8){_T}_{_T}(?:_|$)",
+     "xmma element types AB_<math><acc>_C with half/bf16/tf32/fp8/int8 math"),
+    ("cuda_core", rf"(?:^|_){_T}{_T}_f32f32_{_T}(?:_|$)",
+     "xmma element types with fp32 math (f32f32_f32f32_f32): FFMA"),
+    ("tensor_core", r"nvjet_(?:sm\d+_)?[a-z]*[htbqro][a-z]*_",
+     "cuBLAS nvjet whose type tag has fp16 (h), bf16 (t), int8 (b), fp8 (q, r) or fp4 (o): hsh, tst, "
+     "qqtst; s is fp32, so a bare sss (sss_tf32 says tf32) does not tell"),
+    ("tensor_core", r"flash_fwd|flash_bwd|flash_attn|(?:fmha|flash).*(?:bf16|f16|fp16|half)",
+     "FlashAttention / fp16 fused attention (MMA only)"),
+    ("not_gemm", r"at::native::|elementwise|reduce_kernel|splitkreduce|softmax"
+     r"|(?:layer|batch|group|rms)_?norm|catarray|memcpy|memset|nchwtonhwc|nhwctonchw",
+     "not a matmul (PyTorch elementwise/reduction/norm kernels, cuBLAS split-K reduce, copies)"),
+)
+_KERNEL_RULES = tuple((kind, re.compile(pattern), why) for kind, pattern, why in KERNEL_RULES)
 _MATMUL_CLASSES = ("tensor_core",)
 
 
-def is_tensor_core_kernel(name: str) -> bool:
-    """True when a CUDA kernel's name says it runs on Tensor Cores (names, not counters: ncu's
-    tensor pipe metrics are the proof, see mpgraph.tools.ncu)."""
-    return bool(TENSOR_CORE_KERNELS.search(name)) and not SIMT_KERNELS.search(name)
+def kernel_kind(name: str) -> str:
+    """What ``KERNEL_RULES`` say of a kernel name: "tensor_core", "cuda_core", "not_gemm", "unknown"."""
+    lowered = name.lower()
+    for kind, pattern, _ in _KERNEL_RULES:
+        if pattern.search(lowered):
+            return kind
+    return "unknown"
+
+
+def is_tensor_core_kernel(name: str) -> Optional[bool]:
+    """True/False when a CUDA kernel's name says whether it runs on Tensor Cores, None when it does
+    not tell (an nvjet ``sss`` kernel is TF32 or FP32; Triton and generic CUTLASS names hide it).
+    Names are a hint; ncu's tensor pipe counters are the proof (mpgraph.tools.ncu)."""
+    kind = kernel_kind(name)
+    return None if kind == "unknown" else kind == "tensor_core"
+
+
+def node_tensor_core(kernels) -> Optional[bool]:
+    """A matmul/conv node's verdict from its kernels: False when a CUDA-core GEMM ran (or only
+    non-matmul kernels), True when a Tensor Core kernel ran, else None: unknown is not counted as
+    Tensor Core use."""
+    kinds = {kernel_kind(k) for k in kernels}
+    if "cuda_core" in kinds or (kinds and kinds <= {"not_gemm"}):
+        return False
+    return True if "tensor_core" in kinds else None
 
 
 @dataclass
@@ -48,51 +90,79 @@ class NodeProfile:
     name: str
     op_class: str
     dtype: Optional[str]
-    time_s: float                     # measured per run (median over iterations)
+    time_s: Optional[float]           # measured per run (median); None when its kernels were not seen
     kernels: tuple[str, ...]          # CUDA kernels, or ATen ops on a CPU
-    tensor_core: Optional[bool]       # None on CPUs: no kernel names to tell
+    tensor_core: Optional[bool]       # None: a CPU, or kernel names that do not tell
     predicted_s: Optional[float]      # the cost model's estimate in its planned dtype
     finding: str = ""                 # "eligible but not on Tensor Cores: ..." and the like
+
+
+NOT_OBSERVED = ("kernels not observed: torch.profiler saw no CUDA kernel in this run (CUPTI was not its "
+                "own: Nsight Compute holds it), so no times, no Tensor Core attribution and no findings; "
+                "under ncu its report has the kernels (mpgraph profile --ncu-csv FILE)")
 
 
 @dataclass
 class ProfileResult:
     device: str
     iters: int
-    nodes: list[NodeProfile] = field(default_factory=list)
+    nodes: list[NodeProfile] = field(default_factory=list)       # nodes with a measurement
+    kernels_observed: bool = True     # False: a CUDA run in which the profiler saw no kernel at all
+    unobserved: list[NodeProfile] = field(default_factory=list)  # time None: no kernels seen for them
 
     def node(self, name: str) -> NodeProfile:
-        for n in self.nodes:
+        for n in self.nodes + self.unobserved:
             if n.name == name:
                 return n
         raise KeyError(f"no node {name!r} in the profile")
 
+    def _matmul_times(self) -> tuple[float, float, float]:
+        """(on Tensor Core kernels, on kernels whose names do not tell, all) matmul/conv time."""
+        mm = [n for n in self.nodes if n.op_class in _MATMUL_CLASSES]
+        return (sum(n.time_s for n in mm if n.tensor_core),
+                sum(n.time_s for n in mm if n.tensor_core is None), sum(n.time_s for n in mm))
+
     @property
     def tensor_core_share(self) -> Optional[float]:
-        """Share of matmul/conv time spent in Tensor Core kernels (None on CPUs)."""
-        mm = [n for n in self.nodes if n.op_class in _MATMUL_CLASSES and n.tensor_core is not None]
-        total = sum(n.time_s for n in mm)
-        if not mm or total == 0:
+        """Share of matmul/conv time in kernels known by name to run on Tensor Cores (unknown
+        kernels count against it); None on CPUs, or when no kernel's name tells."""
+        tc, unknown, total = self._matmul_times()
+        if total == 0 or unknown == total:
             return None
-        return sum(n.time_s for n in mm if n.tensor_core) / total
+        return tc / total
 
     @property
     def findings(self) -> list[NodeProfile]:
         return [n for n in self.nodes if n.finding]
 
     def table(self) -> str:
-        rows = [f"profile on {self.device}, {self.iters} runs: per node, measured vs predicted",
-                f"{'node':<28} {'class':<13} {'dtype':<9} {'measured us':>11} {'predicted us':>12}  "
-                f"{'TC':<3} kernels"]
-        for n in self.nodes:
-            tc = "-" if n.tensor_core is None else ("yes" if n.tensor_core else "no")
+        rows = [f"profile on {self.device}, {self.iters} runs: per node, measured vs predicted"]
+        if not self.kernels_observed:
+            return "\n".join(rows + [NOT_OBSERVED])
+        rows.append(f"{'node':<28} {'class':<13} {'dtype':<9} {'measured us':>11} {'predicted us':>12}  "
+                    f"{'TC':<3} kernels")
+        cuda = self.device.startswith("cuda")
+        for n in self.nodes + self.unobserved:
+            if n.tensor_core is not None:
+                tc = "yes" if n.tensor_core else "no"
+            else:  # "?": a GPU matmul whose kernel names do not tell
+                tc = "?" if cuda and n.op_class in _MATMUL_CLASSES and n.time_s is not None else "-"
             pred = f"{n.predicted_s * 1e6:.3g}" if n.predicted_s is not None else "-"
+            measured = f"{n.time_s * 1e6:.3g}" if n.time_s is not None else "-"
             rows.append(f"{n.name[:28]:<28} {n.op_class:<13} {n.dtype or '-':<9} "
-                        f"{n.time_s * 1e6:>11.3g} {pred:>12}  {tc:<3} {', '.join(n.kernels[:3])}")
+                        f"{measured:>11} {pred:>12}  {tc:<3} {', '.join(n.kernels[:3])}")
         share = self.tensor_core_share
-        rows.append(f"total measured {sum(n.time_s for n in self.nodes) * 1e3:.3g} ms; "
-                    + (f"{share:.1%} of matmul/conv time on Tensor Cores" if share is not None
-                       else "Tensor Core use not observable on this device"))
+        _, unknown, total = self._matmul_times()
+        if share is not None:
+            use = f"{share:.1%} of matmul/conv time on Tensor Core kernels" + (
+                f" ({unknown / total:.1%} on kernels whose names do not tell: ?)" if unknown else "")
+        else:
+            use = ("Tensor Core use unknown: no matmul/conv kernel name tells" if cuda and total
+                   else "Tensor Core use not observable on this device")
+        rows.append(f"total measured {sum(n.time_s for n in self.nodes) * 1e3:.3g} ms; {use}")
+        if self.unobserved:
+            rows.append(f"not observed: no kernels seen for {', '.join(n.name for n in self.unobserved)}"
+                        " (measured -): no time and no finding for them")
         rows += [f"finding: {n.name}: {n.finding}" for n in self.findings]
         return "\n".join(rows)
 
@@ -125,8 +195,8 @@ def run_with_ranges(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, nvtx: b
                                                enable_io_processing=False)
 
 
-def _finding(record, tensor_core: Optional[bool], plan: Plan) -> str:
-    """Why an eligible matmul/conv is not on Tensor Cores, when it is not."""
+def _finding(record, tensor_core: Optional[bool], kernels: tuple[str, ...]) -> str:
+    """Why an eligible matmul/conv is not on Tensor Cores, when its kernels say it is not."""
     if record.op_class != "tensor_core" or tensor_core is not False:
         return ""
     if record.dtype == "float32":
@@ -136,7 +206,9 @@ def _finding(record, tensor_core: Optional[bool], plan: Plan) -> str:
     if "conv" in (record.kind or record.target).lower():
         return ("eligible but not on Tensor Cores: in low precision and aligned; cuDNN's heuristics "
                 "picked a non-Tensor-Core algorithm (NCHW layout? try torch.backends.cudnn.benchmark)")
-    return "eligible but not on Tensor Cores: in low precision and aligned; see the kernel names"
+    simt = [k for k in kernels if kernel_kind(k) == "cuda_core"]
+    return ("eligible but not on Tensor Cores: in low precision and aligned; "
+            + (f"{simt[0]} is a CUDA-core (FFMA) GEMM" if simt else "no matmul kernel ran"))
 
 
 def profile(converted: torch.fx.GraphModule, example_inputs: Any = None, *,
@@ -167,7 +239,7 @@ def profile(converted: torch.fx.GraphModule, example_inputs: Any = None, *,
             run_with_ranges(gm, args, kwargs, nvtx=cuda)
         if cuda:
             torch.cuda.synchronize()
-    return _attribute(prof.events(), plan, gm, iters, str(dev), cuda)
+    return attribute(prof.events(), plan, gm, iters, str(dev), cuda)
 
 
 def _descendants(event):
@@ -176,7 +248,19 @@ def _descendants(event):
         yield from _descendants(child)
 
 
-def _attribute(events, plan: Plan, gm, iters: int, device: str, cuda: bool) -> ProfileResult:
+def _kernel_activity(event) -> bool:
+    """Whether a profiler event is, or carries, a CUDA kernel (what CUPTI gives torch.profiler)."""
+    return bool(getattr(event, "kernels", None)) or getattr(event, "device_type", None) == DeviceType.CUDA
+
+
+def attribute(events, plan: Plan, gm, iters: int, device: str, cuda: bool) -> ProfileResult:
+    """Per-node times and kernels from torch.profiler events (FunctionEvents) of ``iters`` runs of
+    ``gm`` under ``run_with_ranges``: profile's second half, apart so that events recorded
+    elsewhere (or made up in a test) can be attributed. On CUDA, a run without any kernel event
+    (Nsight Compute holds CUPTI, so torch.profiler gets none) and a matmul/conv node without
+    kernels are not observed: no time (not 0), no Tensor Core verdict, no finding."""
+    events = list(events)
+    observed = not cuda or any(_kernel_activity(e) for e in events)
     times: dict[str, list[float]] = {}
     kernels: dict[str, dict[str, float]] = {}
     for e in events:
@@ -195,25 +279,28 @@ def _attribute(events, plan: Plan, gm, iters: int, device: str, cuda: bool) -> P
             for d in _descendants(e):  # ATen/oneDNN ops by their own (self) time
                 found[d.name] = found.get(d.name, 0.0) + d.self_cpu_time_total / 1e6
             times.setdefault(name, []).append(e.cpu_time_total / 1e6)
-    result = ProfileResult(device, iters)
+    result = ProfileResult(device, iters, kernels_observed=observed)
     casts = {n.name for n in gm.graph.nodes if n.meta.get(INSERTED_BY) == "InsertCasts"}
     for node in gm.graph.nodes:
         if node.name not in times:
             continue
-        measured = sorted(times[node.name])[len(times[node.name]) // 2]
+        measured = sorted(times[node.name])[len(times[node.name]) // 2] if observed else None
         names = tuple(sorted(kernels.get(node.name, {}), key=lambda k: -kernels[node.name][k]))
         if node.name in casts:
-            result.nodes.append(NodeProfile(node.name, "cast", dtype_name(node.args[1]),
-                                            measured, names, None, None))
+            cast = NodeProfile(node.name, "cast", dtype_name(node.args[1]), measured, names, None, None)
+            (result.nodes if observed else result.unobserved).append(cast)
             continue
         try:
             record = plan.node(node.name)
         except KeyError:
             continue
-        tc = None
-        if cuda and record.op_class == "tensor_core":
-            tc = any(is_tensor_core_kernel(k) for k in names) if names else False
         predicted = record.t_fp32 if record.dtype == "float32" else record.t_low
+        matmul = record.op_class == "tensor_core"
+        if not observed or (cuda and matmul and not names):
+            result.unobserved.append(NodeProfile(record.name, record.op_class, record.dtype, None,
+                                                 names, None, predicted))
+            continue
+        tc = node_tensor_core(names) if cuda and matmul else None
         result.nodes.append(NodeProfile(record.name, record.op_class, record.dtype, measured, names, tc,
-                                        predicted, _finding(record, tc, plan)))
+                                        predicted, _finding(record, tc, names)))
     return result
