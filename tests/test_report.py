@@ -1,6 +1,9 @@
 """Reports, saved plans, overrides, diffs and `mpgraph inspect`."""
+import html
+import json
 import logging
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -13,6 +16,7 @@ from conftest import GPU, small_bert
 
 import mpgraph
 from mpgraph.cli import main as cli
+from mpgraph.tools.report import CAST_COLOUR, group_of
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -153,8 +157,61 @@ def test_diff_of_two_targets_lists_every_changed_node():
     assert str(d).startswith("A: float16 on NVIDIA T4 (optimal)")
 
 
+@pytest.fixture(scope="module")
+def bert_a100():
+    """The small BERT (captured with torch.export) planned in float16 for an A100."""
+    bert, ids = _small_bert()
+    return mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
+
+
+def _html_sections(page: str) -> list[tuple[str, int, bool]]:
+    """(title, cast count, open) of each module section of an HTML report, in page order."""
+    return [(title, int(n), bool(is_open)) for n, is_open, title in re.findall(
+        r'<details id="s\d+" class="section[^"]*" data-casts="(\d+)"( open)?><summary>(.*?) — ', page)]
+
+
+def test_html_report_opens_the_sections_with_casts_and_groups_dropout_by_module(bert_a100):
+    gm, plan = bert_a100, bert_a100.plan
+    assert plan.capture == "torch.export"
+    # FollowTrainingFlag's dropout_N_mode modules are listed under the module they stand for
+    nodes = {n["name"]: n for n in json.loads(mpgraph.report(gm, "json"))["nodes"]}
+    dropouts = {name for name in nodes if re.fullmatch(r"dropout(_\d+)?_mode", name)}
+    assert dropouts == {"dropout_mode"} | {f"dropout_{i}_mode" for i in range(1, 5)}
+    assert nodes["dropout_mode"]["module"] == "embeddings.dropout"
+    for name in sorted(dropouts - {"dropout_mode"}):
+        assert re.fullmatch(r"encoder\.layer\.[01]\.(attention\.output|output)\.dropout",
+                            nodes[name]["module"]), (name, nodes[name]["module"])
+    page = mpgraph.report(gm, "html")
+    sections = _html_sections(page)
+    assert [t for t, _, _ in sections] == ["(top level)", "embeddings", "encoder.layer.0",
+                                           "encoder.layer.1", "pooler"]  # no one-node dropout sections
+    read_in: dict = {}  # section -> the casts its nodes read, from the plan
+    for c in plan.casts:
+        for reader in c.consumers:
+            read_in.setdefault(group_of(plan.node(reader)), set()).add(c.name)
+    for title, n, is_open in sections:
+        assert n == len(read_in.get(title, ())), title
+        assert is_open == (n > 0), f"{title}: {n} casts, open={is_open}"  # casts open, the rest folded
+    assert sum(n for _, n, _ in sections) == len(plan.casts) == 10
+    assert "encoder.layer.0 — <span class=\"badge\">4 casts</span>" in page
+    # every edge is an arrow; each cast on an edge is a thick red arrow labelled with its direction
+    edges = re.findall(r"<path d=\"M[^>]*stroke=[^>]*>", page)  # not the arrowheads
+    assert edges and all("marker-end=\"url(#" in e for e in edges)
+    red = [e for e in edges if f'stroke="{CAST_COLOUR}"' in e]
+    drawn_readers = sum(len(c.consumers) for c in plan.casts)
+    assert len(red) == drawn_readers + 1  # each (cast, reader) edge, and the legend's sample
+    assert page.count("f32\u2192f16") >= 5 and page.count("f16\u2192f32") >= 5
+    # drawings scale down to the page width
+    svgs = re.findall(r'<svg xmlns="http://www.w3.org/2000/svg" class="graph"[^>]*>', page)
+    assert len(svgs) == len(sections) and all("viewBox=" in s for s in svgs)
+    assert "svg.graph{display:block;max-width:100%;height:auto" in page
+    # the cast colour is used for casts only: no other style names it
+    assert CAST_COLOUR not in page.split("<body>")[0]
+
+
 def _png_pixels(path):
-    """(width, height, distinct colours) of an 8-bit RGB/RGBA PNG, decoded here (no Pillow)."""
+    """(width, height, rows) of an 8-bit RGB/RGBA PNG, decoded here (no Pillow): rows[y] holds the
+    row's pixels as RGB bytes."""
     data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat = 8, b""
@@ -185,28 +242,77 @@ def _png_pixels(path):
                 p = a + b - c
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        rows.append(bytes(line))
+        rows.append(bytes(line) if bpp == 3 else bytes(v for i, v in enumerate(line) if i % 4 != 3))
         prev = line
-    colours = {row[i:i + 3] for row in rows[::8] for i in range(0, stride, bpp * 8)}
-    return width, height, len(colours)
+    return width, height, rows
 
 
-def test_html_report_of_bert_renders_in_headless_chromium(tmp_path):
+def _cast_red(rows) -> torch.Tensor:
+    """A (height, width) mask of the pixels drawn in the cast colour (#e00000, antialiased edges
+    excluded): nothing else on the page is that red."""
+    rgb = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).view(len(rows), -1, 3).int()
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    return (r >= 190) & (g <= 60) & (b <= 60)
+
+
+_CHROMIUM = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--no-first-run"]
+# measures the page after layout and leaves the numbers on <body> for --dump-dom
+_GEOMETRY = """<script>(function(){var d=document.documentElement,out={w:innerWidth,
+scroll_w:d.scrollWidth,sections:[],right:0};
+document.querySelectorAll('details.section').forEach(function(s){var r=s.getBoundingClientRect();
+out.sections.push({title:s.querySelector('summary').textContent,top:r.top,bottom:r.bottom,
+left:r.left,right:r.right,casts:+s.dataset.casts,open:s.open});});
+document.querySelectorAll('svg,table').forEach(function(e){
+out.right=Math.max(out.right,e.getBoundingClientRect().right);});
+document.body.setAttribute('data-geometry',JSON.stringify(out));})();</script>"""
+
+
+def test_html_report_of_bert_renders_in_headless_chromium(tmp_path, request):
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("no chromium on this machine (Debian: apt-get install chromium)")
-    bert, ids = _small_bert()
+    width, height = 1400, 1800
+    gm = request.getfixturevalue("bert_a100")  # after the skip: no conversion without a browser
     page = tmp_path / "bert.html"
-    text = mpgraph.report(mpgraph.convert(bert, ids, dtype="fp16", target=GPU), "html", page)
+    text = mpgraph.report(gm, "html", page)
     assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")  # no network
     assert "https://" not in text
+
+    def chromium(*args) -> str:
+        return subprocess.run([browser, *_CHROMIUM, f"--user-data-dir={tmp_path / 'profile'}",
+                               f"--window-size={width},{height}", *args],
+                              check=True, capture_output=True, text=True, timeout=120).stdout
+
+    measured = tmp_path / "measured.html"
+    measured.write_text(text.replace("</body>", _GEOMETRY + "</body>"), encoding="utf-8")
+    dom = chromium("--dump-dom", measured.as_uri())
+    geometry = json.loads(html.unescape(re.search(r'data-geometry="([^"]*)"', dom).group(1)))
+    assert geometry["w"] == width
+    assert geometry["scroll_w"] <= width and geometry["right"] <= width  # nothing wider than the page
+
     shot = tmp_path / "bert.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--screenshot={shot}", "--window-size=1200,1500", page.as_uri()],
-                   check=True, capture_output=True, timeout=120)
-    width, height, colours = _png_pixels(shot)
-    assert (width, height) == (1200, 1500)
-    assert colours >= 8  # white page, text, and the fp32/fp16 node colours: not blank
+    chromium(f"--screenshot={shot}", page.as_uri())
+    w, h, rows = _png_pixels(shot)
+    assert (w, h) == (width, height)
+    assert len({row[i:i + 3] for row in rows[::8] for i in range(0, w * 3, 24)}) >= 8  # not blank
+    red = _cast_red(rows)
+    sections = geometry["sections"]
+    first = min(s["top"] for s in sections)
+    seen = {}  # section title -> red pixels of it on the first screen
+    for s in sections:
+        box = red[max(0, int(s["top"])):max(0, min(h, int(s["bottom"]))),
+                  max(0, int(s["left"])):min(w, int(s["right"]))]
+        seen[s["title"]] = int(box.sum())
+        if not s["casts"]:
+            assert not s["open"] and seen[s["title"]] == 0, s  # folded, no red
+    on_screen = [s["title"] for s in sections if s["casts"] and s["top"] < height - 100]
+    assert len(on_screen) >= 2, seen  # several sections with casts start on the first screen ...
+    assert all(seen[t] >= 40 for t in on_screen), seen  # ... and each shows its casts there
+    # the red above the sections is the summary's legend only; nothing red elsewhere
+    outside = int(red.sum()) - sum(seen.values())
+    assert 0 < int(red[:int(first)].sum()) == outside < 400, outside
 
 
 def test_cli_inspect_writes_every_format(tmp_path, capsys):

@@ -11,7 +11,7 @@ import torch.fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.meta import TENSOR, tensor_infos
+from mpgraph.ir.meta import INSERTED_BY, TENSOR, tensor_infos
 
 # Ops whose output aliases their first input (a view), so mutating the output mutates the input.
 _VIEW_METHODS = {"view", "view_as", "reshape", "permute", "transpose", "t", "expand", "expand_as",
@@ -155,14 +155,19 @@ def run_recording(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node) 
 
 
 def module_path(node: torch.fx.Node) -> str:
-    """The dotted path of the module that produced this node, or '' at the top level."""
-    if node.op in ("call_module", "get_attr"):
-        return str(node.target)
+    """The dotted path of the module that produced this node, or '' at the top level.
+
+    A call_module node's target is its module's path (symbolic_trace), except for the modules a
+    pass put into the graph (``dropout_3_mode``, in place of an exported ``aten.dropout``): those
+    were given a fresh name at the root, and the module they stand for is the one in the
+    ``nn_module_stack`` copied from the node they replaced (``encoder.layer.0...dropout``)."""
     stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        return str(path)
-    return ""
+    path = str(list(stack.values())[-1][0]) if stack else ""
+    if node.op in ("call_module", "get_attr"):
+        if node.op == "call_module" and path and node.meta.get(INSERTED_BY) is not None:
+            return path
+        return str(node.target)
+    return path
 
 
 def target_name(node: torch.fx.Node) -> str:
