@@ -16,8 +16,9 @@ from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import run_passes, stage
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import as_call, target_name
-from mpgraph.ir.meta import TENSOR, dtype_name, is_float32_tensor, shape_of
-from mpgraph.plans.plan import Plan
+from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm
+from mpgraph.ir.meta import REFERENCE, TENSOR, dtype_name, is_float32_tensor, shape_of
+from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
 from mpgraph.frontend.fake import (Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors,
                                    trace_device)
@@ -142,6 +143,13 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         gm, report = _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, strategy,
                                keep_io_types, table, overrides, check, calibration, tolerance,
                                progress, plan, train)
+    gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
+    if not train and model.training and follows_training_flag(gm):
+        warnings.warn(f"{type(model).__name__} is in training mode and is converted for inference: "
+                      "the converted module starts in training mode too (dropout on), follows "
+                      ".train()/.eval() for dropout and batch norm, but any other read of "
+                      "self.training was fixed at trace time; call model.eval() before convert "
+                      "(or convert with mode='train' to train it)", UserWarning, stacklevel=2)
     if abstract is not None:
         abstract.finish_(gm)
         real = {name: t for name, t in module_tensors(model) if not is_abstract(t)}
@@ -149,6 +157,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             load_weights(gm, real, device=abstract.device, strict=False)
     gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
                               kept_fp32=keep_fp32)
+    # copy.deepcopy of a GraphModule keeps only what its meta lists here: the plan goes along
+    gm.meta.setdefault("_user_preserved_attributes", {})["plan"] = gm.plan
     gm.plan.mode = mode
     gm.plan.tolerance = report
     if plan is None and keep_fp32 is None:  # an explicit dtype (auto says why in kept_fp32)
@@ -251,7 +261,13 @@ def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, str
     return gm, report
 
 
-MODES = ("inference", "train")
+
+def follows_training_flag(gm: torch.nn.Module) -> bool:
+    """Whether the converted module holds anything that behaves differently in training
+    (dropout, batch norm: the modules FollowTrainingFlag put there, or the model's own)."""
+    kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm,
+             TrainingBatchNorm, DropoutRate)
+    return any(isinstance(m, kinds) for m in gm.modules())
 
 
 def _restore_buffers(gm: torch.nn.Module, model: torch.nn.Module) -> None:

@@ -19,8 +19,9 @@ from typing import Callable
 import torch
 import torch.fx
 
-from mpgraph.errors import ToleranceError
-from mpgraph.ir.graph import float_tensors, input_nodes, run_recording
+from mpgraph.errors import CalibrationError, ToleranceError
+from mpgraph.ir.graph import (float_tensors, fresh, input_nodes, run_recording, seeded,
+                              state_kept)
 from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ def check_tolerance(tolerance) -> float:
 
 
 def _call(gm, call):
-    args, kwargs = call
-    with torch.no_grad():
+    args, kwargs = fresh(call)
+    with torch.no_grad(), seeded(), state_kept(gm):
         return gm(*args, **kwargs)
 
 
@@ -105,6 +106,12 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
     names pinned to float32, ``first`` is the plan without pins.
     """
     references = [_call(base, c) for c in calls]
+    for i, ref in enumerate(references):
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in float_tensors(ref))
+        if bad:
+            raise CalibrationError(f"calibration batch {i}: the float32 model's outputs hold {bad} "
+                                   "inf/NaN values, so no error can be measured against them "
+                                   "(look for NaN or inf in that batch's inputs)")
     again = output_error([_call(base, c) for c in calls], references)
     if again > tolerance:
         raise ToleranceError(f"tolerance {tolerance:g} cannot be met even in float32: two float32 "
@@ -113,12 +120,15 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
     gm, pins, rounds = first, {}, 0
     start_s = first.meta.get(ESTIMATE, {}).get("plan_s")
     error = output_error([_call(gm, c) for c in calls], references)
+    if math.isnan(error):  # inf/NaN where float32 is finite: as far from it as can be
+        error = math.inf
     log.info("tolerance %g: error %.3g without pins", tolerance, error)
     def measure(pinned: dict):
         nonlocal rounds
         rounds += 1
         g = build({name: "fp32" for name in pinned})
         e = output_error([_call(g, c) for c in calls], references)
+        e = math.inf if math.isnan(e) else e
         log.info("tolerance %g: round %d, %d nodes pinned, error %.3g", tolerance, rounds,
                  len(pinned), e)
         return g, e

@@ -12,6 +12,7 @@ from mpgraph.passes.check_dtypes import CheckDtypes
 from mpgraph.passes.classify_ops import ClassifyOps
 from mpgraph.passes.estimate_cost import EstimateCost
 from mpgraph.passes.follow_training_flag import FollowTrainingFlag
+from mpgraph.passes.functionalize import Functionalize
 from mpgraph.passes.fuse_tanh_gelu import FuseTanhGelu
 from mpgraph.passes.insert_casts import InsertCasts
 from mpgraph.passes.lint_tensor_cores import LintTensorCores
@@ -21,6 +22,7 @@ from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
 from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
-           "CheckDtypes", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "FuseTanhGelu", "InsertCasts",
+           "CheckDtypes", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "Functionalize",
+           "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "NumericSafety", "PropagateTensorInfo",
            "RetargetDtypeAsserts", "StoreWeights"]

@@ -137,7 +137,8 @@ class AssignPrecision(Pass):
         return self._dtype_of(key, self.overrides[key]), f"user override ({key!r})"
 
     @staticmethod
-    def _safety_reason(node, rules=("range", "constant", "weight", "unproven_range")) -> Optional[str]:
+    def _safety_reason(node, rules=("range", "underflow", "constant", "weight",
+                                    "unproven_range")) -> Optional[str]:
         """The numeric-safety findings (NumericSafety) that keep this node float32, if any."""
         found = [f for f in node.meta.get(SAFETY, ()) if f.rule in rules]
         return "numeric safety: " + "; ".join(f.evidence for f in found) if found else None
@@ -261,7 +262,7 @@ class AssignPrecision(Pass):
         activations = [a for a in runtime if a.op != "get_attr"]  # training: weights are runtime
         if op_info.low_io and activations and node not in self._norms_fp32 \
                 and all(dec[a].dtype == self.low for a in activations) \
-                and not self._safety_reason(node, rules=("range",)):
+                and not self._safety_reason(node, rules=("range", "underflow")):
             return Decision(self.low, f"reads and writes {dtype_name(self.low)}, computes in float32 "
                                       "inside with float32 parameters (the values of casting "
                                       "around it, without the casts)", param_dtype=FP32)

@@ -15,10 +15,11 @@ from typing import Iterable, Optional
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CalibrationError
 from mpgraph.ir.graph import as_call, flat_inputs, float_tensors, run_recording
-from mpgraph.ir.meta import RANGE, ValueRange
+from mpgraph.ir.meta import RANGE, REFERENCE, Reference, ValueRange
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.frontend.fake import is_abstract
 
@@ -120,12 +121,16 @@ class Calibrate(Pass):
                 bad[node] = bad.get(node, 0) + sum(s[2] for s in stats)
 
             try:
-                run_recording(gm, args, kwargs, record)
+                output = run_recording(gm, args, kwargs, record)
             except Exception as e:  # noqa: BLE001 - re-raised with the batch and node named
                 raise CalibrationError(f"calibration batch {i} failed after node {last[0]}: "
                                        f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
             for node, m in seen.items():
                 per_batch.setdefault(node, []).append(m)
+            if count == 0:  # what the converted graph is checked against (CheckDtypes)
+                gm.meta[REFERENCE] = Reference(args, kwargs, tuple(
+                    v.detach() if isinstance(v, torch.Tensor) else v
+                    for v in pytree.tree_leaves(output)))
             count += 1
         if count == 0:
             raise CalibrationError("calibration is empty: pass at least one batch of inputs")

@@ -1,18 +1,61 @@
-"""Run the converted graph once and check every value and every edge has the planned dtype.
+"""Run the converted graph once: every value and edge has its planned dtype, and the outputs
+are float32's within a bound the plan states.
 
-Static checks alone would trust the op table; this runs the graph on the example inputs (under
-no_grad) and compares what each node really produced with what the plan says, so an op whose
-dtype behaviour we misjudged is an error at conversion time, never a silently different model.
+Static checks alone would trust the op table; this runs the graph (under no_grad, seeded like
+Calibrate's run) on the first calibration batch (the example inputs by default) and compares
+what each node really produced with what the plan says, so an op whose dtype behaviour we
+misjudged is an error at conversion time, never a silently different model. Dtypes right is not
+values right: an in-place op writing into a throwaway cast, or a dropped buffer update, has every
+dtype right. So the outputs are compared with what the float32 graph gave on the same batch
+(Calibrate's ``Reference``): a relative L2 error above ``VALUE_BOUND_ULPS`` units of the low dtype's
+rounding (bf16 0.125, fp16 0.0156; plans err by ~1e-2 and ~1e-3 on the models here, the wrong
+answers this catches by ~1) is an error that names the first node whose values part from float32.
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
+import torch.fx
+from torch.utils import _pytree as pytree
 
 from mpgraph.ir.edges import required_dtype
 from mpgraph.errors import ConversionError
-from mpgraph.ir.graph import input_nodes, run_recording
-from mpgraph.ir.meta import INSERTED_BY, PRECISION, TENSOR, planned_dtype
+from mpgraph.frontend.fake import is_abstract
+from mpgraph.ir.graph import input_nodes, run_recording, target_name
+from mpgraph.ir.meta import (CHECK, INSERTED_BY, PRECISION, RANGE, REFERENCE, TENSOR,
+                             cast_source, dtype_name, planned_dtype)
 from mpgraph.passes.infra import Pass, PassResult
+
+VALUE_BOUND_ULPS = 32  # see the module docstring
+
+
+def value_bound(low: torch.dtype) -> float:
+    """The relative L2 error of the outputs a plan in ``low`` may have against float32."""
+    return VALUE_BOUND_ULPS * torch.finfo(low).eps / 2
+
+
+def relative_error(outputs, references, scales=None) -> float:
+    """Relative L2 error of the float outputs; positions where float32 itself is inf/NaN are left
+    out (the same there or not, there is nothing to compare), a non-finite value where float32 is
+    finite makes it inf. ``scales``: per output, the magnitude of what its op read: an output far
+    smaller than its inputs (a sum of normalised values, ~0 by cancellation) is measured against
+    them, not against its own rounding noise."""
+    num = den = 0.0
+    for i, (out, ref) in enumerate(zip(outputs, references)):
+        if not (isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor)
+                and ref.is_floating_point() and out.shape == ref.shape):
+            continue
+        ref64, out64 = ref.detach().double(), out.detach().double()
+        keep = torch.isfinite(ref64)
+        if not bool(torch.isfinite(out64[keep]).all()):
+            return math.inf
+        num += float(((out64 - ref64)[keep] ** 2).sum())
+        floor = (scales[i] if scales and len(scales) == len(outputs) else 0.0) ** 2 \
+            * int(keep.sum())
+        den += max(float((ref64[keep] ** 2).sum()), floor)
+    return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
 def expected_dtypes(node):
@@ -43,8 +86,20 @@ class CheckDtypes(Pass):
             if node.meta.get(INSERTED_BY) == "InsertCasts" \
                     and node.args[0].meta.get(INSERTED_BY) == "InsertCasts":
                 raise ConversionError(f"cast of a cast (round trip): {node.format_node()}")
-        actual = {}
-        run_recording(gm, self.args, self.kwargs, lambda n, v: actual.__setitem__(n, _actual(v)))
+        reference = gm.meta.get(REFERENCE)
+        if reference is not None and any(isinstance(t, torch.Tensor) and is_abstract(t)
+                                         for t in reference.outputs):
+            reference = None  # a model without values (meta): nothing to compare
+        args, kwargs = (reference.args, reference.kwargs) if reference else (self.args, self.kwargs)
+        actual, absmax = {}, {}
+
+        def record(node, value):
+            actual[node] = _actual(value)
+            if reference is not None and isinstance(value, torch.Tensor) \
+                    and value.is_floating_point() and value.numel():
+                absmax[node] = float(value.detach().abs().float().nan_to_num(math.inf).max())
+
+        output = run_recording(gm, args, kwargs, record)
         problems = []
         for node in gm.graph.nodes:
             if node.op == "output" or node not in actual:
@@ -61,4 +116,58 @@ class CheckDtypes(Pass):
             shown = "\n  ".join(problems[:20])
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
             raise ConversionError("the converted graph does not match its plan:\n  " + shown + more)
+        if reference is not None:
+            self._check_values(gm, pytree.tree_leaves(output), reference, absmax)
         return PassResult(gm, False)
+
+    def _check_values(self, gm, outputs, reference, absmax) -> None:
+        low = _low_dtype(gm)
+        if low is None:
+            return  # nothing in low precision: the float32 graph itself
+        error = relative_error(outputs, reference.outputs, _output_scales(gm))
+        bound = value_bound(low)
+        gm.meta[CHECK] = {"error": error, "bound": bound}
+        if error <= bound:
+            return
+        where = _first_parting(gm, absmax, bound)
+        raise ConversionError(
+            f"the converted module's outputs differ from float32 by {error:.3g} (relative L2 on "
+            f"the first calibration batch), more than a {dtype_name(low)} plan should "
+            f"({bound:.3g}): {where}. Either a value kept in {dtype_name(low)} loses too much "
+            "there (keep it in float32: overrides={'<node or module>': 'fp32'}, or state a "
+            "tolerance= and the nodes that need it are pinned), or the conversion is wrong "
+            "(please report it with the model)")
+
+
+def _low_dtype(gm) -> Optional[torch.dtype]:
+    """The coarsest low dtype the graph computes in (bf16 beside fp16: bf16's bound)."""
+    used = {d.dtype for n in gm.graph.nodes if (d := n.meta.get(PRECISION)) is not None}
+    return next((t for t in (torch.bfloat16, torch.float16) if t in used), None)
+
+
+def _first_parting(gm, absmax: dict, bound: float) -> str:
+    """The first node (graph order) whose output magnitude parts from the float32 run's on the
+    same batch (Calibrate's absmax of batch 0) by more than the bound, or turns inf/NaN."""
+    for node in gm.graph.nodes:
+        seen = node.meta.get(RANGE)
+        if node not in absmax or seen is None or not seen.batch_absmax \
+                or node.meta.get(INSERTED_BY) == "InsertCasts":
+            continue
+        want, got = seen.batch_absmax[0], absmax[node]
+        if not math.isfinite(got) or abs(got - want) > bound * max(want, 1e-30):
+            return (f"values first part at node {node.name} ({target_name(node)}): absmax "
+                    f"{got:.4g}, float32 {want:.4g}")
+    return "no single node's magnitude parts (the outputs differ in their values' placement)"
+
+
+def _output_scales(gm) -> list[float]:
+    """Per output value (flat, in the output's order): the largest float32 magnitude its op read
+    on the first calibration batch (Calibrate's absmax), 0 where unknown."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    scales = []
+    for leaf in pytree.tree_leaves(output.args[0]):
+        producer = cast_source(leaf) if isinstance(leaf, torch.fx.Node) else None
+        seen = [a.meta[RANGE].batch_absmax[0] for a in input_nodes(producer)
+                if a.meta.get(RANGE) is not None and a.meta[RANGE].batch_absmax] if producer else []
+        scales.append(max(seen, default=0.0))
+    return scales

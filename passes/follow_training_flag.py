@@ -6,7 +6,9 @@ nn.Dropout and nn.BatchNorm read ``self.training`` at run time. This pass puts m
 the same in their place (nn.Dropout, mpgraph.ir.modules.TrainingBatchNorm and CountBatches; for
 attention with ``dropout_p``, a DropoutRate module gives the rate at run time), so a
 converted module trains with dropout and batch statistics, and evaluates without, whichever mode
-it was captured in. Graphs from symbolic_trace call those modules already and are left alone.
+it was captured in. Graphs from symbolic_trace call nn modules that read the flag, but
+functional dropout there, ``F.dropout(h, p, self.training)``, was traced with the flag as a
+constant: captured in training mode (``training=True``), it becomes the module as well.
 """
 from __future__ import annotations
 
@@ -19,6 +21,25 @@ from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
+F = torch.nn.functional
+# functional dropout (symbolic_trace) -> the module that reads the flag; the training argument's
+# position after the input and p
+_FUNCTIONAL_DROPOUT = {F.dropout: torch.nn.Dropout, F.dropout1d: torch.nn.Dropout1d,
+                       F.dropout2d: torch.nn.Dropout2d, F.dropout3d: torch.nn.Dropout3d,
+                       F.alpha_dropout: torch.nn.AlphaDropout,
+                       F.feature_alpha_dropout: torch.nn.FeatureAlphaDropout}
+
+
+def _functional_dropout(node):
+    """(module, args) for ``F.dropout(x, p, training=True)`` traced in training mode, else None."""
+    if node.target not in _FUNCTIONAL_DROPOUT:
+        return None
+    args = list(node.args) + [None] * 3
+    p = node.kwargs.get("p", args[1] if args[1] is not None else 0.5)
+    training = node.kwargs.get("training", args[2] if args[2] is not None else True)
+    if training is not True or node.kwargs.get("inplace") or not isinstance(p, float):
+        return None
+    return _FUNCTIONAL_DROPOUT[node.target](p), (node.args[0],)
 
 
 def _dropout_p(node):
@@ -64,6 +85,8 @@ class FollowTrainingFlag(Pass):
                 self._rate(gm, node)
                 changed += 1
                 continue
+            elif gm.training and _functional_dropout(node) is not None:
+                module, args = _functional_dropout(node)
             elif node.target is aten.add_.Tensor and isinstance(node.args[0], torch.fx.Node) \
                     and node.args[0].op == "get_attr" \
                     and str(node.args[0].target).endswith("num_batches_tracked") and node.args[1] == 1:

@@ -17,6 +17,23 @@ constraint on a node that would otherwise compute in low precision. Rules:
 - ``unproven_range``: range-expanding ops (exp, pow, ...) are float32-only in fp16 unless
   calibration proves them safe: their output stayed finite and under the limit on every batch,
   in which case they become ``follow`` ops (the finding is then the evidence for lowering).
+- underflow (findings of rule ``range``, evidence "... underflows ..."): an op that cannot take a
+  0 (``NO_ZERO``: log, log2, log10, rsqrt, reciprocal, a division's denominator; a power with a
+  negative constant exponent) reading a value that is 0 in the low dtype, which turns the float32
+  model's finite output into inf/NaN (a probability made in fp16, then logged). A value is 0 there
+  when its calibrated smallest non-zero magnitude (``ValueRange.min_nonzero``) is below the limit
+  ``smallest_subnormal(low) / 2 * margin``, or when it is made from such a value by ops that pass
+  a 0 on (``PASSES_ZERO``: layout, mul, abs, sqrt, a numerator; ``REDUCTIONS`` only when their
+  own output is below the limit): ``1 / sqrt(p)`` with p = 1e-9. The op, those small values and
+  the ops between them keep float32, so no low node stores the 0 or makes it at its input cast; a
+  division whose denominator underflows also keeps a numerator that does (p / q of two tiny
+  probabilities: the quotient amplifies it). fp16 rounds magnitudes below half its smallest
+  subnormal (2**-25, 3e-8) to 0; the margin of 2 is ``range``'s binade of headroom (a value half
+  as small as any calibration saw), which puts the limit at the smallest subnormal, 6e-8 (bf16's
+  is 9e-41: in practice the rule fires for fp16 only). The findings use the rule name ``range``:
+  their contract is the same (the value is produced and read in float32, a low-I/O norm does not
+  write it low), and the precision assignment acts on that name. Values that lose precision in
+  fp16's subnormal range (6e-8 to 6e-5) without becoming 0 are the tolerance's to measure.
 
 Long reductions (sum, mean, var, norms, cumsum) are float32-only by op class in every low dtype,
 so no rule is needed for them here; matmul and conv accumulate in float32 on every backend we
@@ -45,12 +62,79 @@ log = logging.getLogger(__name__)
 RANGE_MARGIN = 2.0             # limit = finfo(low).max / margin (see the module docstring)
 SMALL_TENSOR = 16              # up to this many values: any underflow counts
 UNDERFLOW_FRACTION = 0.01      # larger tensors: this share of non-zero values flushed to zero
+UNDERFLOW_RULE = "underflow"   # the rule name of underflow findings (see the module docstring)
 _CALLS = ("call_function", "call_method", "call_module")
+
+# Ops that cannot take a 0, by op name (the last part of the op-table key: "torch.log",
+# "Tensor.log", "aten.log" -> "log"; "operator.truediv" -> "truediv"), each with the arguments,
+# as (position, keyword), that must not be 0: log(0) = -inf, rsqrt(0) = 1/0 = inf, x/0 = inf/NaN.
+# log1p, sqrt and the numerator of a division take a 0 as it comes.
+_ARG0, _OTHER, _SELF = ((0, "input"),), ((1, "other"),), ((0, "self"),)
+NO_ZERO: dict[str, tuple[tuple[int, str], ...]] = {
+    **dict.fromkeys(("log", "log_", "log2", "log2_", "log10", "log10_"), _ARG0),
+    **dict.fromkeys(("rsqrt", "rsqrt_", "reciprocal", "reciprocal_"), _ARG0),
+    **dict.fromkeys(("div", "div_", "true_divide", "truediv", "itruediv", "__truediv__",
+                     "__itruediv__"), _OTHER),
+    "__rtruediv__": _SELF,  # x.__rtruediv__(c) is c / x
+}
+# x ** c with a constant c < 0 cannot take a 0 in x (0 ** -0.5 = inf); the exponent is argument 1
+NEGATIVE_POWER = ("pow", "pow_", "__pow__", "__ipow__", "ipow", "float_power")
+# Ops whose output is 0 where an input is (f(0) = 0 elementwise, or elements moved as they are),
+# and which inputs (argument positions; None: every tensor input): a value rounded to 0 before
+# them is still 0 after them, whatever their output's magnitude (sqrt of 1e-9 is 3e-5, and 0).
+# Not clamp (its min keeps a 0 out), adds or matmuls (small by cancellation, not by an input).
+_EVERY, _FIRST = None, (0,)
+PASSES_ZERO: dict[str, Optional[tuple[int, ...]]] = {
+    **dict.fromkeys(("mul", "mul_", "imul", "__mul__", "__rmul__", "cat", "concat", "stack"),
+                    _EVERY),
+    **dict.fromkeys(("neg", "__neg__", "abs", "relu", "relu_", "square", "sqrt", "pow", "pow_",
+                     "__pow__", "div", "div_", "true_divide", "truediv", "itruediv",
+                     "__truediv__", "__itruediv__"), _FIRST),  # a division: its numerator
+    **dict.fromkeys(("getitem", "__getitem__", "view", "_unsafe_view", "view_as", "reshape",
+                     "reshape_as", "permute", "transpose", "t", "contiguous", "flatten",
+                     "unflatten", "unsqueeze", "squeeze", "expand", "expand_as", "select", "slice",
+                     "narrow", "index_select", "gather", "chunk", "split", "split_with_sizes",
+                     "unbind", "clone", "detach", "alias", "flip", "roll", "repeat", "movedim"),
+                    _FIRST),
+}
+# Reductions are 0 only where every value they reduce is: passed through only when their own
+# output is below the limit (a sum of probabilities is >= their max, whatever rounds to 0).
+REDUCTIONS = ("sum", "mean")
 
 
 def smallest_subnormal(dtype: torch.dtype) -> float:
     info = torch.finfo(dtype)
     return info.smallest_normal * info.eps  # 2**-24 for fp16, 2**-133 for bf16
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The op's name without its namespace, for every spelling of a call: "log" for torch.log,
+    Tensor.log and aten.log.default; "truediv" for ``x / y``; "div" for torch.div and aten.div."""
+    return node.meta[OP_CLASS].key.rpartition(".")[2]
+
+
+def _arg(node: torch.fx.Node, position: int, keyword: str):
+    return node.args[position] if len(node.args) > position else node.kwargs.get(keyword)
+
+
+def zero_intolerant_inputs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, str]]:
+    """(input, how ``node`` reads it: "before log_1", "as the denominator of truediv") for each
+    input of ``node`` that must not be 0 (``NO_ZERO``, ``NEGATIVE_POWER``)."""
+    name = op_name(node)
+    slots = NO_ZERO.get(name, ())
+    role = f"as the denominator of {node.name}" if slots in (_OTHER, _SELF) \
+        else f"before {node.name}"
+    if name in NEGATIVE_POWER:
+        exponent = _arg(node, 1, "exponent")
+        if isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and exponent < 0:
+            slots, role = _ARG0, f"before {node.name} (power {exponent:g})"
+    found = [(_arg(node, position, keyword), role) for position, keyword in slots]
+    return [(a, role) for a, role in found if isinstance(a, torch.fx.Node)]
+
+
+def _listed(items: list[str], most: int = 3) -> str:
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
 
 
 def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype,
@@ -93,6 +177,9 @@ class NumericSafety(Pass):
         self.limit = torch.finfo(low_dtype).max / margin
         self.top = torch.finfo(low_dtype).max
         self.tiny = smallest_subnormal(low_dtype)
+        self.margin = margin
+        # magnitudes below tiny / 2 round to 0; the margin is the headroom, as for ``range``
+        self.floor = self.tiny / 2 * margin
 
     def requires(self, gm):
         for node in gm.graph.nodes:
@@ -181,6 +268,82 @@ class NumericSafety(Pass):
                 found.append(SafetyFinding("range", f"input {ev}"))
         return found
 
+    def _underflow_evidence(self, value: torch.fx.Node) -> Optional[str]:
+        r = value.meta.get(RANGE)
+        if r is None or r.min_nonzero >= self.floor:
+            return None
+        return (f"{value.name} min non-zero {r.min_nonzero:.3g} underflows {dtype_name(self.low)} "
+                f"(< limit {self.floor:.3g}: smallest subnormal {self.tiny:.3g} / 2 x "
+                f"{self.margin:g})")
+
+    def _passed_on(self, node: torch.fx.Node, small: bool) -> list[torch.fx.Node]:
+        """The inputs whose 0 ``node`` passes on (``PASSES_ZERO``; a reduction's when its own
+        output is below the limit, ``small``)."""
+        name = op_name(node)
+        if name in REDUCTIONS and small:
+            return input_nodes(node)
+        if name not in PASSES_ZERO:
+            return []
+        positions = PASSES_ZERO[name]
+        if positions is None:
+            return input_nodes(node)
+        return [node.args[i] for i in positions
+                if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
+
+    def _underflow_findings(self, gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
+        """Ops that cannot take a 0 reading a value that is 0 in the low dtype: one below the
+        limit, or one made from such a value by ops that pass a 0 on. The op, those values and
+        the ops between them keep float32 (a low op would store the 0 or make it at its input
+        cast). A division whose denominator is 0 in the low dtype also keeps a numerator that is:
+        the quotient amplifies it (p / q of two tiny probabilities), and a numerator of 0 is a
+        quotient of 0."""
+        # per value, in graph order: the nearest value below the limit whose 0 reaches it
+        source: dict[torch.fx.Node, Optional[torch.fx.Node]] = {}
+        paths: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for node in gm.graph.nodes:
+            small = self._underflow_evidence(node) is not None
+            if node.op in _CALLS and node.meta[OP_CLASS].op_class == CAST:
+                source[node] = None  # the model's own cast: what it asks for
+                continue
+            paths[node] = [a for a in self._passed_on(node, small) if source.get(a)] \
+                if node.op in _CALLS else []
+            source[node] = node if small else (source[paths[node][0]] if paths[node] else None)
+
+        out: dict[torch.fx.Node, dict[str, dict[str, None]]] = {}  # node -> why -> roles
+
+        def keep(value: torch.fx.Node, role: str) -> None:
+            stack, seen = [value], set()
+            while stack:
+                v = stack.pop()
+                if v in seen or v.op not in _CALLS:
+                    continue
+                seen.add(v)
+                src = source[v]
+                ev = self._underflow_evidence(src)
+                why = f"output {ev}" if src is v else \
+                    f"output {v.name} is 0 where {src.name} is; {ev}"
+                out.setdefault(v, {}).setdefault(why, {})[role] = None
+                stack += paths[v]
+
+        for node in gm.graph.nodes:
+            if node.op not in _CALLS:
+                continue
+            for value, role in zero_intolerant_inputs(node):
+                src = source.get(value)
+                if src is None:
+                    continue
+                ev = self._underflow_evidence(src)
+                why = f"input {ev}" if src is value else \
+                    f"input {value.name} is 0 where {src.name} is; {ev}"
+                out.setdefault(node, {}).setdefault(why, {})[role] = None
+                keep(value, role)
+                for numerator in self._passed_on(node, False):
+                    if numerator is not value and source.get(numerator):
+                        keep(numerator, f"as the numerator of {node.name}, whose denominator "
+                                        f"underflows too")
+        return {n: [SafetyFinding(UNDERFLOW_RULE, f"{why}: 0 {_listed(list(roles))}")
+                    for why, roles in found.items()] for n, found in out.items()}
+
     def call(self, gm):
         self._seen = {}
         if self.alt is not None:
@@ -189,13 +352,17 @@ class NumericSafety(Pass):
         for node in gm.graph.nodes:
             node.meta.pop(SAFETY, None)
         for node in gm.graph.nodes:
-            if node.op not in _CALLS or node.meta[OP_CLASS].op_class == CAST:
-                continue
-            found = self._node_findings(node, gm)
-            if found and self.alt is not None and not self.alt._node_findings(node, gm):
-                found = [replace(f, cleared_by=dtype_name(self.alt.low)) for f in found]
-            if found:
-                findings[node] = found
+            if node.op in _CALLS and node.meta[OP_CLASS].op_class != CAST:
+                findings[node] = self._node_findings(node, gm)
+        for node, found in self._underflow_findings(gm).items():
+            findings.setdefault(node, []).extend(found)
+        alt_underflow = self.alt._underflow_findings(gm) if self.alt is not None else {}
+        for node, found in list(findings.items()):
+            if not found:
+                del findings[node]
+            elif self.alt is not None and not alt_underflow.get(node) \
+                    and not self.alt._node_findings(node, gm):
+                findings[node] = [replace(f, cleared_by=dtype_name(self.alt.low)) for f in found]
         for node, found in findings.items():
             node.meta[SAFETY] = tuple(found)
             log.debug("%s: %s", node.name, "; ".join(f.evidence for f in found))

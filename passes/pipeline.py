@@ -9,7 +9,7 @@ from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
-                            FollowTrainingFlag,
+                            FollowTrainingFlag, Functionalize,
                             CheckDtypes, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
                             LintTensorCores, NumericSafety, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
@@ -25,6 +25,7 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
     do not depend on the dtype, and calibration (the example inputs when no batches are given)."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
+        Functionalize(),                      # rewrite: in-place ops on intermediates out of place
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
         Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges

@@ -18,8 +18,9 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CaptureError
-from mpgraph.ir.graph import as_call
+from mpgraph.ir.graph import as_call, fresh, seeded, state_kept
 from mpgraph.ir.meta import CAPTURE
+from mpgraph.ir.modules import ConvertedModule
 
 log = logging.getLogger(__name__)
 
@@ -86,19 +87,23 @@ def _quiet():
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    frozen = [f"{k}={v!r}" for k, v in list(enumerate(args)) + list(kwargs.items())
+              if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor)]
+    if frozen:
+        log.warning("torch.export fixes Python scalar arguments in the graph (%s): the converted "
+                    "module accepts only these values (another one fails its guard); pass a "
+                    "tensor to vary one", ", ".join(frozen))
     with _EXPORT_LOCK, _quiet():
         ep = torch.export.export(model, args, kwargs, strict=False,
-                                 dynamic_shapes=_as_dynamic_spec(model, args, kwargs))
+                                 dynamic_shapes=dynamic_spec(model, args, kwargs))
     unlifted = ep.module()
-    # A plain GraphModule on the same graph and attributes: the unlifted module refuses .train()
-    # and .eval(), which users call on what convert returns (FollowTrainingFlag gives the flag
-    # its meaning back). Its generated code reads the pytree specs from the module.
-    gm = torch.fx.GraphModule(unlifted, unlifted.graph)
-    gm._in_spec, gm._out_spec = unlifted._in_spec, unlifted._out_spec
-    return gm
+    # A GraphModule of our own on the same graph and attributes: the unlifted module refuses
+    # .train() and .eval(), which users call on what convert returns (FollowTrainingFlag gives
+    # the flag its meaning back). Its generated code reads the pytree specs from the module.
+    return ConvertedModule.wrap(unlifted)
 
 
-def _as_dynamic_spec(model, args, kwargs):
+def dynamic_spec(model, args, kwargs):
     """torch.export wants one spec per forward parameter; with kwargs, a dict by name."""
     dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
     if not kwargs:
@@ -139,7 +144,47 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
 
 def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
     with _quiet():
-        return torch.fx.symbolic_trace(model)
+        return ConvertedModule.wrap(torch.fx.symbolic_trace(model))
+
+
+def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
+                      kwargs: dict) -> Optional[str]:
+    """How the traced graph differs from the model on the example inputs (the outputs, their
+    structure, the buffers after the run), or None; both run seeded from the same state."""
+    from mpgraph.frontend.fake import is_abstract
+    if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
+           if isinstance(t, torch.Tensor)):
+        return None  # no values to compare (a model on the meta device)
+
+    def run(module):
+        with torch.no_grad(), seeded(), state_kept(module):
+            out = module(*fresh(args), **fresh(kwargs))
+            return out, {n: b.clone() for n, b in model.named_buffers()}
+
+    try:
+        want, want_buffers = run(model)
+        got, got_buffers = run(gm)
+    except Exception as e:  # noqa: BLE001 - the export route may do better
+        return "running it failed: " + _brief(e)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    if want_spec != got_spec or type(want) is not type(got):
+        return (f"the model returns {type(want).__name__}, the graph {type(got).__name__} "
+                f"({len(want_leaves)} vs {len(got_leaves)} values)")
+    for i, (w, g) in enumerate(zip(want_leaves, got_leaves)):
+        if not _same(w, g):
+            return f"output {i} differs"
+    for name, w in want_buffers.items():
+        if not _same(w, got_buffers[name]):
+            return f"buffer {name} is not updated as the model updates it"
+    return None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and \
+            torch.allclose(a, b, rtol=1e-4, atol=1e-6, equal_nan=True)
+    return type(a) is type(b) and a == b
 
 
 def _trace(work, model, args, kwargs, has_inputs, export_only):
@@ -163,6 +208,14 @@ def _trace(work, model, args, kwargs, has_inputs, export_only):
                 PropagateTensorInfo(args, kwargs)(gm)
             except Exception as e:
                 reports[name] = "traced, but the traced graph failed on the example inputs: " + _brief(e)
+                log.info("%s", reports[name])
+                continue
+            # symbolic_trace records what the forward does to proxies: attribute assignments
+            # (self.n += 1), output objects it cannot build, reads of self.training are lost or
+            # frozen silently; torch.export keeps them, so a trace that parts goes there
+            parted = _parts_from_eager(gm, work, args, kwargs) if name == SYMBOLIC else None
+            if parted:
+                reports[name] = f"traced, but the graph is not the model on the example inputs: {parted}"
                 log.info("%s", reports[name])
                 continue
         gm.meta[CAPTURE] = name

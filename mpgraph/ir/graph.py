@@ -1,6 +1,7 @@
 """Small helpers over torch.fx graphs shared by several passes."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -59,6 +60,10 @@ def is_inplace(node: torch.fx.Node, root: torch.nn.Module) -> bool:
             schema = node.target._schema
             return bool(schema.arguments) and schema.arguments[0].alias_info is not None \
                 and schema.arguments[0].alias_info.is_write
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.startswith("_") and \
+                getattr(torch, name, None) is node.target:  # torch.relu_, torch.sigmoid_, ...
+            return True
         return bool(node.kwargs.get("inplace", False))
     if node.op == "call_module":
         return bool(getattr(root.get_submodule(node.target), "inplace", False))
@@ -73,6 +78,8 @@ def is_view(node: torch.fx.Node) -> bool:
             return True
         if isinstance(node.target, torch._ops.OpOverload):
             return node.target.is_view
+        name = getattr(node.target, "__name__", "")  # torch.transpose, torch.flatten, ...
+        return name in _VIEW_METHODS and getattr(torch, name, None) is node.target
     return False
 
 
@@ -147,10 +154,44 @@ class RecordingInterpreter(torch.fx.Interpreter):
         return result
 
 
+RUN_SEED = 0  # every run conversion makes draws its random numbers from this seed
+
+
+def fresh(value):
+    """Tensors in a nest cloned: a model that writes into its inputs (``x.mul_(2)``) writes into
+    the copy, so the caller's example tensors and the next run's inputs stay as they were."""
+    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
+
+
+@contextlib.contextmanager
+def seeded():
+    """Runs that draw the same random numbers (dropout in training mode: the float32 and the
+    converted graph compare mask for mask), without consuming the caller's random stream."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() \
+        and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(RUN_SEED)
+        yield
+
+
+@contextlib.contextmanager
+def state_kept(module: torch.nn.Module):
+    """Buffers the run writes into (running statistics, counters) are put back afterwards: every
+    run conversion makes starts from the model's state, as the reference run did."""
+    saved = [(b, b.clone()) for b in module.buffers()]  # (kernels that update running
+    try:                                                 # statistics do not bump _version)
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
+
+
 def run_recording(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node) -> Any:
-    """Run ``gm`` on (args, kwargs) under no_grad, calling ``on_node(node, value)`` for each node."""
-    flat = flat_inputs(gm, args, kwargs)
-    with torch.no_grad():
+    """Run ``gm`` on fresh copies of (args, kwargs), seeded, under no_grad, its buffers kept,
+    calling ``on_node(node, value)`` for each node; returns the graph's flat output."""
+    flat = fresh(flat_inputs(gm, args, kwargs))
+    with torch.no_grad(), seeded(), state_kept(gm):
         return RecordingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
 
 

@@ -20,6 +20,10 @@ ESTIMATE = "mpgraph.estimate"        # on gm.meta: {"target", "fp32_s", "plan_s"
 CAPTURE = "mpgraph.capture"          # on gm.meta: which tracer produced the graph
 RANGE = "mpgraph.range"              # ValueRange written by Calibrate
 SAFETY = "mpgraph.safety"            # tuple of SafetyFinding written by NumericSafety
+# on gm.meta: Reference (the float32 graph's outputs on the first calibration batch), written by
+# Calibrate for CheckDtypes' value check, dropped when convert returns
+REFERENCE = "mpgraph.reference"
+CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckDtypes' value check
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,18 @@ class ValueRange:
 
 
 @dataclass(frozen=True)
+class Reference:
+    """What the float32 graph computed on one batch: the batch, and its flat float outputs."""
+
+    args: tuple
+    kwargs: dict
+    outputs: tuple       # the graph's output values, flattened, detached
+
+
+@dataclass(frozen=True)
 class SafetyFinding:
     """A numeric-safety rule that keeps a node in float32, with its evidence."""
 
-    rule: str        # "range", "constant", "weight", "unproven_range"
+    rule: str        # "range", "underflow", "constant", "weight", "unproven_range"
     evidence: str    # e.g. "absmax 7.1e4 > limit 3.28e4 on 3/8 batches"
     cleared_by: Optional[str] = None  # a second low dtype in which the node has no finding

@@ -5,6 +5,7 @@ reproduce. Built from the converted graph's meta, so it cannot drift from what r
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -13,7 +14,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import module_path, target_name
-from mpgraph.ir.meta import (CAPTURE, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, RANGE,
+from mpgraph.ir.meta import (CAPTURE, CHECK, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, RANGE,
                              SAFETY, TENSOR, TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord,
                              cast_source, dtype_name, planned_dtype, shape_of)
 
@@ -73,13 +74,17 @@ class Plan:
     # rounds, estimated seconds before/after pinning (the speed given up); None without one
     tolerance: Optional[dict] = None
     mode: str = "inference"          # or "train": float32 master weights, cast once per forward
+    # the value check: {"error": relative L2 of the outputs vs float32 on the first calibration
+    # batch, "bound": what a plan in this dtype may have}; None when not checked (check=False, meta)
+    check: Optional[dict] = None
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
                    target: str = "", strategy: str = "", kept_fp32: Optional[str] = None) -> "Plan":
         plan = cls(dtype=dtype, capture=gm.meta.get(CAPTURE, "unknown"), keep_io_types=keep_io_types,
                    weights=list(gm.meta.get(WEIGHTS, [])), target=target, strategy=strategy,
-                   kept_fp32=kept_fp32, estimate=dict(gm.meta.get(ESTIMATE, {})))
+                   kept_fp32=kept_fp32, estimate=dict(gm.meta.get(ESTIMATE, {})),
+                   check=dict(gm.meta[CHECK]) if gm.meta.get(CHECK) else None)
         plan.order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
@@ -141,12 +146,15 @@ class Plan:
             raise FileNotFoundError(f"no plan file at {path}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not a plan: invalid JSON ({e})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not a plan: not a text (UTF-8 JSON) file") from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "the data") -> "Plan":
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise ValueError(f"{source} is not an mpgraph plan (format {PLAN_FORMAT!r} expected)")
+        _validate(data, source)
 
         def node(d):
             d = dict(d)
@@ -168,7 +176,8 @@ class Plan:
                                 for c in data.get("model_casts", [])],
                    order=list(data.get("order", [])),
                    calibration_batches=data.get("calibration_batches", 0),
-                   tolerance=data.get("tolerance"), mode=data.get("mode", "inference"))
+                   tolerance=data.get("tolerance"), mode=data.get("mode", "inference"),
+                   check=data.get("check"))
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -226,6 +235,9 @@ class Plan:
         if self.safety_nodes:
             text += (f"; {len(self.safety_nodes)} float32 nodes with numeric-safety findings "
                      f"(calibrated on {self.calibration_batches} batches)")
+        if self.check:
+            text += (f"; checked: error {self.check['error']:.2g} vs float32 (bound "
+                     f"{self.check['bound']:.2g})")
         if self.tolerance:
             t = self.tolerance
             text += (f"; tolerance {t['tolerance']:g}: error {t['error']:.3g} with "
@@ -259,7 +271,7 @@ class Plan:
             "kept_fp32": self.kept_fp32, "warning": self.warning, "estimate": self.estimate,
             "summary": self.summary(),
             "mode": self.mode,
-            "calibration_batches": self.calibration_batches,
+            "calibration_batches": self.calibration_batches, "check": self.check,
             "tolerance": _jsonable(self.tolerance),
             "nodes": [_jsonable(asdict(r)) for r in self.nodes],
             "casts": [_jsonable(asdict(c)) for c in self.casts],
@@ -270,6 +282,43 @@ class Plan:
 
 
 PLAN_FORMAT = "mpgraph-plan-1"
+LOW_DTYPES = ("float16", "bfloat16")
+NODE_DTYPES = (None, "float32") + LOW_DTYPES
+MODES = ("inference", "train")
+
+
+def _validate(data: dict, source: str) -> None:
+    """A ValueError naming the first field of a plan file that cannot be applied (a hand edit
+    gone wrong): the plan's dtype, mode, and every node's, weight's and cast's record."""
+    def fail(what: str):
+        raise ValueError(f"{source} is not a valid plan: {what}")
+
+    if data.get("dtype") not in LOW_DTYPES:
+        fail(f"dtype {data.get('dtype')!r} is not one of {', '.join(LOW_DTYPES)}")
+    if data.get("mode", "inference") not in MODES:
+        fail(f"mode {data.get('mode')!r} is not one of {', '.join(MODES)}")
+    for key in ("capture", "target", "strategy"):
+        if not isinstance(data.get(key), str):
+            fail(f"{key} must be a string, got {data.get(key)!r}")
+    if not isinstance(data.get("keep_io_types"), bool):
+        fail(f"keep_io_types must be true or false, got {data.get('keep_io_types')!r}")
+    fields = {f.name for f in dataclasses.fields(NodeRecord)}
+    for key, kind in (("nodes", "node"), ("casts", "cast"), ("weights", "weight")):
+        records = data.get(key)
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            fail(f"{key} must be a list of {kind} records, got {type(records).__name__}")
+    for i, d in enumerate(data["nodes"]):
+        name = d.get("name", f"#{i}")
+        unknown, missing = set(d) - fields, {"name", "op", "target", "dtype"} - set(d)
+        if unknown or missing:
+            fail(f"node {name}: " + (f"unknown fields {sorted(unknown)}" if unknown
+                                      else f"missing fields {sorted(missing)}"))
+        if d["dtype"] not in NODE_DTYPES:
+            fail(f"node {name}: dtype {d['dtype']!r} is not one of "
+                 f"{', '.join(str(t) for t in NODE_DTYPES[1:])} (or null)")
+    for w in data["weights"]:
+        if w.get("dtype") not in LOW_DTYPES + ("float32",):
+            fail(f"weight {w.get('name')!r}: dtype {w.get('dtype')!r} is not a float dtype")
 
 
 def _jsonable(value):

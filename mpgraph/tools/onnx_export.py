@@ -128,16 +128,47 @@ def near_identity_constants(gm: torch.fx.GraphModule) -> list[str]:
     return found
 
 
+def output_names(gm: torch.fx.GraphModule) -> list[str]:
+    """ONNX output names from the module's output structure: the keys of a dict or ModelOutput
+    (``last_hidden_state``), positions of a tuple (``output_0``), joined for nests."""
+    from torch.utils import _pytree as pytree
+    spec = getattr(gm, "_out_spec", None)
+    if spec is not None:  # the export route: the structure torch.export recorded
+        tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    else:
+        tree = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    names, seen = [], set()
+    for i, (path, _) in enumerate(pytree.tree_flatten_with_path(tree)[0]):
+        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", "")))) for k in path]
+        name = "_".join(re.sub(r"\W+", "_", p).strip("_") for p in parts if p != "")
+        name = name if name and not name[0].isdigit() else f"output_{name or i}"
+        while name in seen:
+            name += "_"
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
+    """Dim.AUTO on every input dimension above 1: torch.export keeps dynamic what the graph does
+    not fix (batch, sequence), static the rest (hidden sizes)."""
+    from mpgraph.frontend.capture import dynamic_spec
+    return dynamic_spec(gm, args, kwargs)
+
+
 def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     """(ir.Model, exporter description, the exporter's ExportedProgram or None)."""
     ir = _onnx_modules()
     tiny = near_identity_constants(converted)
     if tiny:
         log.warning("exporting without the ONNX optimiser: it would drop %s", ", ".join(tiny[:4]))
+    if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
+        dynamic_shapes = auto_dynamic_shapes(converted, args, kwargs)
+    names = output_names(converted)
     try:
         program = torch.onnx.export(converted, args, kwargs=kwargs or None, dynamo=True,
                                     opset_version=opset, dynamic_shapes=dynamic_shapes,
-                                    optimize=not tiny, verbose=False)
+                                    output_names=names, optimize=not tiny, verbose=False)
         how = "torch.onnx.export(dynamo=True)" if not tiny else (
             f"torch.onnx.export(dynamo=True, optimize=False: its optimiser would drop "
             f"{', '.join(tiny[:2])})")
@@ -149,7 +180,7 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     tmp = os.path.join(workdir, "torchscript.onnx")
     try:
         torch.onnx.export(converted, args, tmp, kwargs=kwargs or None, dynamo=False,
-                          opset_version=legacy_opset)
+                          opset_version=legacy_opset, output_names=names)
         model = ir.load(tmp)
     except Exception as ts_error:
         raise ExportError("the model could not be exported to ONNX:\n"
@@ -331,8 +362,8 @@ def _initializer_bytes(model) -> int:
 
 # -- the public entry points -------------------------------------------------------------------
 def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: Union[str, os.PathLike],
-                *, dtype: Union[str, torch.dtype] = torch.float16, opset: Optional[int] = None,
-                dynamic_shapes: Any = None, example_kwargs: Optional[dict] = None,
+                *, dtype: Union[None, str, torch.dtype] = None, opset: Optional[int] = None,
+                dynamic_shapes: Any = "auto", example_kwargs: Optional[dict] = None,
                 target: Optional[str] = None, strategy: str = "optimal", keep_io_types: bool = True,
                 external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                 validate: bool = True, device: Optional[str] = None) -> ExportResult:
@@ -342,13 +373,20 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     when export, edits and validation all succeeded: a failure leaves no half-written file.
     Weights go to ``<path>.data`` when they exceed ``external_data_threshold`` bytes. ``target``
     is the GPU the file is for (default: the one here, else ``DEFAULT_TARGET``): a plan made for
-    this CPU would keep fp16 out of every node, since fp16 is slow on CPUs.
+    this CPU would keep fp16 out of every node, since fp16 is slow on CPUs. ``dtype``: float16
+    (the default for a model) or bfloat16; a converted module is exported in its plan's dtype.
+    ``dynamic_shapes="auto"`` (the default) leaves every input dimension the graph does not fix
+    dynamic (batch, sequence: what deployment varies); None exports the example's shapes; or
+    torch.export's own spec. Outputs are named by the model's output structure
+    (``last_hidden_state``, ``pooler_output``; ``output_0``... for tuples).
     """
     ir = _onnx_modules()
     if target is None:
         target = "cuda" if torch.cuda.is_available() else DEFAULT_TARGET
     path = _check_destination(path)
-    if isinstance(dtype, str) and dtype.lower() == "auto":
+    if dtype is None:
+        low = getattr(getattr(model_or_converted, "plan", None), "dtype", torch.float16)
+    elif isinstance(dtype, str) and dtype.lower() == "auto":
         # one low dtype per file: "auto" picks it for the target, without bf16 regions beside fp16
         low = auto_dtype(resolve_target(target))[0] or dtype
     else:
@@ -357,6 +395,10 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     reference = None
     if is_converted(model_or_converted):
         converted = model_or_converted
+        if low != converted.plan.dtype:
+            raise ExportError(f"this module was converted to {dtype_name(converted.plan.dtype)}; "
+                              f"dtype={dtype!r} cannot re-plan it: export it as it is (no dtype) "
+                              f"or export the model itself with dtype={dtype!r}")
     else:
         if not isinstance(model_or_converted, torch.nn.Module):
             raise TypeError(f"export_onnx expects a torch.nn.Module, got {type(model_or_converted).__name__}")

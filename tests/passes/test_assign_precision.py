@@ -96,12 +96,27 @@ class InPlace(nn.Module):
         return h
 
 
-def test_inplace_op_takes_the_dtype_of_what_it_writes_into():
+class InPlaceThroughView(InPlace):
+    def forward(self, x, y):
+        h = self.lin(x)
+        h.t().add_(y.t())  # writes into a low value through a view of it
+        return h
+
+
+def test_inplace_op_on_a_private_value_is_rewritten_out_of_place():
     x, y = torch.randn(2, 8), torch.randn(2, 8)
     model = InPlace().eval()
     gm = convert(model, (x, y), dtype=BF16)
+    assert "add_" not in _dtypes(gm) and gm.plan.node("add").op == "call_method"
+    torch.testing.assert_close(gm(x, y), model(x, y), atol=3e-2, rtol=3e-2)
+
+
+def test_inplace_op_through_a_view_takes_the_dtype_of_what_it_writes_into():
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    model = InPlaceThroughView().eval()
+    gm = convert(model, (x, y), dtype=BF16)
     assert _dtypes(gm)["add_"] == BF16
-    assert [c.value for c in gm.plan.casts if c.consumers == ("add_",)] == ["y"]
+    assert [c.value for c in gm.plan.casts if c.consumers == ("add_",)] == ["t_1"]
     torch.testing.assert_close(gm(x, y), model(x, y), atol=3e-2, rtol=3e-2)
 
 

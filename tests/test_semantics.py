@@ -1,0 +1,277 @@
+"""No silent wrong answers: conversions keep the model's semantics (in-place ops, buffer updates,
+functional dropout, output types), never write the caller's tensors, and check their values;
+bad plan files, module-wide dtype changes and ONNX misuse are clear errors."""
+import copy
+import json
+import threading
+import warnings
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mpgraph
+from conftest import GPU, TOL, convert_rules, rel_err
+from mpgraph.ir.meta import REFERENCE, Reference
+from mpgraph.passes import CheckDtypes
+
+D = 256
+
+
+class InplaceRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.l1(x)
+        torch.relu_(h)
+        return self.l2(h)
+
+
+class MaskThenRelu(InplaceRelu):
+    def forward(self, x):
+        h = self.l1(x)
+        h.masked_fill_(x < 0, -1e9)
+        h.relu_()
+        return self.l2(h)
+
+
+class InplaceMaskSoftmax(InplaceRelu):
+    """An in-place -1e9 mask: fp16 cannot hold it, float32 must (the out-of-place rule)."""
+
+    def forward(self, x):
+        h = self.l1(x)
+        h.masked_fill_(x < 0, -1e9)
+        return self.l2(torch.softmax(h, -1))
+
+
+class CountingBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(D, D)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n += 1
+        return self.l(x) + self.n
+
+
+class RunningMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(D, D)
+        self.register_buffer("m", torch.zeros(D))
+
+    def forward(self, x):
+        y = self.l(x)
+        self.m.mul_(0.9).add_(y.mean(0).detach())
+        return y + self.m
+
+
+class FunctionalDropout(InplaceRelu):
+    def forward(self, x):
+        return self.l2(F.dropout(self.l1(x), 0.5, self.training))
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(D, D)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.l(x)
+
+
+Pair = namedtuple("Pair", "hidden total")
+
+
+class NamedTupleOut(WritesItsInput):
+    def forward(self, x):
+        y = self.l(x)
+        return Pair(y, y.sum())
+
+
+class ModelOutputOut(WritesItsInput):
+    def forward(self, x):
+        from transformers.modeling_outputs import BaseModelOutput
+        return BaseModelOutput(last_hidden_state=self.l(x))
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out.last_hidden_state if hasattr(
+        out, "last_hidden_state") else out
+
+
+# (model, dtype, converted in training mode): each must come out right within the dtype's TOL
+BATTERY = {
+    "in-place relu_ on a low value": (InplaceRelu, "bf16", False),
+    "masked_fill_ then relu_": (MaskThenRelu, "bf16", False),
+    "in-place -1e9 mask in fp16": (InplaceMaskSoftmax, "fp16", False),
+    "buffer += 1 (fx drops it)": (CountingBuffer, "bf16", False),
+    "buffer mul_().add_()": (RunningMean, "bf16", False),
+    "F.dropout(h, p, self.training)": (FunctionalDropout, "bf16", True),
+    "model writes its input": (WritesItsInput, "bf16", False),
+    "namedtuple output": (NamedTupleOut, "bf16", False),
+    "ModelOutput output": (ModelOutputOut, "bf16", False),
+}
+
+
+@pytest.mark.parametrize("name", list(BATTERY))
+def test_battery_converts_to_what_the_model_computes(name):
+    make, low, training = BATTERY[name]
+    torch.manual_seed(0)
+    model = make().train(training)
+    x = torch.randn(8, D)
+    x_before = x.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = convert_rules(model, x, dtype=low)
+    assert torch.equal(x, x_before), "convert wrote into the caller's example input"
+    assert gm.plan.low_nodes, gm.plan.summary()
+    trained = [w for w in caught if "is in training mode" in str(w.message)]
+    assert len(trained) == (1 if training else 0)
+    # the check compared the values: within the bound it states
+    assert gm.plan.check is not None and gm.plan.check["error"] <= gm.plan.check["bound"]
+    gm.eval(), model.eval()
+    reference = copy.deepcopy(model)
+    a, b = x_before.clone(), x_before.clone()
+    with torch.no_grad():
+        want, got = reference(a), gm(b)
+    assert type(got) is type(want)
+    assert rel_err(_first(got), _first(want)) < TOL[mpgraph.resolve_dtype(low)]
+    assert torch.equal(a, b)  # an input the model writes into is written the same way
+    for key, value in reference.named_buffers():  # buffers updated as the model updates them
+        assert torch.allclose(dict(gm.named_buffers())[key].float(), value.float(), rtol=1e-2,
+                              atol=1e-3), key
+
+
+def test_fx_traces_that_drop_buffer_updates_or_output_types_take_the_export_route():
+    for make in (CountingBuffer, ModelOutputOut):
+        gm = convert_rules(make().eval(), torch.randn(4, D), dtype="bf16")
+        assert gm.plan.capture == "torch.export", make.__name__
+    assert convert_rules(RunningMean().eval(), torch.randn(4, D),
+                         dtype="bf16").plan.capture == "torch.fx.symbolic_trace"
+
+
+def test_functional_dropout_follows_train_and_eval_after_conversion():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="is in training mode and is converted for inference"):
+        gm = convert_rules(FunctionalDropout().train(), torch.randn(8, D), dtype="bf16")
+    x = torch.randn(8, D)
+    with torch.no_grad():
+        assert not torch.equal(gm(x), gm(x))  # dropout on, as in the model in training mode
+        gm.eval()
+        assert torch.equal(gm(x), gm(x))
+
+
+def test_value_check_names_the_node_where_values_part_from_float32():
+    """CheckDtypes on its own: a graph whose dtypes are all right but that computes something
+    else than the float32 graph Calibrate ran (a relu turned into its negation) is an error."""
+    torch.manual_seed(0)
+    gm = convert_rules(nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D)).eval(),
+                       torch.randn(8, D), dtype="bf16", check=False)
+    x = torch.randn(8, D)
+    with torch.no_grad():  # the reference: what this very graph computes, as Calibrate keeps it
+        gm.meta[REFERENCE] = Reference((x,), {}, (gm(x),))
+    CheckDtypes((x,), {})(gm)  # the graph as converted: passes
+    assert gm.meta["mpgraph.check"]["error"] < 1e-6
+    relu = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "1")
+    with gm.graph.inserting_after(relu):
+        neg = gm.graph.call_function(torch.neg, (relu,))
+    neg.meta.update(relu.meta)
+    relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
+    gm.recompile()
+    with pytest.raises(mpgraph.ConversionError,
+                       match=r"differ from float32 by .* more than a bfloat16 plan should"):
+        CheckDtypes((x,), {})(gm)
+
+
+def test_tolerance_with_nan_in_the_calibration_is_an_error_not_met():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).eval()
+    bad = torch.randn(4, 16)
+    bad[0, 0] = float("nan")
+    with pytest.raises(mpgraph.CalibrationError, match="inf/NaN"):
+        mpgraph.convert(model, bad, dtype="bf16", target=GPU, strategy="rules",
+                        calibration=[bad], tolerance=1e-2)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["nodes"][1].__setitem__("dtype", "float17"), "dtype 'float17' is not one of"),
+    (lambda d: d.__setitem__("dtype", "int8"), "dtype 'int8' is not one of float16, bfloat16"),
+    (lambda d: d.__setitem__("nodes", None), "nodes must be a list of node records"),
+    (lambda d: d.__setitem__("mode", "sideways"), "mode 'sideways' is not one of"),
+    (lambda d: d["nodes"][1].pop("op"), r"missing fields \['op'\]"),
+])
+def test_bad_plan_files_are_clear_errors(edit, message, tmp_path):
+    gm = convert_rules(nn.Sequential(nn.Linear(16, 16)).eval(), torch.randn(4, 16), dtype="fp16")
+    data = json.loads(json.dumps(gm.plan.to_dict()))
+    edit(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        mpgraph.Plan.load(path)
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match="not a text"):
+        mpgraph.Plan.load(path)
+
+
+def test_deepcopy_keeps_the_plan_and_dtype_changes_are_refused():
+    gm = convert_rules(nn.Sequential(nn.Linear(16, 16)).eval(), torch.randn(4, 16), dtype="fp16")
+    twin = copy.deepcopy(gm)
+    assert twin.plan.to_dict() == gm.plan.to_dict() and twin.plan is not gm.plan
+    assert "mpgraph plan: float16" in mpgraph.report(twin)
+    for call in (lambda m: m.half(), lambda m: m.float(), lambda m: m.to(torch.bfloat16),
+                 lambda m: m.to("cpu", torch.float16), lambda m: m.double()):
+        with pytest.raises(TypeError, match="Convert the model again with the dtype you want"):
+            call(twin)
+    assert gm.to("cpu") is gm  # moving is fine
+    with torch.no_grad():
+        assert twin(torch.randn(2, 16)).dtype == torch.float32
+
+
+def test_two_threads_convert_export_route_models_at_once(bert, token_ids):
+    ids, mask = token_ids
+    results, errors = [], []
+
+    def work():
+        try:
+            results.append(mpgraph.convert(copy.deepcopy(bert), (ids,), dtype="fp16", target=GPU,
+                                           example_kwargs={"attention_mask": mask}))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 2
+    assert results[0].code == results[1].code
+
+
+def test_onnx_outputs_keep_their_names_axes_are_dynamic_and_dtype_is_the_plans(bert, token_ids,
+                                                                              tmp_path):
+    ids, mask = token_ids
+    path = tmp_path / "bert.onnx"
+    mpgraph.export_onnx(bert, (ids,), path, example_kwargs={"attention_mask": mask}, target=GPU)
+    sess = mpgraph.ort_session(path, device="cpu")
+    assert [o.name for o in sess.get_outputs()] == ["last_hidden_state", "pooler_output"]
+    ids7 = torch.randint(0, 100, (7, 5))
+    out = sess.run(None, {"input_ids": ids7.numpy(), "attention_mask": np.ones((7, 5), np.int64)})
+    with torch.no_grad():
+        ref = bert(ids7, attention_mask=torch.ones(7, 5, dtype=torch.long)).last_hidden_state
+    assert out[0].shape == (7, 5, 64) and rel_err(torch.from_numpy(out[0]), ref) < 1e-2
+    gm = mpgraph.convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype="fp16",
+                         target=GPU)
+    with pytest.raises(mpgraph.ExportError, match="converted to float16; dtype='bf16' cannot"):
+        mpgraph.export_onnx(gm, (ids,), tmp_path / "x.onnx", example_kwargs={"attention_mask": mask},
+                            dtype="bf16")
+    static = mpgraph.export_onnx(gm, (ids,), tmp_path / "s.onnx", dynamic_shapes=None,
+                                 example_kwargs={"attention_mask": mask})
+    shapes = [i.shape for i in mpgraph.ort_session(static.path, device="cpu").get_inputs()]
+    assert shapes == [list(ids.shape), list(mask.shape)]
