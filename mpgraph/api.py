@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import logging
 import warnings
 from typing import Any, Iterable, Optional, Union
@@ -231,6 +232,7 @@ def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, str
                       plan, train):
     from mpgraph.passes.pipeline import default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress), gm)
+    simulate = elsewhere(spec, args, kwargs, model)
     base = copy.deepcopy(gm) if tolerance is not None else None
     from_plan = None
     if plan is not None:
@@ -242,7 +244,7 @@ def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, str
                                   keep_io_types=keep_io_types, op_table=table,
                                   overrides={**(overrides or {}), **(pins or {})},
                                   keep_fp32=keep_fp32, check=check, range_dtype=second,
-                                  from_plan=from_plan, train=train)
+                                  from_plan=from_plan, train=train, simulate=simulate)
         return run_passes(passes, graph)
 
     gm = build(gm)
@@ -251,7 +253,7 @@ def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, str
         calls = [as_call(b) for b in calibration] if calibration is not None else [(args, kwargs)]
         with stage("tolerance search"):
             gm, report = meet_tolerance(base, lambda pins: build(copy.deepcopy(base), pins), gm,
-                                        calls, tolerance, low)
+                                        calls, tolerance, low, simulate)
     _restore_buffers(gm, model)
     if not train:
         # inference: the low-precision parameters are rounded copies, not something to train (an
@@ -260,6 +262,16 @@ def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, str
         gm.requires_grad_(False)
     return gm, report
 
+
+
+def elsewhere(spec: DeviceSpec, args: tuple, kwargs: dict, model: torch.nn.Module) -> bool:
+    """Whether the plan is for a GPU while the model runs on this CPU: then conversion's own
+    runs of the converted graph compute as the GPU would (mpgraph.ir.simulate) rather than in
+    the CPU's emulated fp16/bf16 kernels."""
+    from torch.utils import _pytree as pytree
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors += list(itertools.islice(model.parameters(), 1))
+    return spec.kind == "gpu" and not any(t.device.type == "cuda" for t in tensors)
 
 
 def follows_training_flag(gm: torch.nn.Module) -> bool:

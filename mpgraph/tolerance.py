@@ -20,8 +20,8 @@ import torch
 import torch.fx
 
 from mpgraph.errors import CalibrationError, ToleranceError
-from mpgraph.ir.graph import (float_tensors, fresh, input_nodes, run_recording, seeded,
-                              state_kept)
+from mpgraph.ir.graph import float_tensors, input_nodes, run_recording
+from mpgraph.ir.simulate import run_simulated
 from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,11 @@ def check_tolerance(tolerance) -> float:
     return float(tolerance)
 
 
-def _call(gm, call):
-    args, kwargs = fresh(call)
-    with torch.no_grad(), seeded(), state_kept(gm):
-        return gm(*args, **kwargs)
+def _call(gm, call, simulate: bool = False):
+    """The graph's flat outputs on one batch; ``simulate``: computed as the target would
+    (mpgraph.ir.simulate: a GPU plan on a CPU), not in the CPU's emulated kernels."""
+    run = run_simulated if simulate else run_recording
+    return run(gm, *call, lambda node, value: None)
 
 
 def output_error(outputs: list, references: list) -> float:
@@ -68,7 +69,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
-              low: torch.dtype) -> dict[str, float]:
+              low: torch.dtype, simulate: bool = False) -> dict[str, float]:
     """Error each low-precision node adds, on one batch: node name -> relative error added."""
     ref: dict[str, torch.Tensor] = {}
 
@@ -84,7 +85,7 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
                 and value.shape == ref[node.name].shape:
             err[node.name] = _rel(value, ref[node.name])
 
-    run_recording(converted, *call, compare)
+    (run_simulated if simulate else run_recording)(converted, *call, compare)
 
     added = {}
     for node in converted.graph.nodes:
@@ -99,7 +100,7 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
 
 def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.GraphModule],
                    first: torch.fx.GraphModule, calls: list, tolerance: float,
-                   low: torch.dtype) -> tuple[torch.fx.GraphModule, dict]:
+                   low: torch.dtype, simulate: bool = False) -> tuple[torch.fx.GraphModule, dict]:
     """The first plan whose error meets ``tolerance``, and the report of the search.
 
     ``base`` is the float32 graph, ``build(pins)`` converts a fresh copy with the given node
@@ -119,7 +120,7 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
                              "with dropout?)")
     gm, pins, rounds = first, {}, 0
     start_s = first.meta.get(ESTIMATE, {}).get("plan_s")
-    error = output_error([_call(gm, c) for c in calls], references)
+    error = output_error([_call(gm, c, simulate) for c in calls], references)
     if math.isnan(error):  # inf/NaN where float32 is finite: as far from it as can be
         error = math.inf
     log.info("tolerance %g: error %.3g without pins", tolerance, error)
@@ -127,7 +128,7 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
         nonlocal rounds
         rounds += 1
         g = build({name: "fp32" for name in pinned})
-        e = output_error([_call(g, c) for c in calls], references)
+        e = output_error([_call(g, c, simulate) for c in calls], references)
         e = math.inf if math.isnan(e) else e
         log.info("tolerance %g: round %d, %d nodes pinned, error %.3g", tolerance, rounds,
                  len(pinned), e)
@@ -135,7 +136,7 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
 
     k, last = 1, []
     while error > tolerance:
-        added = attribute(base, gm, calls[0], low)
+        added = attribute(base, gm, calls[0], low, simulate)
         candidates = sorted(((e, n) for n, e in added.items() if n not in pins), reverse=True)
         if not candidates:
             raise ToleranceError(

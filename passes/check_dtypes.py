@@ -24,6 +24,7 @@ from mpgraph.ir.edges import required_dtype
 from mpgraph.errors import ConversionError
 from mpgraph.frontend.fake import is_abstract
 from mpgraph.ir.graph import input_nodes, run_recording, target_name
+from mpgraph.ir.simulate import fake_dtypes, run_simulated
 from mpgraph.ir.meta import (CHECK, INSERTED_BY, PRECISION, RANGE, REFERENCE, TENSOR,
                              cast_source, dtype_name, planned_dtype)
 from mpgraph.passes.infra import Pass, PassResult
@@ -75,10 +76,13 @@ class CheckDtypes(Pass):
     stage = "check"
 
     def __init__(self, example_args: tuple, example_kwargs: dict | None = None,
-                 keep_io_types: bool = True):
+                 keep_io_types: bool = True, simulate: bool = False):
         self.args = tuple(example_args)
         self.kwargs = dict(example_kwargs or {})
         self.keep_io_types = keep_io_types
+        # the plan is for another device than this one (a GPU plan on a CPU): dtypes from fake
+        # tensors, values from the target's arithmetic (mpgraph.ir.simulate), no emulated kernels
+        self.simulate = simulate
 
     def call(self, gm):
         gm.graph.lint()
@@ -94,12 +98,16 @@ class CheckDtypes(Pass):
         actual, absmax = {}, {}
 
         def record(node, value):
-            actual[node] = _actual(value)
+            actual[node] = _actual(value)  # (the simulation's values are float32: replaced below)
             if reference is not None and isinstance(value, torch.Tensor) \
                     and value.is_floating_point() and value.numel():
                 absmax[node] = float(value.detach().abs().float().nan_to_num(math.inf).max())
 
-        output = run_recording(gm, args, kwargs, record)
+        if self.simulate:
+            output = run_simulated(gm, args, kwargs, record)
+            actual = fake_dtypes(gm, args, kwargs)
+        else:
+            output = run_recording(gm, args, kwargs, record)
         problems = []
         for node in gm.graph.nodes:
             if node.op == "output" or node not in actual:

@@ -37,9 +37,11 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
                      op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
                      keep_fp32: Optional[str] = None, check: bool = True,
                      range_dtype: Optional[torch.dtype] = None,
-                     from_plan: Optional[dict] = None, train: bool = False) -> list[Pass]:
+                     from_plan: Optional[dict] = None, train: bool = False,
+                     simulate: bool = False) -> list[Pass]:
     """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify.
-    ``range_dtype`` (bf16 beside fp16) computes the nodes fp16's range keeps out of fp16."""
+    ``range_dtype`` (bf16 beside fp16) computes the nodes fp16's range keeps out of fp16;
+    ``simulate``: the check computes as the target would (a GPU plan checked on a CPU)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "optimal":
@@ -62,5 +64,6 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts
     ]
     if check:
-        passes.append(CheckDtypes(example_args, example_kwargs, keep_io_types))  # verify by running
+        passes.append(CheckDtypes(example_args, example_kwargs, keep_io_types,  # verify by running
+                                  simulate=simulate))
     return passes

@@ -1,0 +1,112 @@
+"""Run a converted graph as its target computes it, where this machine would emulate it slowly.
+
+A plan for a GPU, checked on a CPU without fast fp16 (an AVX2-only one runs fp16 and bf16 matmuls
+at ~1% of float32), would spend minutes in emulated kernels. What a GPU computes is known: its
+Tensor Core and elementwise kernels read fp16/bf16 values, compute in float32, and round what they
+store to the low dtype. So this interpreter holds every value in float32 storage, rounded to the
+dtype the plan gives it (what fp16/bf16 storage keeps: overflow to inf, flush below the
+subnormals), and computes each op in float32 from those values. Accumulation order differs from
+any real kernel; what is stored between ops is exact. Dtype semantics (which op returns which
+dtype) come from a run on fake tensors instead (``fake_dtypes``), which costs no arithmetic.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from mpgraph.ir.graph import RecordingInterpreter, flat_inputs, fresh, seeded, state_kept
+from mpgraph.ir.meta import PRECISION, TENSOR, planned_dtype
+
+_LOW = (torch.float16, torch.bfloat16)
+_CHECKS = {getattr(torch.ops.aten, name, None) for name in
+           ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size")} - {None}
+
+
+def _up(value):
+    """Low-precision tensors as float32 (exact), anything else as it is."""
+    return pytree.tree_map(
+        lambda v: v.float() if isinstance(v, torch.Tensor) and v.dtype in _LOW else v, value)
+
+
+def _round_(value, dtypes):
+    """Float32 results rounded, in place, to the dtype the plan gives them: in place so that a
+    view and its base, or an in-place op and what it wrote into, stay one storage."""
+    if isinstance(value, torch.Tensor):
+        if dtypes in _LOW and value.dtype == torch.float32:
+            value.copy_(value.to(dtypes))
+        return
+    if isinstance(value, (tuple, list)) and isinstance(dtypes, tuple) and len(dtypes) == len(value):
+        for v, d in zip(value, dtypes):
+            _round_(v, d)
+
+
+class SimulatingInterpreter(RecordingInterpreter):
+    """Runs a converted graph with float32 arithmetic and low-precision storage (see above).
+
+    Every value in it is a float32 tensor of its own or a view of one: parameters and buffers
+    are read as copies (float32 from stored fp16/bf16 weights), so rounding in place never
+    touches the module."""
+
+    def __init__(self, gm: torch.fx.GraphModule, on_node):
+        super().__init__(gm, on_node)
+        self.copies: dict = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op == "call_function" and n.target in _CHECKS:
+            return None  # export's dtype asserts: the values are float32 here by design
+        if n.op in ("output", "placeholder"):
+            return super().run_node(n)
+        if n.op == "get_attr":  # one copy per attribute: every read sees what was written into it
+            if n.target not in self.copies:
+                value = self.fetch_attr(n.target)
+                self.copies[n.target] = value.float() if value.dtype in _LOW else value.clone() \
+                    if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+            result = self.copies[n.target]
+        else:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if n.op == "call_module":
+                module = self.fetch_attr(n.target)
+                key = ("module", n.target)  # one copy of its state per run, as for attributes
+                if key not in self.copies:
+                    self.copies[key] = {
+                        k: v.float() if v.dtype in _LOW else v.clone() for k, v in
+                        list(module.named_parameters()) + list(module.named_buffers())}
+                result = torch.func.functional_call(module, self.copies[key], tuple(_up(args)),
+                                                    _up(kwargs))
+            else:
+                result = getattr(self, n.op)(n.target, _up(args), _up(kwargs))
+            result = _up(result)  # an explicit cast to a low dtype: a fresh float32 copy
+            _round_(result, planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION)))
+        self._on_node(n, result)
+        return result
+
+
+def run_simulated(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node) -> Any:
+    """``run_recording``, with the target's arithmetic instead of this machine's (see above)."""
+    flat = fresh(flat_inputs(gm, args, kwargs))
+    with torch.no_grad(), seeded(), state_kept(gm):
+        return SimulatingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
+
+
+def fake_dtypes(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict:
+    """The dtype every node really produces (a tuple for multi-output nodes), from a run on fake
+    tensors: torch's own type rules, no arithmetic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    dtypes = {}
+
+    def record(node, value):
+        if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+            dtypes[node] = tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in value)
+        else:
+            dtypes[node] = value.dtype if isinstance(value, torch.Tensor) else None
+
+    flat = flat_inputs(gm, args, kwargs)
+    with mode, torch.no_grad():
+        fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat]
+        RecordingInterpreter(gm, record).run(*fakes, enable_io_processing=False)
+    return dtypes
