@@ -231,7 +231,7 @@ def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, str
                       keep_io_types, table, overrides, check, calibration, tolerance, progress,
                       plan, train):
     from mpgraph.passes.pipeline import default_pipeline, prepare_pipeline
-    gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress), gm)
+    gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress, train), gm)
     simulate = elsewhere(spec, args, kwargs, model)
     base = copy.deepcopy(gm) if tolerance is not None else None
     from_plan = None

@@ -18,11 +18,12 @@ from mpgraph.passes.insert_casts import InsertCasts
 from mpgraph.passes.lint_tensor_cores import LintTensorCores
 from mpgraph.passes.numeric_safety import NumericSafety
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
+from mpgraph.passes.prune_for_inference import PruneForInference
 from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
 from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
            "CheckDtypes", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "Functionalize",
            "FuseTanhGelu", "InsertCasts",
-           "LintTensorCores", "NumericSafety", "PropagateTensorInfo",
+           "LintTensorCores", "NumericSafety", "PropagateTensorInfo", "PruneForInference",
            "RetargetDtypeAsserts", "StoreWeights"]

@@ -35,7 +35,11 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
     float32, which the reductions run in."""
     if t.numel() == 0:
         return 0.0, math.inf, 0
-    a = t.detach().abs()
+    flat = t.detach().reshape(-1)
+    if flat.numel() > _CHUNK:  # weights of GBs: chunks keep the temporaries small and reused
+        parts = [tensor_stats(c) for c in flat.split(_CHUNK)]
+        return max(p[0] for p in parts), min(p[1] for p in parts), sum(p[2] for p in parts)
+    a = flat.abs()
     if a.dtype not in (torch.float32, torch.float64):
         a = a.float()
     nonfinite = 0
@@ -47,6 +51,9 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
         top = a.max()
     small = torch.where(a > 0, a, math.inf).min()
     return float(top), float(small), nonfinite
+
+
+_CHUNK = 1 << 22  # values per chunk of tensor_stats: 16 MB of float32
 
 
 def _progress(batches, show: Optional[bool]):

@@ -148,10 +148,13 @@ def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype,
                                         f"{dtype_name(low)} (max {top:.5g})")]
     if smallest >= tiny / 2:
         return []
-    a = t.detach().abs().float()
-    zeros = int(torch.count_nonzero(a == 0))
+    zeros = flushed = 0
+    for chunk in t.detach().reshape(-1).split(1 << 22):  # 16 MB temporaries, however big t is
+        a = chunk.abs().float()
+        zeros += int(torch.count_nonzero(a == 0))
+        flushed += int(torch.count_nonzero(a < tiny / 2))
+    flushed -= zeros  # the values that round to zero in the low dtype
     nonzero = t.numel() - zeros - nonfinite
-    flushed = int(torch.count_nonzero(a < tiny / 2)) - zeros  # rounds to zero in the low dtype
     if flushed and (t.numel() <= SMALL_TENSOR or flushed > UNDERFLOW_FRACTION * nonzero):
         return [SafetyFinding("weight", f"{name}: {flushed} of {nonzero} non-zero values "
                                         f"(smallest {smallest:.3g}) underflow "

@@ -9,7 +9,7 @@ from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
-                            FollowTrainingFlag, Functionalize,
+                            FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckDtypes, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
                             LintTensorCores, NumericSafety, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
@@ -20,7 +20,7 @@ STRATEGIES = ("optimal", "rules")
 
 def prepare_pipeline(example_args: tuple, example_kwargs: dict,
                      calibration: Optional[Iterable] = None,
-                     progress: Optional[bool] = None) -> list[Pass]:
+                     progress: Optional[bool] = None, train: bool = False) -> list[Pass]:
     """Passes that run once on the captured graph, whatever is decided later: rewrites that
     do not depend on the dtype, and calibration (the example inputs when no batches are given)."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
@@ -28,6 +28,7 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
         Functionalize(),                      # rewrite: in-place ops on intermediates out of place
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
+        *([] if train else [PruneForInference()]),  # rewrite: eval dropout, asserts, guards
         Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges
     ]
 

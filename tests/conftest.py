@@ -24,6 +24,11 @@ _CACHE = tempfile.mkdtemp(prefix="mpgraph-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE  # subprocesses (CLI tests) inherit it
 atexit.register(shutil.rmtree, _CACHE, True)
 
+# Under pytest-xdist each worker takes one core: the tests are mostly Python (tracing, passes),
+# and two workers with two threads each would fight over the machine's two cores
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # The GPU that tests about low precision plan for: what is low there does not depend on the CPU
 # the suite lands on (an AVX2-only CPU keeps everything float32 for itself, one with AMX almost
 # nothing). The plans still run here: the CPU computes fp16/bf16, slowly where it emulates them.

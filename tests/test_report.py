@@ -173,8 +173,14 @@ def _html_sections(page: str) -> list[tuple[str, int, bool]]:
 def test_html_report_opens_the_sections_with_casts_and_groups_dropout_by_module(bert_a100):
     gm, plan = bert_a100, bert_a100.plan
     assert plan.capture == "torch.export"
-    # FollowTrainingFlag's dropout_N_mode modules are listed under the module they stand for
-    nodes = {n["name"]: n for n in json.loads(mpgraph.report(gm, "json"))["nodes"]}
+    # an inference conversion of a model in eval mode keeps no dropout (PruneForInference)
+    assert not [r for r in plan.nodes if "dropout" in r.name]
+    # in training mode FollowTrainingFlag's dropout_N_mode modules stay, listed under the
+    # module they stand for
+    bert, ids = _small_bert()
+    with pytest.warns(UserWarning, match="in training mode"):
+        trained = mpgraph.convert(bert.train(), ids, dtype="fp16", target=GPU)
+    nodes = {n["name"]: n for n in json.loads(mpgraph.report(trained, "json"))["nodes"]}
     dropouts = {name for name in nodes if re.fullmatch(r"dropout(_\d+)?_mode", name)}
     assert dropouts == {"dropout_mode"} | {f"dropout_{i}_mode" for i in range(1, 5)}
     assert nodes["dropout_mode"]["module"] == "embeddings.dropout"

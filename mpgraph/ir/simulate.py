@@ -35,7 +35,9 @@ def _round_(value, dtypes):
     """Float32 results rounded, in place, to the dtype the plan gives them: in place so that a
     view and its base, or an in-place op and what it wrote into, stay one storage."""
     if isinstance(value, torch.Tensor):
-        if dtypes in _LOW and value.dtype == torch.float32:
+        # an expanded view (stride 0) holds its source's values: rounded where the source is
+        overlapping = any(s == 0 and n > 1 for s, n in zip(value.stride(), value.shape))
+        if dtypes in _LOW and value.dtype == torch.float32 and not overlapping:
             value.copy_(value.to(dtypes))
         return
     if isinstance(value, (tuple, list)) and isinstance(dtypes, tuple) and len(dtypes) == len(value):

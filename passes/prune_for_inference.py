@@ -1,0 +1,58 @@
+"""Drop the nodes that do nothing in an inference conversion of a model in eval mode.
+
+Eager execution on a GPU is host-bound at ordinary sizes: every node costs ~5-10 us of Python and
+dispatch whatever its FLOPs, so a node that computes nothing is pure loss. An inference
+conversion of a model in eval mode has some: dropout (the identity in eval; an attention's
+``dropout_p`` is 0), torch.export's ``_assert_tensor_metadata`` checks and its ``_guards_fn``
+input guard, and ``sym_size`` reads nothing uses any more. They go; what is left computes. A model
+converted in training mode keeps them (dropout follows ``.train()``/``.eval()`` there), and so does
+``mode="train"``, which does not run this pass.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from mpgraph.ir.modules import DropoutRate
+from mpgraph.passes.infra import Pass, PassResult
+
+_ASSERTS = {getattr(torch.ops.aten, name, None) for name in ("_assert_tensor_metadata",)} - {None}
+_SIZES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default}
+
+
+def _dropout(module) -> bool:
+    return isinstance(module, torch.nn.modules.dropout._DropoutNd)
+
+
+class PruneForInference(Pass):
+    """Rewrite: eval-mode dropout, export's asserts and guards, unused shape reads removed."""
+
+    stage = "prepare"
+
+    def call(self, gm):
+        if gm.training:
+            return PassResult(gm, False)  # captured in training mode: the flag still matters
+        graph, removed = gm.graph, 0
+        for node in list(graph.nodes):
+            module = gm.get_submodule(node.target) if node.op == "call_module" else None
+            if module is not None and _dropout(module) and len(node.args) == 1:
+                node.replace_all_uses_with(node.args[0])  # the identity in eval mode
+            elif isinstance(module, DropoutRate):
+                for user in list(node.users):  # attention's dropout_p in eval mode
+                    user.replace_input_with(node, 0.0)
+            elif not (node.op == "call_module" and node.target == "_guards_fn"  # input guard
+                      or node.op == "call_function"
+                      and getattr(node.target, "overloadpacket", None) in _ASSERTS):
+                continue
+            if not node.users:
+                graph.erase_node(node)
+                removed += 1
+        for node in reversed(list(graph.nodes)):  # shape reads that fed only what went
+            if node.op == "call_function" and node.target in _SIZES and not node.users:
+                graph.erase_node(node)
+                removed += 1
+        if removed:
+            graph.lint()
+            gm.delete_all_unused_submodules()
+            gm.recompile()
+        return PassResult(gm, removed > 0)
