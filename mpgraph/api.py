@@ -167,9 +167,14 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         if gm.plan.warning:
             warnings.warn(gm.plan.warning, UserWarning, stacklevel=2)
     if plan is not None:
-        differ = [f"{r.name}: the plan says {r.dtype}, the conversion gave {gm.plan.node(r.name).dtype} "
-                  f"({gm.plan.node(r.name).reason})"
-                  for r in plan.compute_nodes if gm.plan.node(r.name).dtype != r.dtype]
+        # a node the plan puts low against a numeric-safety finding stays float32 (AssignPrecision
+        # warned): that is the plan applied, not a mismatch
+        differ = []
+        for r in plan.compute_nodes:
+            got = gm.plan.node(r.name)
+            if got.dtype != r.dtype and not (got.safety and got.dtype == "float32"):
+                differ.append(f"{r.name}: the plan says {r.dtype}, the conversion gave "
+                              f"{got.dtype} ({got.reason})")
         if differ:
             raise PlanMismatchError(differ)
     log.info("%s", gm.plan.summary())

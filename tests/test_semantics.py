@@ -5,120 +5,19 @@ import copy
 import json
 import threading
 import warnings
-from collections import namedtuple
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import mpgraph
 from conftest import GPU, TOL, convert_rules, rel_err
 from mpgraph.ir.meta import REFERENCE, Reference
 from mpgraph.passes import CheckDtypes
 
-D = 256
-
-
-class InplaceRelu(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2 = nn.Linear(D, D), nn.Linear(D, D)
-
-    def forward(self, x):
-        h = self.l1(x)
-        torch.relu_(h)
-        return self.l2(h)
-
-
-class MaskThenRelu(InplaceRelu):
-    def forward(self, x):
-        h = self.l1(x)
-        h.masked_fill_(x < 0, -1e9)
-        h.relu_()
-        return self.l2(h)
-
-
-class InplaceMaskSoftmax(InplaceRelu):
-    """An in-place -1e9 mask: fp16 cannot hold it, float32 must (the out-of-place rule)."""
-
-    def forward(self, x):
-        h = self.l1(x)
-        h.masked_fill_(x < 0, -1e9)
-        return self.l2(torch.softmax(h, -1))
-
-
-class CountingBuffer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(D, D)
-        self.register_buffer("n", torch.zeros(()))
-
-    def forward(self, x):
-        self.n += 1
-        return self.l(x) + self.n
-
-
-class RunningMean(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(D, D)
-        self.register_buffer("m", torch.zeros(D))
-
-    def forward(self, x):
-        y = self.l(x)
-        self.m.mul_(0.9).add_(y.mean(0).detach())
-        return y + self.m
-
-
-class FunctionalDropout(InplaceRelu):
-    def forward(self, x):
-        return self.l2(F.dropout(self.l1(x), 0.5, self.training))
-
-
-class WritesItsInput(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(D, D)
-
-    def forward(self, x):
-        x.mul_(2)
-        return self.l(x)
-
-
-Pair = namedtuple("Pair", "hidden total")
-
-
-class NamedTupleOut(WritesItsInput):
-    def forward(self, x):
-        y = self.l(x)
-        return Pair(y, y.sum())
-
-
-class ModelOutputOut(WritesItsInput):
-    def forward(self, x):
-        from transformers.modeling_outputs import BaseModelOutput
-        return BaseModelOutput(last_hidden_state=self.l(x))
-
-
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out.last_hidden_state if hasattr(
-        out, "last_hidden_state") else out
-
-
-# (model, dtype, converted in training mode): each must come out right within the dtype's TOL
-BATTERY = {
-    "in-place relu_ on a low value": (InplaceRelu, "bf16", False),
-    "masked_fill_ then relu_": (MaskThenRelu, "bf16", False),
-    "in-place -1e9 mask in fp16": (InplaceMaskSoftmax, "fp16", False),
-    "buffer += 1 (fx drops it)": (CountingBuffer, "bf16", False),
-    "buffer mul_().add_()": (RunningMean, "bf16", False),
-    "F.dropout(h, p, self.training)": (FunctionalDropout, "bf16", True),
-    "model writes its input": (WritesItsInput, "bf16", False),
-    "namedtuple output": (NamedTupleOut, "bf16", False),
-    "ModelOutput output": (ModelOutputOut, "bf16", False),
-}
+from semantics_battery import (BATTERY, D, CountingBuffer, FunctionalDropout,  # examples/
+                               ModelOutputOut, RunningMean, first as _first)
 
 
 @pytest.mark.parametrize("name", list(BATTERY))

@@ -41,7 +41,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -105,7 +105,7 @@ def measure_cpu(cache: bool = True) -> DeviceSpec:
     # oneDNN and ATen can be capped below what the CPU has (ONEDNN_MAX_CPU_ISA=AVX2 makes an
     # AVX512-BF16 machine run bf16 like an AVX2 one): a capped run is another CPU to measure
     caps = ",".join(f"{k}={os.environ[k]}" for k in _ISA_CAPS if os.environ.get(k))
-    key = f"v2|{_cpu_name()}|{','.join(flags)}|{caps}|{torch.get_num_threads()}|{torch.__version__}"
+    key = f"v2|{cpu_name()}|{','.join(flags)}|{caps}|{torch.get_num_threads()}|{torch.__version__}"
     path = os.path.join(_cache_dir(), f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
     data = None
     if cache and os.path.exists(path):
@@ -124,7 +124,7 @@ def measure_cpu(cache: bool = True) -> DeviceSpec:
                     json.dump(data, f)
             except OSError as e:  # a read-only home is no reason to fail
                 log.info("could not cache the CPU measurement: %s", e)
-    return DeviceSpec(f"CPU {_cpu_name()} ({torch.get_num_threads()} threads)", "cpu",
+    return DeviceSpec(f"CPU {cpu_name()} ({torch.get_num_threads()} threads)", "cpu",
                       dict(data["peak"]), data["bandwidth"], torch.get_num_threads(),
                       data["launch"], tile=1,
                       source=f"measured on this CPU, flags {' '.join(flags) or '-'}"

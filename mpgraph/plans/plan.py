@@ -188,10 +188,15 @@ class Plan:
 
     # -- queries ---------------------------------------------------------------------------
     def node(self, name: str) -> NodeRecord:
-        for record in self.nodes:
-            if record.name == name:
-                return record
-        raise KeyError(f"no node {name!r} in the plan")
+        """The record of node ``name`` (an index by name, rebuilt when the records change)."""
+        key = (id(self.nodes), len(self.nodes))
+        if getattr(self, "_index_key", None) != key:
+            self._index = {r.name: r for r in self.nodes}
+            self._index_key = key
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"no node {name!r} in the plan") from None
 
     @property
     def range_nodes(self) -> list[NodeRecord]:
