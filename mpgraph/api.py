@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import itertools
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -138,12 +140,12 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              "or convert the materialised model)")
         abstract = Abstract(trace_device(spec))
         args, kwargs = abstract.fake_inputs(args, kwargs)  # once: capture and the passes share them
+    options = Options(low, second, keep_fp32, spec, strategy, keep_io_types, table,
+                      dict(overrides or {}), check, calibration, tolerance, progress, plan, train)
     with stage("capture"):
         gm = capture(model, args, kwargs, export_only=train, abstract=abstract)
     with fake_mode(abstract):
-        gm, report = _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, strategy,
-                               keep_io_types, table, overrides, check, calibration, tolerance,
-                               progress, plan, train)
+        gm, report = _convert_captured(gm, model, args, kwargs, options)
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
     if not train and model.training and follows_training_flag(gm):
         warnings.warn(f"{type(model).__name__} is in training mode and is converted for inference: "
@@ -156,16 +158,15 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         real = {name: t for name, t in module_tensors(model) if not is_abstract(t)}
         if real:  # buffers built for real beside meta parameters: cast as the plan stored them
             load_weights(gm, real, device=abstract.device, strict=False)
-    gm.plan = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
-                              kept_fp32=keep_fp32)
+    record = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
+                             kept_fp32=keep_fp32, mode=mode, tolerance=report)
+    if plan is None and keep_fp32 is None:  # an explicit dtype (auto says why in kept_fp32)
+        record = dataclasses.replace(record, warning=little_converted(record, spec))
+        if record.warning:
+            warnings.warn(record.warning, UserWarning, stacklevel=2)
+    gm.plan = record
     # copy.deepcopy of a GraphModule keeps only what its meta lists here: the plan goes along
     gm.meta.setdefault("_user_preserved_attributes", {})["plan"] = gm.plan
-    gm.plan.mode = mode
-    gm.plan.tolerance = report
-    if plan is None and keep_fp32 is None:  # an explicit dtype (auto says why in kept_fp32)
-        gm.plan.warning = little_converted(gm.plan, spec)
-        if gm.plan.warning:
-            warnings.warn(gm.plan.warning, UserWarning, stacklevel=2)
     if plan is not None:
         # a node the plan puts low against a numeric-safety finding stays float32 (AssignPrecision
         # warned): that is the plan applied, not a mismatch
@@ -232,41 +233,61 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:
     return convert(model, example_inputs, **options).plan
 
 
-def _convert_captured(gm, model, args, kwargs, low, second, keep_fp32, spec, strategy,
-                      keep_io_types, table, overrides, check, calibration, tolerance, progress,
-                      plan, train):
+@dataclass(frozen=True)
+class Options:
+    """What ``convert`` resolved from its arguments, for the driver and the pipelines."""
+
+    low: torch.dtype                     # the plan's low dtype
+    second: Optional[torch.dtype]        # bf16 beside fp16 (dtype="auto" on GPUs that run both)
+    keep_fp32: Optional[str]             # why every node stays float32 (auto on a slow target)
+    spec: DeviceSpec                     # the target
+    strategy: str
+    keep_io_types: bool
+    table: OpTable
+    overrides: dict
+    check: bool
+    calibration: Optional[list]
+    tolerance: Optional[float]
+    progress: Optional[bool]
+    plan: Optional[Plan]                 # a saved plan to apply
+    train: bool
+
+
+def _convert_captured(gm, model, args, kwargs, opts: Options):
+    """The captured graph through the pipelines (and the tolerance search): (module, report)."""
     from mpgraph.passes.pipeline import default_pipeline, prepare_pipeline
-    gm = run_passes(prepare_pipeline(args, kwargs, calibration, progress, train), gm)
-    simulate = elsewhere(spec, args, kwargs, model)
-    base = copy.deepcopy(gm) if tolerance is not None else None
+    gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train), gm)
+    simulate = elsewhere(opts.spec, args, kwargs, model)
+    base = copy.deepcopy(gm) if opts.tolerance is not None else None
     from_plan = None
-    if plan is not None:
-        check_plan_fits(plan, gm)
-        from_plan = {r.name: (r.dtype, r.reason) for r in plan.compute_nodes}
+    if opts.plan is not None:
+        check_plan_fits(opts.plan, gm)
+        from_plan = {r.name: (r.dtype, r.reason) for r in opts.plan.compute_nodes}
 
     def build(graph, pins: Optional[dict] = None):
-        passes = default_pipeline(low, args, kwargs, spec=spec, strategy=strategy,
-                                  keep_io_types=keep_io_types, op_table=table,
-                                  overrides={**(overrides or {}), **(pins or {})},
-                                  keep_fp32=keep_fp32, check=check, range_dtype=second,
-                                  from_plan=from_plan, train=train, simulate=simulate)
+        passes = default_pipeline(opts.low, args, kwargs, spec=opts.spec, strategy=opts.strategy,
+                                  keep_io_types=opts.keep_io_types, op_table=opts.table,
+                                  overrides={**opts.overrides, **(pins or {})},
+                                  keep_fp32=opts.keep_fp32, check=opts.check,
+                                  range_dtype=opts.second, from_plan=from_plan, train=opts.train,
+                                  simulate=simulate)
         return run_passes(passes, graph)
 
     gm = build(gm)
     report = None
-    if tolerance is not None:
-        calls = [as_call(b) for b in calibration] if calibration is not None else [(args, kwargs)]
+    if opts.tolerance is not None:
+        calls = [as_call(b) for b in opts.calibration] if opts.calibration is not None \
+            else [(args, kwargs)]
         with stage("tolerance search"):
             gm, report = meet_tolerance(base, lambda pins: build(copy.deepcopy(base), pins), gm,
-                                        calls, tolerance, low, simulate)
+                                        calls, opts.tolerance, opts.low, simulate)
     _restore_buffers(gm, model)
-    if not train:
+    if not opts.train:
         # inference: the low-precision parameters are rounded copies, not something to train (an
         # optimizer step on them would round away); frozen, a sharding wrapper such as FSDP2's
         # fully_shard accepts their mix of dtypes (it demands one dtype among trainable ones)
         gm.requires_grad_(False)
     return gm, report
-
 
 
 def elsewhere(spec: DeviceSpec, args: tuple, kwargs: dict, model: torch.nn.Module) -> bool:

@@ -2,14 +2,19 @@
 
 For a machine with one NVIDIA GPU and nothing to download (random-weight HuggingFace models from
 their configs): per model, median latency of fp32 eager, autocast fp16, ``.half()``, mpgraph fp16
-eager, and (for ``--compile-models``) mpgraph + torch.compile and autocast + torch.compile, with
-each one's relative L2 error against fp32 (CUDA events, interleaved runs). Then BERT-base node by
-node: mpgraph.profile's per-node kernels and the share of matmul time in Tensor Core kernels, and,
-where ``ncu`` runs, the command for Nsight Compute's tensor pipe metrics per node. About 3–4
-minutes on an H100/H200 with the defaults. Writes the tables to stdout and to ``--out``.
+eager, mpgraph fp16 replayed from CUDA graphs (``mpgraph.cuda_graph``, its cache stats printed
+once per model), and (for ``--compile-models``) mpgraph + torch.compile and autocast +
+torch.compile, with each one's relative L2 error against fp32 (CUDA events, interleaved runs).
+Then BERT-base node by node: mpgraph.profile's per-node kernels and the share of matmul time in
+Tensor Core kernels, and, where ``ncu`` runs, the command for Nsight Compute's tensor pipe
+metrics per node. About 3–4 minutes on an H100/H200 with the defaults. Writes the tables to
+stdout and to ``--out``. ``--batch 1`` is the latency size (BERT, GPT-2 and Llama at 1x16
+tokens), where eager is bound by the host and CUDA graphs pay most; ``llama`` is a
+TinyLlama-1.1B-shaped Llama, not in the default list.
 
     python examples/bench/gpu_check.py --out gpu_check.txt
     python examples/bench/gpu_check.py --models bert resnet50 --compile-models none
+    python examples/bench/gpu_check.py --models bert gpt2 llama --batch 1 --compile-models none
 """
 from __future__ import annotations
 
@@ -28,6 +33,21 @@ from mpgraph.tools.ncu import ncu_command, query_metrics, shell
 
 FP16 = torch.float16
 SIZES = {"bert": 8, "gpt2": 4, "vit": 8, "resnet50": 8, "convnext": 8}
+MODELS = [*SIZES, "llama"]
+
+
+def build_model(name: str, batch: int):
+    """bench_strategies' five models, and a Llama with TinyLlama-1.1B's shape (random weights)."""
+    if name != "llama":
+        return build(name, batch)
+    import transformers as hf
+    torch.manual_seed(0)
+    cfg = hf.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                         num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                         use_cache=False)
+    seq = 128 if batch > 1 else 16
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return hf.LlamaModel(cfg).eval(), ids
 
 
 def _out(value):
@@ -46,10 +66,12 @@ def _cuda_ms(f, x, rounds: int) -> float:
     return statistics.median(times)
 
 
-def model_rows(name: str, rounds: int, compile_: bool) -> list[str]:
-    model, x = build(name, SIZES[name])
+def model_rows(name: str, rounds: int, compile_: bool, batch: int | None = None) -> list[str]:
+    batch = batch or SIZES.get(name, 1)
+    model, x = build_model(name, batch)
     model, x = model.cuda(), x.cuda()
     converted = mpgraph.convert(model, (x,), dtype=FP16)  # planned for this GPU
+    graphed = mpgraph.cuda_graph(converted)  # one graph for this input shape, on the first call
     half = copy.deepcopy(model).half()
 
     def autocast(inp):
@@ -58,7 +80,7 @@ def model_rows(name: str, rounds: int, compile_: bool) -> list[str]:
 
     variants = {"fp32": model, "autocast": autocast,
                 ".half()": lambda inp: half(inp.half() if inp.is_floating_point() else inp),
-                "mpgraph": converted}
+                "mpgraph": converted, "mpgraph CUDA graph": graphed}
     if compile_:
         variants["autocast + compile"] = torch.compile(autocast)
         variants["mpgraph + compile"] = torch.compile(converted)
@@ -79,9 +101,12 @@ def model_rows(name: str, rounds: int, compile_: bool) -> list[str]:
                 times[k].append(_cuda_ms(f, x, rounds))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"# {name}: {converted.plan.summary()}", flush=True)
+    print(f"# {name} mpgraph CUDA graph: {graphed.stats}", flush=True)
+    size = "x".join(map(str, x.shape))
     for k in variants:
-        rows.append(f"| {name} | {k} | {med[k]:.2f} | {med['fp32'] / med[k]:.2f}× | "
-                    f"{med['autocast'] / med[k]:.2f}× | {errors[k]:.2e} |")
+        rows.append(f"| {name} | {size} | {k} | {med[k]:.2f} | {med['fp32'] / med[k]:.2f}× | "
+                    f"{med['autocast'] / med[k]:.2f}× | {med['.half()'] / med[k]:.2f}× | "
+                    f"{errors[k]:.2e} |")
     return rows
 
 
@@ -107,7 +132,9 @@ def bert_tensor_cores() -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--models", nargs="*", default=list(SIZES), choices=MODELS)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="batch for every model (1: 1x16 tokens, one image); default per model")
     parser.add_argument("--compile-models", nargs="*", default=["bert", "resnet50"],
                         help="models also timed under torch.compile ('none' for none)")
     parser.add_argument("--rounds", type=int, default=20)
@@ -122,10 +149,11 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0)
     lines = [f"{time.strftime('%Y-%m-%d')} {gpu}, torch {torch.__version__}, fp16, median of "
              f"{args.rounds}-call blocks (CUDA events)", "",
-             "| model | variant | median ms | vs fp32 | vs autocast | rel. L2 error |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| model | input | variant | median ms | vs fp32 | vs autocast | vs .half() | "
+             "rel. L2 error |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for name in args.models:
-        lines += model_rows(name, args.rounds, name in args.compile_models)
+        lines += model_rows(name, args.rounds, name in args.compile_models, args.batch)
     lines += [""] + bert_tensor_cores()
     lines.append(f"total {time.time() - start:.0f} s")
     text = "\n".join(lines)

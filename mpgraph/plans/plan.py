@@ -80,11 +80,13 @@ class Plan:
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
-                   target: str = "", strategy: str = "", kept_fp32: Optional[str] = None) -> "Plan":
+                   target: str = "", strategy: str = "", kept_fp32: Optional[str] = None,
+                   mode: str = "inference", tolerance: Optional[dict] = None) -> "Plan":
         plan = cls(dtype=dtype, capture=gm.meta.get(CAPTURE, "unknown"), keep_io_types=keep_io_types,
                    weights=list(gm.meta.get(WEIGHTS, [])), target=target, strategy=strategy,
                    kept_fp32=kept_fp32, estimate=dict(gm.meta.get(ESTIMATE, {})),
-                   check=dict(gm.meta[CHECK]) if gm.meta.get(CHECK) else None)
+                   check=dict(gm.meta[CHECK]) if gm.meta.get(CHECK) else None, mode=mode,
+                   tolerance=tolerance)
         plan.order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
