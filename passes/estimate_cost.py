@@ -17,15 +17,15 @@ import torch
 import torch.fx
 
 from mpgraph.cost.specs import DeviceSpec
-from mpgraph.cost.device import tf32_enabled
+from mpgraph.cost.device import VECTOR_FLOPS_PER_ELEMENT, tf32_enabled
 from mpgraph.ir.graph import input_nodes, is_view, matmul_dims
 from mpgraph.ir.meta import COST, OP_CLASS, TENSOR, tensor_infos
 from mpgraph.passes.op_table import TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 
 # Arithmetic per output element of non-matmul ops, by name fragment (transcendentals are dozens of
-# vector instructions); anything else counts 1. Matches device.VECTOR_FLOPS_PER_ELEMENT for GELU.
-FLOPS_PER_ELEMENT = {"gelu": 20, "tanh": 20, "erf": 20, "exp": 20, "sigmoid": 20, "silu": 20,
+# vector instructions); anything else counts 1. GELU is what the CPU's vector rate is measured on.
+FLOPS_PER_ELEMENT = {"gelu": VECTOR_FLOPS_PER_ELEMENT, "tanh": 20, "erf": 20, "exp": 20, "sigmoid": 20, "silu": 20,
                      "mish": 30, "softplus": 30, "softmax": 25, "log": 20, "pow": 20, "rsqrt": 10,
                      "sqrt": 10, "layer_norm": 10, "group_norm": 10, "rms_norm": 8, "batch_norm": 4,
                      "div": 4}
@@ -177,12 +177,12 @@ class EstimateCost(Pass):
         times = []
         for dtype in (torch.float32, self.low):
             if matmul:
-                peak = spec.matmul_peak(dtype, tf32=self.tf32) or spec.elementwise_peak(dtype) / 2
+                peak = spec.matmul_peak(dtype, tf32=self.tf32) or spec.elementwise_peak() / 2
                 peak *= _quantization(spec, dims)
             else:
-                peak = spec.elementwise_peak(dtype)
+                peak = spec.elementwise_peak()
             nbytes = self._bytes(node, gm, dtype)
-            compute = flops / peak + softmax / spec.elementwise_peak(dtype)
+            compute = flops / peak + softmax / spec.elementwise_peak()
             if spec.kind == "cpu" and dims is not None and dims[0] == "conv" and dtype == torch.float32:
                 # NCHW reorders; low-precision convs run channels_last (the ChannelsLast pass)
                 compute += _CPU_CONV_LAYOUT * nbytes / spec.bandwidth

@@ -57,14 +57,16 @@ def out_of_place(node: torch.fx.Node) -> Optional[tuple[object, dict]]:
     return None
 
 
-def _private_value(value: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
-    """A fresh tensor only this graph sees: produced by an op, not aliasing another value, and
-    not aliased by a view that something reads."""
+def _private_value(value: torch.fx.Node, gm: torch.fx.GraphModule, write: torch.fx.Node,
+                   order: dict) -> bool:
+    """A fresh tensor only this graph sees when ``write`` writes into it: produced by an op, not
+    aliasing another value, and with no view of it taken before the write (a view taken after
+    it is rewired to the new value like any reader)."""
     if value.op not in ("call_function", "call_method", "call_module"):
         return False  # a graph input, parameter or buffer: its mutation is part of the contract
     if is_view(value) or is_inplace(value, gm):
         return False
-    return not any(is_view(user) for user in value.users)
+    return not any(is_view(user) and order.get(user, 0) < order[write] for user in value.users)
 
 
 class Functionalize(Pass):
@@ -81,7 +83,7 @@ class Functionalize(Pass):
                 continue
             value = node.args[0]
             twin = out_of_place(node)
-            if twin is None or not _private_value(value, gm):
+            if twin is None or not _private_value(value, gm, node, order):
                 continue
             target, kwargs = twin
             with graph.inserting_after(node):

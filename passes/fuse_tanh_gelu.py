@@ -100,9 +100,9 @@ class FuseTanhGelu(Pass):
 
     def call(self, gm):
         graph = gm.graph
-        fused = 0
+        fused, erased = 0, set()
         for node in list(graph.nodes):
-            if node.graph is None:  # erased by an earlier fusion
+            if node in erased:  # part of a chain an earlier fusion removed
                 continue
             found = match(node)
             if found is None:
@@ -120,6 +120,7 @@ class FuseTanhGelu(Pass):
             final.replace_all_uses_with(gelu)
             for dead in nodes:
                 graph.erase_node(dead)
+            erased.update(nodes)
             fused += 1
         if fused:
             graph.lint()

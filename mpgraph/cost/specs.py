@@ -34,9 +34,10 @@ class DeviceSpec:
         key = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype)
         return self.peak.get(key) if key else None
 
-    def elementwise_peak(self, dtype: torch.dtype) -> float:
-        """Non-matmul arithmetic: the CUDA cores' fp32 rate on GPUs; on CPUs the measured rate of
-        vector math (``peak["vector"]``, far below the AMX/AVX512 matmul peak)."""
+    def elementwise_peak(self) -> float:
+        """Non-matmul arithmetic, in any dtype (fp16/bf16 elementwise kernels compute in float32):
+        the CUDA cores' fp32 rate on GPUs; on CPUs the measured rate of vector math
+        (``peak["vector"]``, far below the AMX/AVX512 matmul peak)."""
         return self.peak.get("vector", self.peak["fp32"])
 
 

@@ -104,7 +104,15 @@ def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
 
 def cast_source(node):
     """The value a node stands for, looking through a cast InsertCasts put in front of it."""
-    return node.args[0] if node.meta.get(INSERTED_BY) == "InsertCasts" else node
+    return node.args[0] if is_inserted_cast(node) else node
+
+
+CAST_INSERTER = "InsertCasts"  # the pass whose casts plans list (INSERTED_BY of those nodes)
+
+
+def is_inserted_cast(node) -> bool:
+    """A precision cast the plan inserted (not the model's own ``.to()``)."""
+    return node.meta.get(INSERTED_BY) == CAST_INSERTER
 
 
 def is_float32_tensor(info: ValueInfo) -> bool:

@@ -14,9 +14,10 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import module_path, target_name
-from mpgraph.ir.meta import (CAPTURE, CHECK, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION, RANGE,
-                             SAFETY, TENSOR, TENSOR_CORES, WEIGHTS, TensorInfo, WeightRecord,
-                             cast_source, dtype_name, planned_dtype, shape_of)
+from mpgraph.ir.meta import (CAPTURE, CHECK, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION,
+                             RANGE, SAFETY, TENSOR, TENSOR_CORES, TensorInfo, WEIGHTS,
+                             WeightRecord, cast_source, dtype_name, is_inserted_cast,
+                             planned_dtype, shape_of)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Plan:
         plan.order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
-            if node.meta.get(INSERTED_BY) == "InsertCasts":
+            if is_inserted_cast(node):
                 info = node.args[0].meta.get(TENSOR)
                 plan.casts.append(CastRecord(
                     name=node.name, value=node.args[0].name,

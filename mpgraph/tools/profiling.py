@@ -23,7 +23,7 @@ import torch.fx
 from torch.autograd import DeviceType
 
 from mpgraph.ir.graph import as_call, flat_inputs, to_device
-from mpgraph.ir.meta import INSERTED_BY, dtype_name
+from mpgraph.ir.meta import dtype_name, is_inserted_cast
 from mpgraph.plans.plan import Plan
 
 RANGE_PREFIX = "mpgraph:"
@@ -280,7 +280,7 @@ def attribute(events, plan: Plan, gm, iters: int, device: str, cuda: bool) -> Pr
                 found[d.name] = found.get(d.name, 0.0) + d.self_cpu_time_total / 1e6
             times.setdefault(name, []).append(e.cpu_time_total / 1e6)
     result = ProfileResult(device, iters, kernels_observed=observed)
-    casts = {n.name for n in gm.graph.nodes if n.meta.get(INSERTED_BY) == "InsertCasts"}
+    casts = {n.name for n in gm.graph.nodes if is_inserted_cast(n)}
     for node in gm.graph.nodes:
         if node.name not in times:
             continue
