@@ -9,6 +9,11 @@ its inputs already have float32 casts: one cast fewer, none added. Parameters an
 from parameters alone are not decided here: they take the dtype their readers need, at
 conversion time, so no weight is ever cast at run time.
 
+A norm between low ops reads and writes the low dtype (``OpEntry.low_io``) with float32
+parameters where the target's kernel takes that mix (CPU kernels, batch norm on CUDA), else with
+parameters in the low dtype (CUDA's and ONNX's layer/group norm): the plan is the target's, not
+this machine's (``kernels``: the target kind).
+
 A parameter added to or concatenated with activations (a class token, a position embedding) is a
 float32 value there, not a weight, as in autocast's type promotion; so a residual stream that
 starts at such an op stays float32. A parameter that scales activations (a layer scale) is a
@@ -29,7 +34,7 @@ import torch.fx
 from mpgraph.ir.edges import required_dtype
 from mpgraph.ir.graph import input_nodes, is_inplace, module_path, mutated_nodes, target_name
 from mpgraph.ir.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
-from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE
+from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok
 from mpgraph.passes.infra import Pass, PassResult
 
 log = logging.getLogger(__name__)
@@ -79,8 +84,11 @@ class AssignPrecision(Pass):
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                  range_dtype: Optional[torch.dtype] = None, from_plan: Optional[dict] = None,
-                 train: bool = False):
+                 train: bool = False, kernels: Optional[str] = None):
         self.keep_fp32 = keep_fp32  # a reason to keep every node in float32 (dtype="auto")
+        # the target kind whose kernel contracts the plan keeps ("cpu", "gpu", "onnx"; see
+        # op_table.KERNEL_KINDS); None: a plan every target's kernels accept
+        self.kernels = kernels
         self.low = low_dtype
         # bf16 beside fp16 (dtype="auto" on GPUs with both): for nodes fp16's range keeps out
         self.range_dtype = range_dtype
@@ -263,9 +271,18 @@ class AssignPrecision(Pass):
         if op_info.low_io and activations and node not in self._norms_fp32 \
                 and all(dec[a].dtype == self.low for a in activations) \
                 and not self._safety_reason(node, rules=("range", "underflow")):
-            return Decision(self.low, f"reads and writes {dtype_name(self.low)}, computes in float32 "
-                                      "inside with float32 parameters (the values of casting "
-                                      "around it, without the casts)", param_dtype=FP32)
+            low = dtype_name(self.low)
+            if mixed_params_ok(op_info.low_io, self.kernels):
+                return Decision(self.low, f"reads and writes {low}, computes in float32 inside "
+                                          "with float32 parameters (the values of casting around "
+                                          "it, without the casts)", param_dtype=FP32)
+            # the target's kernel wants the parameters in the input's dtype (CUDA's layer norm):
+            # stored low, as autocast-free fp16 models do; the statistics stay float32 inside
+            if not self._safety_reason(node, rules=("weight",)):
+                return Decision(self.low, f"reads and writes {low}, computes in float32 inside "
+                                          f"with {low} parameters (the {self.kernels or 'portable'} "
+                                          f"kernel takes no float32 parameters with a {low} input)",
+                                param_dtype=self.low)
         if cls != FOLLOW:  # fp32_compute, fp32_only, unknown
             why = self._safety_reason(node, rules=("unproven_range",))
             in_range_dtype = self._range_decision(node) if why else None

@@ -43,7 +43,8 @@ class AssignPrecisionOptimal(AssignPrecision):
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                  tf32: Optional[bool] = None, range_dtype: Optional[torch.dtype] = None,
                  from_plan: Optional[dict] = None, train: bool = False):
-        super().__init__(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype, from_plan, train)
+        super().__init__(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype, from_plan, train,
+                         kernels=spec.kind)
         self.spec = spec
         self.costs = EstimateCost(spec, low_dtype, tf32)
 

@@ -51,10 +51,12 @@ class OpEntry:
     # embedding, a class token), not a weight: it keeps float32 and so does the op, which keeps a
     # residual stream that starts at such an op in float32, as autocast's type promotion does
     params_as_values: bool = False
-    # may read and write the low dtype while computing in float32 inside the kernel, with float32
-    # parameters (PyTorch's mixed-dtype layer/group norm): used where its input is already low
-    # and all its readers want low, so the values are those of casting around it, minus 2 casts
-    low_io: bool = False
+    # may read and write the low dtype while computing in float32 inside the kernel (a norm):
+    # used where its input is already low and all its readers want low, 2 casts fewer than
+    # casting around it. The value is the kernel contract: the target kinds whose kernel takes
+    # float32 parameters with a low input (then the values are exactly those of casting around
+    # it); on the others its parameters are stored in the low dtype. Empty: no low I/O.
+    low_io: tuple[str, ...] = ()
 
     def class_for(self, low_dtype: torch.dtype, inference: bool = False) -> str:
         if inference and self.inference is not None:
@@ -66,9 +68,31 @@ class OpEntry:
 
 def _group(targets, op_class: str, reason: str, bf16: Optional[str] = None,
            inference: Optional[str] = None, inference_reason: str = "",
-           params_as_values: bool = False, low_io: bool = False) -> dict[Any, OpEntry]:
+           params_as_values: bool = False, low_io: tuple[str, ...] = ()) -> dict[Any, OpEntry]:
     entry = OpEntry(op_class, reason, bf16, inference, inference_reason, params_as_values, low_io)
     return {t: entry for t in targets}
+
+
+# Target kinds a plan is made for (DeviceSpec.kind, and an ONNX file), and which of their
+# kernels take a low-precision input with float32 parameters (weight, bias, running statistics).
+CPU, GPU, ONNX = "cpu", "gpu", "onnx"
+KERNEL_KINDS = (CPU, GPU, ONNX)
+# ATen's CPU layer/group norm take float32 gamma/beta with bf16/fp16 input (mixed-dtype path);
+# CUDA's read gamma/beta as the input's type (layer_norm_kernel.cu, group_norm_kernel.cu:
+# "expected scalar type Half but found Float"); ONNX LayerNormalization and GroupNormalization
+# type X, Scale and B as one T (their statistics stay float32: stash_type=1).
+_MIXED_NORM = (CPU,)
+# CPU batch norm has the same mixed-dtype path; CUDA's batch_norm_elementwise dispatches float
+# parameters with a half input and cuDNN demands them; ONNX BatchNormalization (opset 15) types
+# scale/B (T1) and mean/var (T2) apart from X (T).
+_MIXED_BN = (CPU, GPU, ONNX)
+
+
+def mixed_params_ok(low_io, kind: Optional[str]) -> bool:
+    """Whether ``kind``'s kernel (None: every target's) takes float32 parameters with a low
+    input, by an entry's ``low_io`` (``True``, from an older user entry, means every target)."""
+    kinds = KERNEL_KINDS if low_io is True else tuple(low_io or ())
+    return all(k in kinds for k in ((kind,) if kind else KERNEL_KINDS))
 
 
 def _aten(*names: str) -> list:
@@ -122,11 +146,11 @@ MODULE_TABLE: dict[Any, OpEntry] = {
     **_group(_mods("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
                    "ConvTranspose3d", "LazyConv1d", "LazyConv2d", "LazyConv3d"), TENSOR_CORE, _CONV),
     **_group(_mods("MultiheadAttention"), TENSOR_CORE, _MHA),
-    **_group(_mods("LayerNorm", "GroupNorm"), FP32_COMPUTE, _NORM, low_io=True),
+    **_group(_mods("LayerNorm", "GroupNorm"), FP32_COMPUTE, _NORM, low_io=_MIXED_NORM),
     **_group(_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm",
                    "RMSNorm"), FP32_COMPUTE, _NORM),
     **_group(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm") + [TrainingBatchNorm],
-             FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL, low_io=True),
+             FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL, low_io=_MIXED_BN),
     **_group([CountBatches], FOLLOW, "counts batches (an integer buffer): no float arithmetic"),
     **_group([DropoutRate], FOLLOW, "a dropout probability (a Python float): no tensor"),
     **_group(_mods("Softmax", "LogSoftmax", "Softmin", "Softmax2d"), FP32_COMPUTE, _SOFTMAX),
@@ -167,10 +191,10 @@ FUNCTION_TABLE: dict[Any, OpEntry] = {
     **_group([F.scaled_dot_product_attention], TENSOR_CORE, _SDPA),
     # fp32 compute
     **_group([F.layer_norm, F.group_norm, torch.layer_norm, torch.group_norm], FP32_COMPUTE, _NORM,
-             low_io=True),
+             low_io=_MIXED_NORM),
     **_group([F.instance_norm, F.local_response_norm]
              + ([F.rms_norm] if hasattr(F, "rms_norm") else []), FP32_COMPUTE, _NORM),
-    **_group([F.batch_norm, torch.batch_norm], FP32_COMPUTE, _BN, low_io=True, inference=FOLLOW,
+    **_group([F.batch_norm, torch.batch_norm], FP32_COMPUTE, _BN, low_io=_MIXED_BN, inference=FOLLOW,
              inference_reason=_BN_EVAL),
     **_group([F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax],
              FP32_COMPUTE, _SOFTMAX),
@@ -264,12 +288,12 @@ ATEN_TABLE: dict[Any, OpEntry] = {
                    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
              TENSOR_CORE, _CONV),
     **_group(_aten("scaled_dot_product_attention"), TENSOR_CORE, _SDPA),
-    **_group(_aten("layer_norm", "group_norm"), FP32_COMPUTE, _NORM, low_io=True),
+    **_group(_aten("layer_norm", "group_norm"), FP32_COMPUTE, _NORM, low_io=_MIXED_NORM),
     **_group(_aten("native_layer_norm", "native_group_norm", "_native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training", "instance_norm", "rms_norm",
                    "_fused_rms_norm"), FP32_COMPUTE, _NORM),
     **_group(_aten("batch_norm"), FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL,
-             low_io=True),
+             low_io=_MIXED_BN),
     **_group(_aten("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"),
              FP32_COMPUTE, _SOFTMAX),
     **_group(_aten("exp", "exp_", "expm1", "pow", "pow_", "rsqrt", "reciprocal", "sinh", "cosh",

@@ -51,7 +51,7 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
                                               train=train)
     else:
         decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype,
-                                 from_plan, train)
+                                 from_plan, train, kernels=spec.kind)
     passes: list[Pass] = [
         ClassifyOps(low_dtype, op_table),     # analysis: op class per node
         NumericSafety(low_dtype, alt_dtype=range_dtype),  # analysis: fp32 findings, evidence

@@ -12,6 +12,7 @@ ir = pytest.importorskip("onnx_ir")
 pytest.importorskip("onnxruntime")
 
 import mpgraph  # noqa: E402
+from mpgraph.cost.specs import DeviceSpec  # noqa: E402
 from mpgraph.tools.onnx_check import inspect_model, load_with_types, validate_onnx  # noqa: E402
 
 from conftest import convert_rules, MLP, ConvBnReluPool, ConvNextish, SoftmaxAttention  # noqa: E402
@@ -27,8 +28,17 @@ def _tel():
     return nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
 
 
+def _convnext():
+    """ConvNeXt (issue 17): channels-last LayerNorms between convs and linears."""
+    from transformers import ConvNextConfig, ConvNextModel
+    torch.manual_seed(0)
+    config = ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], image_size=64)
+    return ConvNextModel(config).eval()
+
+
 SMALL = {
     "mlp": (lambda: MLP().eval(), lambda: (torch.randn(4, 16),), {}),
+    "convnext": (_convnext, lambda: (torch.randn(2, 3, 64, 64),), {}),
     "cnn": (lambda: ConvBnReluPool().eval(), lambda: (torch.randn(2, 3, 16, 16),), {}),
     "attention": (lambda: SoftmaxAttention().eval(), lambda: (torch.randn(2, 6, 16),), {}),
     "transformer_encoder_layer": (_tel, lambda: (torch.randn(2, 10, 32),), {}),
@@ -70,7 +80,9 @@ def test_small_models_export_and_validate(name, low, tmp_path):
     build, inputs, kwargs = SMALL[name]
     model, args = build(), inputs()
     path = tmp_path / f"{name}.onnx"
-    result = export_onnx(model, args, path, dtype=low)
+    # static shapes: dynamic ones (the default) are tested on BERT (test_semantics.py) and cost
+    # a second symbolic trace per export here
+    result = export_onnx(model, args, path, dtype=low, dynamic_shapes=None)
     assert path.exists() and result.path == str(path)
     assert result.exporter == "torch.onnx.export(dynamo=True)"
     v = result.validation
@@ -253,17 +265,50 @@ def test_cli_export(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+# a CPU whose low-precision matmuls are 1000x its float32 ones: its plans keep CPU kernel
+# contracts (float32 norm parameters with low input) whatever CPU runs the tests
+FAST_LOW_CPU = DeviceSpec("test CPU, low precision 1000x float32", "cpu",
+                          {"fp32": 1e9, "fp16": 1e12, "bf16": 1e12, "vector": 1e9}, 1e9, 1, 0.0)
+
+
+@pytest.mark.parametrize("target", ["a100", "cpu"])
 @pytest.mark.parametrize("low", ["fp16", "bf16"])
-def test_norm_with_low_io_exports_and_validates(low, tmp_path):
+def test_norm_with_low_io_exports_and_validates(low, target, tmp_path):
+    """LayerNormalization types X, Scale and B as one T. A GPU plan stores the scale and bias low
+    (CUDA's kernel wants that too); a CPU plan's float32 ones are converted in the file."""
     model, x = ConvNextish().eval(), torch.randn(2, 8, 6, 6)
-    result = export_onnx(model, x, tmp_path / "n.onnx", dtype=low)
+    if target == "a100":
+        result = export_onnx(model, x, tmp_path / "n.onnx", dtype=low)
+    else:
+        converted = mpgraph.convert(model, x, dtype=low, target=FAST_LOW_CPU)
+        assert converted.norm.weight.dtype == torch.float32
+        result = export_onnx(converted, x, tmp_path / "n.onnx")
     assert result.plan.node("norm").dtype == {"fp16": "float16", "bf16": "bfloat16"}[low]
     assert result.casts_in_file == 2 and result.validation is not None
+    assert result.edits["folded weights stored in the activation dtype"] == (target == "cpu") * 2
     norm = next(n for n in load_with_types(str(tmp_path / "n.onnx")).graph
                 if n.op_type == "LayerNormalization")
-    assert norm.inputs[0].dtype == LOW[low]
+    assert [v.dtype for v in norm.inputs] == [LOW[low]] * 3
     stash = norm.attributes.get("stash_type")
     assert stash is None or stash.value == 1  # statistics in float32
+
+
+def test_convnext_planned_for_a_cpu_exports_with_one_type_per_layer_norm(tmp_path):
+    """Issue 17: ConvNeXt's file failed onnx.checker (LayerNormalization with a float32 Scale; the
+    GPU plan is in SMALL). A CPU plan keeps float32 norm parameters, and the exporter merges equal
+    initializers (the last stage's LayerNorm and the pooler's: ones and zeros), so one feeds a
+    float16 and a float32 norm: the float16 one gets a converted copy."""
+    model, x = _convnext(), torch.randn(2, 3, 64, 64)
+    path = tmp_path / "c.onnx"
+    result = export_onnx(mpgraph.convert(model, x, dtype="fp16", target=FAST_LOW_CPU), x, path,
+                         dynamic_shapes=None)
+    v = result.validation
+    assert v is not None and max(v.err_vs_converted) < 1e-2
+    norms = [n for n in load_with_types(str(path)).graph if n.op_type == "LayerNormalization"]
+    low = [n for n in norms if n.inputs[0].dtype == ir.DataType.FLOAT16]
+    assert len(low) >= 4 and len(norms) > len(low)
+    assert any(v.name.endswith("_float16") for n in low for v in n.inputs[1:])
+    assert all(v.dtype == n.inputs[0].dtype for n in norms for v in n.inputs)
 
 
 @pytest.mark.parametrize("trap", ["RMSNorm pow(2).mean on large values", "-1e9 attention mask",

@@ -56,7 +56,7 @@ class OpInfo:
     reason: str
     key: str  # the table key that matched, e.g. "nn.Linear" or "aten.linear"
     params_as_values: bool = False  # see OpEntry.params_as_values
-    low_io: bool = False            # see OpEntry.low_io
+    low_io: tuple = ()              # see OpEntry.low_io: the target kinds that take the mix
 
 
 @dataclass(frozen=True)

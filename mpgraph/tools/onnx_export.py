@@ -213,27 +213,38 @@ def _weights_in_input_dtype(graph, ir) -> int:
     """Float32 initializers of ops whose ONNX type constraint ties them to the activations'
     type go to that type, converted once, here: weights the exporter's optimiser recomputed in
     float32 (eval batch norm folded into a bf16 Conv), and the float32 scale/bias of a layer or
-    group norm the plan runs with low I/O (ONNX keeps its statistics in float32: stash_type=1)."""
+    group norm that a plan for a CPU runs with low I/O (CPU kernels take that mix, ONNX's do not:
+    op_table's contract; ONNX keeps the statistics in float32, stash_type=1). An initializer the
+    exporter shares with float32 readers gets a converted copy for the low ones."""
     import ml_dtypes
     import numpy as np
 
     np_type = {ir.DataType.FLOAT16: np.float16, ir.DataType.BFLOAT16: ml_dtypes.bfloat16}
     fixed = 0
-    for node in graph:
+    copies = {}  # (initializer name, dtype) -> its converted copy
+    for node in list(graph):
         if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul", "LayerNormalization",
                                 "GroupNormalization") or node.inputs[0] is None:
             continue
         want = node.inputs[0].dtype
         if want not in np_type:
             continue
-        for value in node.inputs[1:]:
+        for i, value in enumerate(node.inputs[1:], 1):
             if value is None or not value.is_initializer() or value.dtype != ir.DataType.FLOAT \
                     or value.const_value is None:
                 continue
-            if any(user.inputs[0] is None or user.inputs[0].dtype != want for user, _ in value.uses()):
-                continue
-            value.const_value = ir.tensor(value.const_value.numpy().astype(np_type[want]), name=value.name)
-            value.dtype = want
+            low = value.const_value.numpy().astype(np_type[want])
+            if all(user.inputs[0] is not None and user.inputs[0].dtype == want
+                   for user, _ in value.uses()):
+                value.const_value = ir.tensor(low, name=value.name)
+                value.dtype = want
+            else:  # shared with float32 readers (the exporter merges equal initializers): a copy
+                key = (value.name, want)
+                if key not in copies:
+                    name = f"{value.name}_{want.name.lower()}"
+                    copies[key] = ir.val(name, want, value.shape, const_value=ir.tensor(low, name=name))
+                    graph.register_initializer(copies[key])
+                node.replace_input_with(i, copies[key])
             fixed += 1
     return fixed
 
