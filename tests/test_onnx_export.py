@@ -372,3 +372,25 @@ def test_model_over_2gb_exports_with_external_data_and_validates_by_path(tmp_pat
         for f in tmp_path.iterdir():
             f.unlink()
     assert not list(tmp_path.iterdir())
+
+
+def test_onnx_ir_passes_alone_on_a_hand_made_graph():
+    """The plan's IR edits are onnx-ir passes: each runs on a small model of its own."""
+    from mpgraph.tools.onnx_passes import AttentionSoftmaxFp32, RemoveNoopCasts, SoftmaxFp32
+    x = ir.val("x", ir.DataType.FLOAT16, ir.Shape([2, 4]))
+    noop = ir.node("Cast", [x], {"to": ir.DataType.FLOAT16}, name="noop")
+    noop.outputs[0].dtype, noop.outputs[0].shape = ir.DataType.FLOAT16, x.shape
+    soft = ir.node("Softmax", [noop.outputs[0]], {"axis": -1}, name="soft")
+    soft.outputs[0].dtype, soft.outputs[0].shape = ir.DataType.FLOAT16, x.shape
+    soft.outputs[0].name = "y"
+    graph = ir.Graph([x], [soft.outputs[0]], nodes=[noop, soft], opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=10)
+    removed = RemoveNoopCasts()
+    assert removed(model).modified and removed.count == 1
+    assert [n.op_type for n in model.graph] == ["Softmax"] and soft.inputs[0] is x
+    wrap = SoftmaxFp32()
+    assert wrap(model).modified and wrap.count == 1
+    assert [n.op_type for n in model.graph] == ["Cast", "Softmax", "Cast"]
+    assert soft.inputs[0].dtype == ir.DataType.FLOAT and soft.outputs[0].dtype == ir.DataType.FLOAT
+    assert model.graph.outputs[0].dtype == ir.DataType.FLOAT16
+    assert not AttentionSoftmaxFp32()(model).modified  # no Attention op: nothing to do

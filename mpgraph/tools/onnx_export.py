@@ -27,7 +27,6 @@ from mpgraph.ir.graph import as_call, target_name
 from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
 from mpgraph.ir.meta import dtype_name
-from mpgraph.tools.onnx_check import ir_dtype, is_precision_cast
 from mpgraph.plans.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,6 @@ DEFAULT_TARGET = "a100-80gb"  # what a plan is made for when no GPU is here and 
 DEFAULT_OPSET = 23  # the first opset with an Attention op whose softmax precision can be stated
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # bytes of weights above which they go to a .data file
 _PROTOBUF_LIMIT = (1 << 31) - (1 << 26)  # one protobuf must stay under 2 GiB, with room for the graph
-ORIGIN = "mpgraph.origin"  # metadata key on nodes mpgraph added or annotated
 
 
 @dataclass
@@ -189,153 +187,6 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     return model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: {reason}]", None
 
 
-# -- edits on the IR so that the file states the plan ------------------------------------------
-def _cast_to(node, ir):
-    return ir.DataType(node.attributes["to"].value)
-
-
-def _remove_noop_casts(graph, ir) -> int:
-    """Casts to the type a value already has (the model's ``.to(float32)`` on a float32 value)."""
-    removed = 0
-    for node in list(graph):
-        if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
-            continue
-        src, out = node.inputs[0], node.outputs[0]
-        if src is None or src.dtype is None or src.dtype != _cast_to(node, ir) or out.is_graph_output():
-            continue
-        out.replace_all_uses_with(src)
-        graph.remove(node, safe=True)
-        removed += 1
-    return removed
-
-
-def _weights_in_input_dtype(graph, ir) -> int:
-    """Float32 initializers of ops whose ONNX type constraint ties them to the activations'
-    type go to that type, converted once, here: weights the exporter's optimiser recomputed in
-    float32 (eval batch norm folded into a bf16 Conv), and the float32 scale/bias of a layer or
-    group norm that a plan for a CPU runs with low I/O (CPU kernels take that mix, ONNX's do not:
-    op_table's contract; ONNX keeps the statistics in float32, stash_type=1). An initializer the
-    exporter shares with float32 readers gets a converted copy for the low ones."""
-    import ml_dtypes
-    import numpy as np
-
-    np_type = {ir.DataType.FLOAT16: np.float16, ir.DataType.BFLOAT16: ml_dtypes.bfloat16}
-    fixed = 0
-    copies = {}  # (initializer name, dtype) -> its converted copy
-    for node in list(graph):
-        if node.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul", "LayerNormalization",
-                                "GroupNormalization") or node.inputs[0] is None:
-            continue
-        want = node.inputs[0].dtype
-        if want not in np_type:
-            continue
-        for i, value in enumerate(node.inputs[1:], 1):
-            if value is None or not value.is_initializer() or value.dtype != ir.DataType.FLOAT \
-                    or value.const_value is None:
-                continue
-            low = value.const_value.numpy().astype(np_type[want])
-            if all(user.inputs[0] is not None and user.inputs[0].dtype == want
-                   for user, _ in value.uses()):
-                value.const_value = ir.tensor(low, name=value.name)
-                value.dtype = want
-            else:  # shared with float32 readers (the exporter merges equal initializers): a copy
-                key = (value.name, want)
-                if key not in copies:
-                    name = f"{value.name}_{want.name.lower()}"
-                    copies[key] = ir.val(name, want, value.shape, const_value=ir.tensor(low, name=name))
-                    graph.register_initializer(copies[key])
-                node.replace_input_with(i, copies[key])
-            fixed += 1
-    return fixed
-
-
-def _norm_input_casts(graph, ir) -> int:
-    """Put back the input Cast that the exporter's RMSNorm/LayerNorm fusion absorbed.
-
-    The plan runs a norm in float32 on a cast of a low value; the onnxscript fusion (opset 23)
-    folds ``Cast(fp16->fp32) -> pow -> mean -> ... -> mul`` into one RMSNormalization reading the
-    fp16 value while declaring a float32 output, which ONNX forbids (X and Y share one type).
-    The Cast goes back in front of the fused op: the file then computes what the plan says."""
-    restored = 0
-    for node in list(graph):
-        if node.op_type not in ("RMSNormalization", "LayerNormalization") \
-                or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
-            continue
-        x, y = node.inputs[0], node.outputs[0]
-        if x.dtype is None or y.dtype is None or x.dtype == y.dtype:
-            continue
-        cast = ir.node("Cast", [x], {"to": y.dtype}, name=f"{node.name}_input_cast")
-        cast.outputs[0].dtype, cast.outputs[0].shape = y.dtype, x.shape
-        graph.insert_before(node, cast)
-        node.replace_input_with(0, cast.outputs[0])
-        restored += 1
-    return restored
-
-
-def _attention_softmax_fp32(graph, ir) -> int:
-    """Attention with fp16/bf16 inputs computes its softmax in float32, as the plan says."""
-    changed = 0
-    for node in graph:
-        if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and node.inputs[0] is not None \
-                and node.inputs[0].dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-            node.attributes["softmax_precision"] = ir.AttrInt64("softmax_precision", int(ir.DataType.FLOAT))
-            changed += 1
-    return changed
-
-
-def _softmax_fp32(graph, ir) -> int:
-    """Below opset 23 attention is decomposed; its Softmax gets float32 input and output casts."""
-    wrapped = 0
-    for node in list(graph):
-        if node.op_type not in ("Softmax", "LogSoftmax") or node.domain not in ("", "ai.onnx"):
-            continue
-        low = node.inputs[0].dtype
-        if low not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-            continue
-        meta = {ORIGIN: "softmax inside decomposed attention, computed in float32"}
-        up = ir.node("Cast", [node.inputs[0]], {"to": ir.DataType.FLOAT}, name=f"{node.name}_in_fp32",
-                     metadata_props=dict(meta))
-        up.outputs[0].dtype = ir.DataType.FLOAT
-        up.outputs[0].shape = node.inputs[0].shape
-        graph.insert_before(node, up)
-        node.replace_input_with(0, up.outputs[0])
-        out = node.outputs[0]
-        down = ir.node("Cast", [out], {"to": low}, name=f"{node.name}_out_low", metadata_props=dict(meta))
-        graph.insert_after(node, down)
-        out.replace_all_uses_with(down.outputs[0], replace_graph_outputs=True)
-        down.replace_input_with(0, out)
-        down.outputs[0].dtype, down.outputs[0].shape = low, out.shape
-        out.dtype = ir.DataType.FLOAT
-        wrapped += 1
-    return wrapped
-
-
-def _match_casts(graph, plan: Plan, ir) -> tuple[int, int, list[str]]:
-    """Pair the file's precision casts with the plan's, in order; annotate each with its origin."""
-    ours = [n for n in graph if is_precision_cast(n) and ORIGIN not in n.metadata_props]
-    expected = plan.cast_sequence()
-    differences = []
-    for i, node in enumerate(ours):
-        if i >= len(expected):
-            differences.append(f"extra Cast {node.name} ({node.inputs[0].dtype.name}->"
-                               f"{_cast_to(node, ir).name}) not in the plan")
-            continue
-        rec = expected[i]
-        got = (node.inputs[0].dtype.name, _cast_to(node, ir).name)
-        want = (ir_dtype(getattr(torch, rec.src)).name, ir_dtype(getattr(torch, rec.dst)).name)
-        if got != want:
-            differences.append(f"Cast {node.name} is {got[0]}->{got[1]}, plan cast {rec.name} is "
-                               f"{want[0]}->{want[1]}")
-        node.metadata_props[ORIGIN] = ("plan cast" if rec.inserted_by != "model" else "model's own cast")
-        node.metadata_props["mpgraph.cast"] = rec.name
-        node.metadata_props["mpgraph.value"] = rec.value
-        node.metadata_props["mpgraph.inserted_by"] = rec.inserted_by
-    for rec in expected[len(ours):]:
-        differences.append(f"plan cast {rec.name} ({rec.src}->{rec.dst} of {rec.value}) has no Cast "
-                           "in the file")
-    return len(ours), len(expected), differences
-
-
 def _provenance(plan: Plan, exporter: str) -> dict[str, str]:
     fp32 = [{"node": r.name, "op_class": r.op_class, "reason": r.reason}
             for r in plan.compute_nodes if r.dtype == "float32"]
@@ -351,15 +202,17 @@ def _provenance(plan: Plan, exporter: str) -> dict[str, str]:
 
 
 def _postprocess(model, plan: Plan, exporter: str, ir) -> tuple[dict, tuple[int, int, list[str]]]:
-    graph = model.graph
-    edits = {"removed no-op casts": _remove_noop_casts(graph, ir),
-             "norm input casts restored after fusion": _norm_input_casts(graph, ir),
-             "folded weights stored in the activation dtype": _weights_in_input_dtype(graph, ir),
-             "attention softmax set to float32": _attention_softmax_fp32(graph, ir),
-             "decomposed softmax wrapped in float32 casts": _softmax_fp32(graph, ir)}
-    matched = _match_casts(graph, plan, ir)
+    """The plan's edits on the exported IR (mpgraph.tools.onnx_passes), the casts paired with
+    the plan's, and the plan's provenance in the model's metadata."""
+    from mpgraph.tools.onnx_passes import AnnotatePlanCasts, plan_passes
+    edits = {}
+    for p in plan_passes():
+        p(model)
+        edits[p.description] = p.count
+    annotate = AnnotatePlanCasts(plan)
+    annotate(model)
     model.metadata_props.update(_provenance(plan, exporter))
-    return edits, matched
+    return edits, (annotate.in_file, annotate.expected, annotate.differences)
 
 
 def _initializer_bytes(model) -> int:
