@@ -1,0 +1,349 @@
+"""Generation with a converted decoder (mpgraph.convert_decoder, mpgraph.generate): tiny Llama and
+GPT-2 (random weights, built from configs) against the float32 model's own greedy ``generate``;
+the static KV cache (written in place, never reallocated, shared by both graphs); weights stored
+once; EOS, sampling, padding; the CUDA-graph decode path with a stand-in backend on the CPU, and
+for real on a GPU (skipped without one).
+
+How tokens are compared. A greedy token can only differ from float32's where the two best fp32
+logits are closer than the converted logits' error can move them. Each test first checks that
+error, teacher-forced (the converted decoder fed float32's own tokens, ``forced_tokens``): at
+every step and row the relative L2 error of the logits is at most ``BOUND`` = two units of the
+dtype's rounding (fp16 2^-10, bf16 2^-7). Then no logit is off by more than BOUND * |l|_2, so
+a step whose fp32 top-2 margin exceeds ``2 * BOUND * |l|_2`` is *decided*: the tokens must be
+equal there. Free-running, the sequences must be equal up to each row's first undecided step
+(after it they may part, and then differ everywhere, since they continue from different
+tokens); teacher-forced, at every decided step. Undecided steps must be rare (at most a quarter).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+import mpgraph
+from conftest import GPU, MLP
+from mpgraph.ir.graph import fetch_attr, is_inplace
+from mpgraph.tools.cuda_graph import CudaGraphBackend
+from mpgraph.tools.generate import cache_names, share_tensors
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, PROMPT, NEW, SLOTS = 100, 8, 16, 40
+# relative L2 error of the logits allowed per step: two units of the dtype's rounding
+BOUND = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+_BUILT: dict = {}
+
+
+def built(kind: str, dtype: str):
+    """(model, decoder): one conversion per model and dtype for the whole module (batch 2)."""
+    if (kind, dtype) not in _BUILT:
+        model = MODELS[kind]()
+        example = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+        decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS, dtype=dtype,
+                                          target=GPU)
+        _BUILT[kind, dtype] = model, decoder
+    return _BUILT[kind, dtype]
+
+
+def prompt(rows: int = 2, length: int = PROMPT, seed: int = 5):
+    return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, ids, n=NEW, mask=None, eos=None, pad=0):
+    """float32 greedy: HF's own generate (dynamic cache), its sequences and per-step logits."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
+                             max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                             pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits).float()          # (B, L+n), (n, B, V)
+
+
+def decided(ref_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(n, B) True where the fp32 top-2 margin exceeds what an error within BOUND can flip."""
+    top2 = ref_logits.topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1] > 2 * BOUND[dtype] * ref_logits.norm(dim=-1)
+
+
+def compare(model, decoder, dtype, ids, mask=None):
+    """The checks of the module docstring; returns what was measured."""
+    seq, ref = reference(model, ids, mask=mask)
+    cont = seq[:, ids.shape[1]:]
+    forced = mpgraph.generate(decoder, ids, NEW, attention_mask=mask, forced_tokens=cont,
+                              output_logits=True)
+    err = (forced.logits - ref).norm(dim=-1) / ref.norm(dim=-1)        # (n, B)
+    assert float(err.max()) <= BOUND[dtype], f"logits error {float(err.max()):.2e}"
+    ok = decided(ref, dtype)
+    tf_tokens = forced.logits.argmax(-1)                                # (n, B)
+    assert torch.equal(tf_tokens[ok], cont.T[ok]), "teacher-forced token differs at a decided step"
+    free = mpgraph.generate(decoder, ids, NEW, attention_mask=mask)
+    assert torch.equal(free[:, :ids.shape[1]], ids)
+    agree = []
+    for row in range(ids.shape[0]):
+        undecided = (~ok[:, row]).nonzero()
+        upto = int(undecided[0]) if len(undecided) else NEW
+        assert torch.equal(free[row, ids.shape[1]:][:upto], cont[row, :upto]), \
+            f"row {row}: free-running tokens part from fp32 before step {upto}"
+        agree.append(float((free[row, ids.shape[1]:] == cont[row]).float().mean()))
+    assert float((~ok).float().mean()) <= 0.25, "too many undecided steps for a meaningful check"
+    return {"error": float(err.max()), "undecided": int((~ok).sum()),
+            "free_agreement": agree, "min_margin": float((ref.topk(2, -1).values[..., 0] -
+                                                         ref.topk(2, -1).values[..., 1]).min())}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_greedy_tokens_equal_fp32_generate(kind, dtype):
+    model, decoder = built(kind, dtype)
+    got = compare(model, decoder, DTYPES[dtype], prompt())
+    print(f"{kind} {dtype}: {got}")
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_batch_with_left_padding_equals_fp32_generate(kind):
+    model, decoder = built(kind, "fp16")
+    ids, mask = prompt(), torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    got = compare(model, decoder, torch.float16, ids, mask)
+    print(f"{kind} padded: {got}")
+
+
+@pytest.mark.parametrize("length", [1, 3, 13])
+def test_prompt_lengths_other_than_the_example(length):
+    """The prefill graph's length is dynamic (2 up); a one-token prompt goes through decode."""
+    model, decoder = built("llama", "fp16")
+    got = compare(model, decoder, torch.float16, prompt(length=length, seed=length))
+    print(f"length {length}: {got}")
+
+
+def _writers(gm, name):
+    node = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name)
+    return [u for u in node.users if is_inplace(u, gm) and u.args[0] is node]
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_kv_cache_is_static_and_shared(kind):
+    """One set of cache tensors for both graphs, written in place by the graphs' own ops, at the
+    same addresses before, during and after a generation (checked after the prefill and after
+    every decode step)."""
+    model, decoder = built(kind, "fp16")
+    names = cache_names(decoder.prefill)
+    layers = model.config.num_hidden_layers
+    assert names == cache_names(decoder.decode) and len(names) == 2 * layers
+    for name in names:
+        assert fetch_attr(decoder.prefill, name) is fetch_attr(decoder.decode, name)
+        for gm in (decoder.prefill, decoder.decode):
+            assert [str(w.target) for w in _writers(gm, name)] == ["aten.index_copy_.default"]
+    before = [t.data_ptr() for t in decoder.cache]
+    seen = []
+
+    def record(module, args, out):
+        seen.append([t.data_ptr() for t in decoder.cache])
+
+    hooks = [decoder.prefill.register_forward_hook(record),
+             decoder.decode.register_forward_hook(record)]
+    try:
+        mpgraph.generate(decoder, prompt(), NEW)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(seen) == NEW and all(ptrs == before for ptrs in seen)   # prefill + NEW-1 steps
+    # what the cache holds after a generation: the prompt's and generated tokens' keys, zeros
+    # after them (generate zeroes the cache first)
+    key = decoder.cache[0]
+    filled = PROMPT + NEW - 1
+    assert key[:, :, :filled].abs().amax(dim=(0, 1, 3)).gt(0).all()
+    assert key[:, :, filled:].eq(0).all()
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_weights_stored_once(kind):
+    model, decoder = built(kind, "fp16")
+    sharing = decoder.sharing
+    assert sharing.unshared == [], sharing.unshared
+    for name, p in decoder.decode.named_parameters():
+        assert fetch_attr(decoder.prefill, name) is p, name
+    prefill_only = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in [*decoder.prefill.parameters(), *decoder.prefill.buffers()]}
+                       .values())
+    assert sharing.bytes_stored == prefill_only            # the decode graph adds no tensor
+    assert sharing.bytes_separate >= 2 * sharing.bytes_stored - 64
+    low = [w for w in decoder.prefill.plan.weights if w.dtype == torch.float16]
+    assert low and all(fetch_attr(decoder.decode, w.name).dtype == torch.float16 for w in low)
+    print(f"{kind}: {sharing}")
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_plans_record_the_cache_dtype(kind):
+    """Each cache tensor's dtype comes from the plan (both plans agree), with the plan's reason;
+    both graphs are planned by the same passes for the same target and low dtype."""
+    model, decoder = built(kind, "fp16")
+    for gm in (decoder.prefill, decoder.decode):
+        assert gm.plan.dtype == torch.float16 and gm.plan.target == decoder.decode.plan.target
+        assert gm.plan.low_nodes
+        for rec in decoder.cache_plan:
+            node = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == rec.name)
+            planned = gm.plan.node(node.name)
+            assert planned.dtype == rec.dtype == str(fetch_attr(gm, rec.name).dtype).split(".")[1]
+            assert planned.reason == rec.reason
+    # today's passes: "buffer written in place: keeps its dtype"
+    assert decoder.cache_dtype == torch.float32
+    assert "cache: 4 tensors" in decoder.summary()
+
+
+def test_eos_stops_each_row_and_the_generation():
+    """HF's semantics: a row that produced EOS gets the pad token from then on; the generation
+    stops when every row has finished. (Expected tokens from the decoder's own run without EOS,
+    so the check does not depend on fp32's tokens.)"""
+    model, decoder = built("llama", "fp16")
+    ids = prompt()
+    free = mpgraph.generate(decoder, ids, NEW)[:, PROMPT:]
+    eos = int(free[0, 4])                    # a token row 0 generates at step 4
+    got = mpgraph.generate(decoder, ids, NEW, eos_token_id=eos, pad_token_id=7)
+    want = []
+    for row in free.tolist():
+        stop = row.index(eos) + 1 if eos in row else NEW
+        want.append(row[:stop] + [7] * (NEW - stop))
+    width = max((row.index(eos) + 1 if eos in row else NEW) for row in free.tolist())
+    assert got[:, PROMPT:].tolist() == [row[:width] for row in want]
+    assert torch.equal(got[:, :PROMPT], ids)
+    # one prompt (on the batch-2 decoder): stops right after its EOS; EOS may be a list
+    one = mpgraph.generate(decoder, ids[:1], NEW, eos_token_id=[eos, VOCAB + 1])
+    first = free[0].tolist().index(eos)
+    assert one.shape == (1, PROMPT + first + 1) and int(one[0, -1]) == eos
+    assert torch.equal(one[0, PROMPT:], free[0, :first + 1])
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator():
+    model, decoder = built("llama", "fp16")
+    ids = prompt()
+
+    def sample(seed, **kw):
+        return mpgraph.generate(decoder, ids, NEW, do_sample=True, temperature=0.8,
+                                generator=torch.Generator().manual_seed(seed), **kw)
+
+    a, b, c = sample(3, top_k=20), sample(3, top_k=20), sample(4, top_k=20)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert int(a.min()) >= 0 and int(a.max()) < VOCAB
+    nucleus = sample(3, top_p=0.5)
+    assert torch.equal(nucleus, sample(3, top_p=0.5))
+    # one candidate left: sampling is greedy decoding
+    assert torch.equal(sample(5, top_k=1), mpgraph.generate(decoder, ids, NEW))
+
+
+class Recorder(CudaGraphBackend):
+    """Stands in for CUDA (as in test_cuda_graph.py): "captures" by running the module, "replays"
+    by running it again on the captured inputs and writing into the captured outputs."""
+
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def unsupported(self, tensors):
+        return None
+
+    def warmup(self, fn, device, iters):
+        for _ in range(iters):
+            fn()
+
+    def capture(self, fn, device):
+        self.captures += 1
+        out = fn()
+        return (fn, out), out
+
+    def replay(self, graph, device):
+        self.replays += 1
+        fn, out = graph
+        for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(fn())):
+            static.copy_(new)
+
+
+def test_decode_replayed_from_a_graph_gives_the_eager_tokens():
+    """The CUDA-graph decode path on the CPU: one capture for the whole generation (and the
+    next), a replay per step after it, the same tokens as eager; the warm-up runs before the
+    capture rewrite the same cache slot with the same values, so they change nothing."""
+    model, decoder = built("gpt2", "fp16")
+    ids = prompt()
+    eager = mpgraph.generate(decoder, ids, NEW, cuda_graph=False, output_logits=True)
+    backend = Recorder()
+    graphed = mpgraph.generate(decoder, ids, NEW, cuda_graph=backend, output_logits=True)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    assert torch.equal(graphed.logits, eager.logits)
+    assert backend.captures == 1 and backend.replays == NEW - 1     # a replay per decode step
+    again = mpgraph.generate(decoder, prompt(seed=9), NEW, cuda_graph=backend)
+    assert backend.captures == 1 and backend.replays == 2 * (NEW - 1)
+    assert torch.equal(again, mpgraph.generate(decoder, prompt(seed=9), NEW, cuda_graph=False))
+    stats = decoder.graphed_decode(backend).stats
+    assert stats.captures == 1 and stats.fallbacks == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: replays a real "
+                    "CUDA graph (pytest tests/test_generate.py on a GPU machine)")
+def test_cuda_graph_decode_on_a_gpu():
+    model = llama().cuda()
+    ids = prompt().cuda()
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, dtype="fp16")
+    eager = mpgraph.generate(decoder, ids, NEW, cuda_graph=False, output_logits=True)
+    graphed = mpgraph.generate(decoder, ids, NEW, output_logits=True)   # default on CUDA
+    assert torch.equal(graphed.sequences, eager.sequences)
+    assert torch.allclose(graphed.logits, eager.logits, rtol=1e-3, atol=1e-3)
+    stats = decoder.graphed_decode().stats
+    assert stats.captures == 1 and stats.fallbacks == {}, stats
+    seq, ref = reference(model, ids)
+    err = (eager.logits[0] - ref[0]).norm(dim=-1) / ref[0].norm(dim=-1)
+    assert float(err.max()) <= BOUND[torch.float16]
+
+
+def test_share_tensors_keeps_both_copies_where_the_plans_differ():
+    """A weight one plan stores low and the other float32 is kept twice, and said why."""
+    torch.manual_seed(0)
+    model = MLP().eval()
+    x = torch.randn(4, 16)
+    a = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
+    b = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules",
+                        overrides={"fc1": "fp32"})
+    sharing = share_tensors(a, b)
+    assert sharing.shared == ["fc2.weight", "fc2.bias"]
+    assert [n for n, _ in sharing.unshared] == ["fc1.weight", "fc1.bias"]
+    assert "the decode plan stores it as float32, the prefill plan as float16" in \
+        sharing.unshared[0][1]
+    assert b.fc2.weight is a.fc2.weight and b.fc1.weight is not a.fc1.weight
+    torch.testing.assert_close(b(x), model(x), rtol=1e-2, atol=1e-2)
+
+
+def test_misuse_is_refused_with_the_reason():
+    model, decoder = built("llama", "fp16")
+    with pytest.raises(ValueError, match="exceed the cache"):
+        mpgraph.generate(decoder, prompt(), SLOTS)
+    with pytest.raises(ValueError, match="cache holds 2"):
+        mpgraph.generate(decoder, prompt(rows=3), 4)
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[0, -2:] = 0
+    with pytest.raises(ValueError, match="on the left"):
+        mpgraph.generate(decoder, prompt(), 4, attention_mask=mask)
+    with pytest.raises(ValueError, match="calibration"):
+        mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, calibration=[prompt()])
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        mpgraph.convert_decoder(model, prompt(length=1), max_cache_len=SLOTS)
+    with pytest.raises(TypeError, match="HuggingFace causal LM"):
+        mpgraph.convert_decoder(nn.Linear(4, 4), prompt(), max_cache_len=SLOTS)
