@@ -32,7 +32,8 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.graph import input_nodes, is_inplace, module_path, mutated_nodes, target_name
+from mpgraph.ir.graph import (input_nodes, is_inplace, module_path, mutated_nodes,
+                              stored_into_only, target_name)
 from mpgraph.ir.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
 from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok
 from mpgraph.passes.infra import Pass, PassResult
@@ -189,6 +190,16 @@ class AssignPrecision(Pass):
                             "globs, 'op:<glob>', 'class:<op class>')", key)
         return PassResult(gm, False)
 
+    def _cache(self, node, gm) -> Optional[str]:
+        """Why a buffer written in place can be stored low (a KV cache: inference, written only
+        by stores, no safety finding on what is written), or None: it keeps its dtype."""
+        writers = stored_into_only(node, gm)
+        if self.train or self.keep_fp32 or not writers \
+                or any(w.meta.get(SAFETY) for w in writers):
+            return None
+        return (f"a cache written only by stores ({', '.join(sorted({target_name(w) for w in writers}))}"
+                f"): stored in {dtype_name(self.low)}, each write cast to it once")
+
     def _sweep(self, order, gm, mutated):
         """One forward pass over the graph: every node's decision from its inputs' decisions."""
         dec: dict[torch.fx.Node, Decision] = {}
@@ -200,7 +211,11 @@ class AssignPrecision(Pass):
                 dec[node] = Decision(FP32, "graph input keeps its dtype", pinned=True) \
                     if is_float32_tensor(info) else Decision(None, "not a float32 tensor")
             elif node.op == "get_attr":
-                if is_float32_tensor(info) and node in mutated:
+                cache = self._cache(node, gm) if is_float32_tensor(info) and node in mutated \
+                    else None
+                if cache:
+                    dec[node] = Decision(self.low, cache, pinned=True)
+                elif is_float32_tensor(info) and node in mutated:
                     dec[node] = Decision(FP32, "buffer written in place: keeps its dtype", pinned=True)
                 elif is_float32_tensor(info) and self.train:
                     dec[node] = Decision(FP32, "float32 master weight (training): cast once per "

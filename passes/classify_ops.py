@@ -48,6 +48,6 @@ class ClassifyOps(Pass):
                               entry.inference_reason or entry.reason, key)
             else:
                 info = OpInfo(entry.class_for(self.low_dtype), entry.reason, key,
-                              entry.params_as_values, entry.low_io)
+                              entry.params_as_values, entry.low_io, entry.range_expanding)
             node.meta[OP_CLASS] = info
         return PassResult(gm, False)

@@ -52,7 +52,7 @@ import torch.fx
 
 from mpgraph.ir.graph import fetch_attr, input_nodes
 from mpgraph.ir.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
-from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, RANGE_EXPANDING_REASON, TENSOR_CORE
+from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
 from mpgraph.frontend.fake import is_abstract
@@ -151,8 +151,9 @@ def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype,
     zeros = flushed = 0
     for chunk in t.detach().reshape(-1).split(1 << 22):  # 16 MB temporaries, however big t is
         a = chunk.abs().float()
-        zeros += int(torch.count_nonzero(a == 0))
-        flushed += int(torch.count_nonzero(a < tiny / 2))
+        below = a[a < tiny / 2]  # zeros and the values that round to zero: few, read once
+        zeros += int(torch.count_nonzero(below == 0))
+        flushed += below.numel()
     flushed -= zeros  # the values that round to zero in the low dtype
     nonzero = t.numel() - zeros - nonfinite
     if flushed and (t.numel() <= SMALL_TENSOR or flushed > UNDERFLOW_FRACTION * nonzero):
@@ -241,10 +242,9 @@ class NumericSafety(Pass):
         info: OpInfo = node.meta[OP_CLASS]
         r = node.meta.get(RANGE)
         if r is not None and r.nonfinite == 0 and r.absmax <= self.limit:
-            node.meta[OP_CLASS] = OpInfo(FOLLOW, f"{info.reason}; calibration: absmax "
-                                                 f"{r.absmax:.3g} <= limit {self.limit:.3g} on all "
-                                                 f"{len(r.batch_absmax)} batches",
-                                         info.key, info.params_as_values, info.low_io)
+            node.meta[OP_CLASS] = replace(info, op_class=FOLLOW, reason=(
+                f"{info.reason}; calibration: absmax {r.absmax:.3g} <= limit {self.limit:.3g} "
+                f"on all {len(r.batch_absmax)} batches"))
             return None
         seen = "not calibrated" if r is None else (
             f"absmax {r.absmax:.3g} > limit {self.limit:.3g} on "
@@ -255,8 +255,7 @@ class NumericSafety(Pass):
     def _node_findings(self, node, gm) -> list[SafetyFinding]:
         info: OpInfo = node.meta[OP_CLASS]
         found = []
-        if info.op_class == FP32_ONLY and info.reason.startswith(RANGE_EXPANDING_REASON) \
-                and self.low == torch.float16:
+        if info.op_class == FP32_ONLY and info.range_expanding and self.low == torch.float16:
             relaxed = self._relax(node)
             found += [relaxed] if relaxed else []
         if info.op_class in (TENSOR_CORE, FOLLOW):  # the others compute in float32 inside

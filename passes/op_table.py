@@ -1,9 +1,17 @@
-"""The op classification table: every target we know, its class and a one-line reason.
+"""The op classification table: one entry per op, its class and a one-line reason.
 
 Three levels of targets meet us: ``call_module`` (nn.Module types), ``call_function`` and
 ``call_method`` (torch / torch.nn.functional / operator functions and Tensor method names), and the
-ATen overloads that torch.export produces (keyed by overload packet, so ``aten.add`` covers
-``aten.add.Tensor`` and ``aten.add.Scalar``).
+ATen overloads that torch.export produces. An op is written once, by its name (``OPS``: "exp",
+"layer_norm", "lstm"); every spelling of it is derived from the name (``spellings``): the
+functions ``torch.<name>`` and ``torch.nn.functional.<name>`` (``torch.linalg.<rest>`` for
+``linalg_<rest>``) and their in-place ``<name>_``, the Tensor methods ``<name>`` and ``<name>_``,
+and the ATen overload packets ``aten.<name>`` and ``aten.<name>_`` (a packet covers every
+overload: ``aten.add`` is ``aten.add.Tensor`` and ``aten.add.Scalar``). The spellings no name
+derives are written beside it (``SPELLED_APART``): nn module types, Python's operators
+(``operator.add``, ``Tensor.__add__``) and functions named apart from their op
+(``F.logsigmoid``). So ``torch.exp``, ``x.exp()``, ``x.exp_()`` and ``aten.exp.default`` cannot
+disagree, and a spelling two ops claim is an error when this module loads.
 
 Classes (the rule "if |f(x)| >> |x| for expected inputs, it is not follow" is TVM's):
 
@@ -17,7 +25,8 @@ Classes (the rule "if |f(x)| >> |x| for expected inputs, it is not follow" is TV
 
 An entry may name a different class for bfloat16 (``bf16``): bf16 keeps fp32's exponent range,
 so a range-expanding elementwise op is no overflow risk there (reductions keep their class: the
-problem is accumulation precision, not range).
+problem is accumulation precision, not range). Range-expanding ops say so (``range_expanding``):
+NumericSafety lowers them in fp16 where calibration proves them safe.
 """
 from __future__ import annotations
 
@@ -57,6 +66,9 @@ class OpEntry:
     # float32 parameters with a low input (then the values are exactly those of casting around
     # it); on the others its parameters are stored in the low dtype. Empty: no low I/O.
     low_io: tuple[str, ...] = ()
+    # |f(x)| >> |x| elementwise (exp, pow): fp32-only in fp16 until calibration proves the values
+    # stay in range, which NumericSafety checks (it reads this flag, never the reason's text)
+    range_expanding: bool = False
 
     def class_for(self, low_dtype: torch.dtype, inference: bool = False) -> str:
         if inference and self.inference is not None:
@@ -64,13 +76,6 @@ class OpEntry:
         if low_dtype == torch.bfloat16 and self.bf16 is not None:
             return self.bf16
         return self.op_class
-
-
-def _group(targets, op_class: str, reason: str, bf16: Optional[str] = None,
-           inference: Optional[str] = None, inference_reason: str = "",
-           params_as_values: bool = False, low_io: tuple[str, ...] = ()) -> dict[Any, OpEntry]:
-    entry = OpEntry(op_class, reason, bf16, inference, inference_reason, params_as_values, low_io)
-    return {t: entry for t in targets}
 
 
 # Target kinds a plan is made for (DeviceSpec.kind, and an ONNX file), and which of their
@@ -95,38 +100,24 @@ def mixed_params_ok(low_io, kind: Optional[str]) -> bool:
     return all(k in kinds for k in ((kind,) if kind else KERNEL_KINDS))
 
 
-def _aten(*names: str) -> list:
-    """ATen overload packets by name; names this torch build lacks are skipped."""
-    out = []
-    for name in names:
-        ns, _, op = name.rpartition(".")
-        namespace = getattr(torch.ops, ns or "aten")
-        try:
-            out.append(getattr(namespace, op))
-        except (AttributeError, RuntimeError):
-            continue
-    return out
-
-
-def _mods(*names: str) -> list:
-    """nn module types by name; names this torch build lacks are skipped."""
-    return [getattr(nn, n) for n in names if hasattr(nn, n)]
-
-
 # Reasons, written once and shared by the entries of each group.
 _MATMUL = "matrix multiply: Tensor Core / AVX512-BF16 work, accumulates in fp32 in the kernel"
 _CONV = "convolution: Tensor Core / oneDNN bf16 work, accumulates in fp32 in the kernel"
 _SDPA = "attention matmuls; the fused kernels keep softmax statistics in fp32"
 _MHA = "projection and attention matmuls dominate; runs as one module (see README limits)"
+_RNN = ("recurrent layer: its input and hidden projections are matmuls (autocast runs it in "
+        "fp16); gates are bounded by sigmoid/tanh, an LSTM's cell state grows by at most 1 a step")
 _LAYOUT = "moves or selects elements without arithmetic: exact in any dtype"
 _ACT = "activation bounded by |x| (or by a constant): cannot overflow"
 _ARITH = "elementwise arithmetic: follows its inputs (calibrated ranges are issue #5's job)"
 _JOIN = "joins or selects between tensors without arithmetic: follows its inputs"
 _SCALE = "elementwise scaling: a parameter operand is a weight (a layer scale), stored like one"
 _POOL = "max/average over a window: result within the input's range"
+_INTERP = "interpolation is a convex combination of inputs: range-preserving"
 _DROPOUT = "dropout scales by 1/(1-p) at most: follows its input"
 _COMPARE = "comparison or selection: output is bool/int or one of its inputs"
 _CREATE = "allocates a tensor like its input: takes the input's dtype"
+_FACTORY = "creates a tensor from sizes or scalars, reads no tensor: the dtype its code names"
 _NORM = "normalisation: mean/variance accumulate over many elements, kept in fp32"
 _BN = ("batch norm in training: batch mean/variance accumulate over many elements, in fp32 "
        "(low-precision input and output where its neighbours are low: statistics, parameters and "
@@ -134,219 +125,267 @@ _BN = ("batch norm in training: batch mean/variance accumulate over many element
 _BN_EVAL = "batch norm with fixed statistics: a per-channel affine map, follows its input"
 _SOFTMAX = "softmax: exp of logits and a sum over the axis, kept in fp32"
 _EXP = "range-expanding (|f(x)| >> |x|): overflows fp16; bf16 has fp32's range"
-RANGE_EXPANDING_REASON = _EXP  # NumericSafety lowers these in fp16 when calibration proves them safe
 _LOG = "log family: precision near 1 matters, kept in fp32 (autocast does the same)"
+_ARC = ("inverse sine/cosine: the slope is unbounded at ±1, so rounding an input near ±1 moves "
+        "the output far; kept in fp32 (autocast does the same)")
 _REDUCE = "reduction over many elements: accumulation error and overflow in low precision"
 _LOSS = "loss: reductions of logs/exps, kept in fp32"
 _CASTDOC = "explicit dtype conversion in the model: output dtype is what the code asks for"
 _GUARD = "torch.export's input guard check: returns nothing"
 
-MODULE_TABLE: dict[Any, OpEntry] = {
-    **_group(_mods("Linear", "Bilinear", "LazyLinear"), TENSOR_CORE, _MATMUL),
-    **_group(_mods("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
-                   "ConvTranspose3d", "LazyConv1d", "LazyConv2d", "LazyConv3d"), TENSOR_CORE, _CONV),
-    **_group(_mods("MultiheadAttention"), TENSOR_CORE, _MHA),
-    **_group(_mods("LayerNorm", "GroupNorm"), FP32_COMPUTE, _NORM, low_io=_MIXED_NORM),
-    **_group(_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LocalResponseNorm",
-                   "RMSNorm"), FP32_COMPUTE, _NORM),
-    **_group(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm") + [TrainingBatchNorm],
-             FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL, low_io=_MIXED_BN),
-    **_group([CountBatches], FOLLOW, "counts batches (an integer buffer): no float arithmetic"),
-    **_group([DropoutRate], FOLLOW, "a dropout probability (a Python float): no tensor"),
-    **_group(_mods("Softmax", "LogSoftmax", "Softmin", "Softmax2d"), FP32_COMPUTE, _SOFTMAX),
-    **_group(_mods("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "ELU", "SELU", "CELU", "GELU",
-                   "SiLU", "Mish", "Hardswish", "Hardsigmoid", "Hardtanh", "Sigmoid", "Tanh",
-                   "Softsign", "Tanhshrink", "Hardshrink", "Softshrink", "Threshold", "GLU",
-                   "LogSigmoid"), FOLLOW, _ACT),
-    **_group(_mods("Softplus"), FP32_ONLY, _EXP, bf16=FOLLOW),
-    **_group(_mods("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout",
-                   "FeatureAlphaDropout"), FOLLOW, _DROPOUT),
-    **_group(_mods("MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
-                   "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
-                   "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d"), FOLLOW, _POOL),
-    **_group(_mods("Identity", "Flatten", "Unflatten", "ZeroPad1d", "ZeroPad2d", "ZeroPad3d",
-                   "ConstantPad1d", "ConstantPad2d", "ConstantPad3d", "ReflectionPad1d",
-                   "ReflectionPad2d", "ReflectionPad3d", "ReplicationPad1d", "ReplicationPad2d",
-                   "ReplicationPad3d", "PixelShuffle", "PixelUnshuffle", "ChannelShuffle",
-                   "Embedding"), FOLLOW, _LAYOUT),
-    **_group(_mods("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d"), FOLLOW,
-             "interpolation is a convex combination of inputs: range-preserving"),
-    **_group(_mods("CrossEntropyLoss", "NLLLoss", "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss",
-                   "BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "CosineEmbeddingLoss"),
-             FP32_ONLY, _LOSS),
-}
+
+def _ops(op_class: str, reason: str, names: str, **flags) -> dict[str, OpEntry]:
+    """Entries for the ops ``names`` (separated by white space), sharing a class and a reason."""
+    entry = OpEntry(op_class, reason, **flags)
+    return {name: entry for name in names.split()}
+
+
+def _table(*groups: dict[str, OpEntry]) -> dict[str, OpEntry]:
+    """The groups as one table; an op written twice is an error."""
+    table: dict[str, OpEntry] = {}
+    for group in groups:
+        twice = table.keys() & group.keys()
+        if twice:
+            raise ValueError(f"op table: {sorted(twice)} written twice")
+        table.update(group)
+    return table
+
+
+# One entry per op, by name: its ATen name where it has one, else its torch.nn.functional name,
+# else a name of ours for an op only other spellings have (getitem, identity, count_batches).
+OPS: dict[str, OpEntry] = _table(
+    _ops(TENSOR_CORE, _MATMUL, """matmul mm bmm baddbmm addmm addbmm addmv mv addr einsum linear
+         bilinear chain_matmul linalg_multi_dot linalg_vecdot _addmm_activation"""),
+    _ops(TENSOR_CORE, _CONV, """convolution _convolution conv1d conv2d conv3d conv_transpose1d
+         conv_transpose2d conv_transpose3d conv_tbc cudnn_convolution
+         cudnn_convolution_transpose"""),
+    _ops(TENSOR_CORE, _SDPA, "scaled_dot_product_attention"),
+    _ops(TENSOR_CORE, _MHA, "multi_head_attention_forward _native_multi_head_attention"),
+    _ops(TENSOR_CORE, _RNN, """lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell
+         rnn_relu_cell _thnn_fused_lstm_cell _thnn_fused_gru_cell"""),
+
+    _ops(FP32_COMPUTE, _NORM, "layer_norm group_norm", low_io=_MIXED_NORM),
+    _ops(FP32_COMPUTE, _NORM, """native_layer_norm native_group_norm _native_batch_norm_legit
+         _native_batch_norm_legit_no_training instance_norm local_response_norm rms_norm
+         _fused_rms_norm"""),
+    _ops(FP32_COMPUTE, _BN, "batch_norm", inference=FOLLOW, inference_reason=_BN_EVAL,
+         low_io=_MIXED_BN),
+    _ops(FP32_COMPUTE, _SOFTMAX, "softmax _softmax log_softmax _log_softmax _safe_softmax softmin"),
+
+    _ops(FP32_ONLY, _EXP, "exp expm1 exp2 pow rsqrt reciprocal sinh cosh tan softplus",
+         bf16=FOLLOW, range_expanding=True),
+    _ops(FP32_ONLY, _LOG, "log log2 log10 log1p erfinv sqrt log_sigmoid log_sigmoid_forward"),
+    _ops(FP32_ONLY, _ARC, "acos asin"),
+    _ops(FP32_ONLY, _REDUCE, """sum mean prod cumsum cumprod var std var_mean std_mean norm
+         linalg_norm linalg_vector_norm linalg_matrix_norm frobenius_norm nuclear_norm renorm
+         logsumexp cdist _cdist_forward pdist _pdist_forward dist normalize cosine_similarity
+         pairwise_distance"""),
+    _ops(FP32_ONLY, _LOSS, """cross_entropy cross_entropy_loss nll_loss nll_loss_forward
+         nll_loss_nd nll_loss2d nll_loss2d_forward mse_loss l1_loss smooth_l1_loss huber_loss
+         binary_cross_entropy binary_cross_entropy_with_logits kl_div poisson_nll_loss
+         gaussian_nll_loss cosine_embedding_loss hinge_embedding_loss margin_ranking_loss
+         triplet_margin_loss triplet_margin_with_distance_loss soft_margin_loss multi_margin_loss
+         multilabel_margin_loss multilabel_margin_loss_forward multilabel_soft_margin_loss
+         ctc_loss"""),
+
+    _ops(CAST, _CASTDOC, """to _to_copy prims.convert_element_type type float double half bfloat16
+         int long bool"""),
+
+    _ops(FOLLOW, _ACT, """relu relu6 leaky_relu prelu _prelu_kernel rrelu elu selu celu gelu silu
+         mish hardswish hardsigmoid hardtanh sigmoid tanh softsign tanhshrink hardshrink
+         softshrink threshold glu erf sign abs neg clamp clip clamp_min clamp_max floor ceil round
+         trunc sin cos"""),
+    _ops(FOLLOW, _DROPOUT, """dropout native_dropout feature_dropout alpha_dropout
+         feature_alpha_dropout dropout1d dropout2d dropout3d"""),
+    _ops(FOLLOW, _POOL, """max_pool1d max_pool2d max_pool3d max_pool2d_with_indices
+         max_pool3d_with_indices avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d
+         adaptive_avg_pool2d adaptive_avg_pool3d _adaptive_avg_pool2d _adaptive_avg_pool3d
+         adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d"""),
+    _ops(FOLLOW, _INTERP, """interpolate upsample upsample_nearest1d upsample_nearest2d
+         upsample_nearest3d _upsample_nearest_exact2d upsample_linear1d upsample_bilinear2d
+         upsample_bicubic2d upsample_trilinear3d"""),
+    _ops(FOLLOW, _LAYOUT, """view _unsafe_view view_as reshape reshape_as permute transpose t
+         expand expand_as unsqueeze squeeze contiguous flatten unflatten movedim slice select
+         narrow split split_with_sizes chunk unbind index index_select gather take_along_dim
+         masked_select masked_scatter index_put index_fill scatter slice_scatter select_scatter
+         flip roll repeat tile repeat_interleave tril triu diagonal broadcast_to as_strided unfold
+         pixel_shuffle pixel_unshuffle channel_shuffle embedding pad constant_pad_nd
+         reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d
+         replication_pad3d clone detach alias lift_fresh_copy copy fill zero type_as size dim
+         numel sym_size sym_numel sym_stride _assert_tensor_metadata getitem getattr identity"""),
+    _ops(FOLLOW, _ARITH, "add sub rsub addcmul addcdiv lerp maximum minimum fmax fmin diff",
+         params_as_values=True),
+    _ops(FOLLOW, _SCALE, "mul div true_divide square"),
+    _ops(FOLLOW, _JOIN, "cat concat stack where", params_as_values=True),
+    _ops(FOLLOW, _COMPARE, """max min amax amin argmax argmin topk sort argsort masked_fill eq ne
+         lt gt le ge isnan isinf isfinite logical_and logical_or logical_not __and__ __or__
+         bitwise_and bitwise_or"""),
+    _ops(FOLLOW, _CREATE, """zeros_like ones_like full_like empty_like rand_like randn_like
+         new_zeros new_ones new_full new_empty new_tensor"""),
+    _ops(FOLLOW, _FACTORY, """arange zeros ones full empty empty_strided linspace eye scalar_tensor
+         rand randn randint"""),
+    # ops only a module type spells (mpgraph's own modules, torch.export's guard)
+    _ops(FOLLOW, "counts batches (an integer buffer): no float arithmetic", "count_batches"),
+    _ops(FOLLOW, "a dropout probability (a Python float): no tensor", "dropout_rate"),
+    _ops(FOLLOW, _GUARD, "export_guards"),
+)
+
+
+def _nn(*names: str) -> tuple:
+    """nn module types by name; names this torch build lacks are skipped."""
+    return tuple(getattr(nn, n) for n in names if hasattr(nn, n))
+
+
+def _numbered(*stems: str) -> tuple:
+    """nn module types ``<stem>1d``, ``<stem>2d`` and ``<stem>3d``."""
+    return _nn(*(f"{stem}{d}d" for stem in stems for d in (1, 2, 3)))
+
+
 try:  # torch.export wraps its input guards in a submodule of this type
     from torch.export._unlift import GuardsFn as _GuardsFn  # type: ignore[attr-defined]
-    MODULE_TABLE[_GuardsFn] = OpEntry(FOLLOW, _GUARD)
+    _GUARDS: tuple = (_GuardsFn,)
 except ImportError:  # pragma: no cover - older torch
-    pass
+    _GUARDS = ()
 
-FUNCTION_TABLE: dict[Any, OpEntry] = {
-    # tensor core
-    **_group([torch.matmul, torch.mm, torch.bmm, torch.baddbmm, torch.addmm, torch.addbmm,
-              torch.addmv, torch.mv, torch.einsum, F.linear, F.bilinear, operator.matmul],
-             TENSOR_CORE, _MATMUL),
-    **_group([F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
-              F.conv_transpose3d, torch.conv1d, torch.conv2d, torch.conv3d], TENSOR_CORE, _CONV),
-    **_group([F.scaled_dot_product_attention], TENSOR_CORE, _SDPA),
-    # fp32 compute
-    **_group([F.layer_norm, F.group_norm, torch.layer_norm, torch.group_norm], FP32_COMPUTE, _NORM,
-             low_io=_MIXED_NORM),
-    **_group([F.instance_norm, F.local_response_norm]
-             + ([F.rms_norm] if hasattr(F, "rms_norm") else []), FP32_COMPUTE, _NORM),
-    **_group([F.batch_norm, torch.batch_norm], FP32_COMPUTE, _BN, low_io=_MIXED_BN, inference=FOLLOW,
-             inference_reason=_BN_EVAL),
-    **_group([F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax],
-             FP32_COMPUTE, _SOFTMAX),
-    # fp32 only
-    **_group([torch.exp, torch.expm1, torch.pow, torch.rsqrt, torch.reciprocal, torch.sinh,
-              torch.cosh, torch.tan, torch.exp2, F.softplus, operator.pow], FP32_ONLY, _EXP,
-             bf16=FOLLOW),
-    **_group([torch.log, torch.log2, torch.log10, torch.log1p, torch.erfinv, torch.sqrt,
-              F.logsigmoid], FP32_ONLY, _LOG),
-    **_group([torch.sum, torch.mean, torch.prod, torch.cumsum, torch.cumprod, torch.var,
-              torch.std, torch.var_mean, torch.std_mean, torch.norm, torch.linalg.norm,
-              torch.linalg.vector_norm, torch.logsumexp, torch.cdist, torch.dist,
-              F.normalize, F.cosine_similarity, F.pairwise_distance], FP32_ONLY, _REDUCE),
-    **_group([F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
-              F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.kl_div],
-             FP32_ONLY, _LOSS),
-    # follow
-    **_group([F.relu, F.relu6, F.leaky_relu, F.prelu, F.elu, F.selu, F.celu, F.gelu, F.silu,
-              F.mish, F.hardswish, F.hardsigmoid, F.hardtanh, F.softsign, F.glu, F.threshold,
-              torch.relu, torch.sigmoid, torch.tanh, torch.erf, torch.sign, torch.abs,
-              torch.neg, torch.clamp, torch.clip, torch.floor, torch.ceil, torch.round,
-              torch.trunc, torch.sin, torch.cos, torch.nn.functional.tanh,
-              torch.nn.functional.sigmoid], FOLLOW, _ACT),
-    **_group([F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-              F.feature_alpha_dropout, torch.dropout], FOLLOW, _DROPOUT),
-    **_group([F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
-              F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
-              F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d],
-             FOLLOW, _POOL),
-    **_group([F.interpolate, F.upsample], FOLLOW,
-             "interpolation is a convex combination of inputs: range-preserving"),
-    **_group([torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.split, torch.chunk, torch.squeeze, torch.unsqueeze,
-              torch.narrow, torch.select, torch.gather, torch.index_select, torch.flip,
-              torch.roll, torch.t, torch.tile, torch.repeat_interleave, torch.unbind,
-              torch.movedim, torch.broadcast_to, torch.tril, torch.triu, torch.diagonal,
-              torch.masked_select, torch.take_along_dim, F.pad, F.embedding, F.pixel_shuffle,
-              F.pixel_unshuffle, operator.getitem, getattr, torch.clone, torch.detach],
-             FOLLOW, _LAYOUT),
-    **_group([operator.add, operator.sub, operator.iadd, operator.isub, torch.add, torch.sub,
-              torch.rsub, torch.addcmul, torch.addcdiv, torch.lerp, torch.maximum, torch.minimum,
-              torch.fmax, torch.fmin], FOLLOW, _ARITH, params_as_values=True),
-    **_group([operator.mul, operator.truediv, operator.neg, operator.imul, operator.itruediv,
-              torch.mul, torch.div, torch.true_divide, torch.square], FOLLOW, _SCALE),
-    **_group([torch.cat, torch.concat, torch.stack, torch.where], FOLLOW, _JOIN, params_as_values=True),
-    **_group([torch.max, torch.min, torch.amax, torch.amin, torch.argmax, torch.argmin,
-              torch.masked_fill, torch.eq, torch.ne, torch.lt, torch.gt, torch.le,
-              torch.ge, torch.isnan, torch.isinf, torch.isfinite, operator.eq, operator.ne,
-              operator.lt, operator.gt, operator.le, operator.ge, torch.topk, torch.sort,
-              torch.argsort], FOLLOW, _COMPARE),
-    **_group([torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
-              torch.rand_like, torch.randn_like], FOLLOW, _CREATE),
+# Spellings no name derives, by op: nn module types, Python's operators (the operator module's
+# functions, and the Tensor methods, as strings, that ``x + y`` and ``x[i]`` call), functions
+# named apart from their op.
+SPELLED_APART: dict[str, tuple] = {
+    "linear": _nn("Linear", "LazyLinear"),
+    "bilinear": _nn("Bilinear"),
+    "matmul": (operator.matmul, "__matmul__", "__rmatmul__"),
+    **{f"conv{d}d": _nn(f"Conv{d}d", f"LazyConv{d}d") for d in (1, 2, 3)},
+    **{f"conv_transpose{d}d": _nn(f"ConvTranspose{d}d", f"LazyConvTranspose{d}d")
+       for d in (1, 2, 3)},
+    "multi_head_attention_forward": _nn("MultiheadAttention"),
+    "lstm": _nn("LSTM"), "gru": _nn("GRU"), "rnn_tanh": _nn("RNN"),  # nn.RNN: tanh or relu
+    "lstm_cell": _nn("LSTMCell"), "gru_cell": _nn("GRUCell"), "rnn_tanh_cell": _nn("RNNCell"),
+    "layer_norm": _nn("LayerNorm"),
+    "group_norm": _nn("GroupNorm"),
+    "instance_norm": _numbered("InstanceNorm"),
+    "local_response_norm": _nn("LocalResponseNorm"),
+    "rms_norm": _nn("RMSNorm"),
+    "batch_norm": _numbered("BatchNorm") + _nn("SyncBatchNorm") + (TrainingBatchNorm,),
+    "softmax": _nn("Softmax", "Softmax2d"),
+    "log_softmax": _nn("LogSoftmax"),
+    "softmin": _nn("Softmin"),
+    "pow": (operator.pow, operator.ipow, "__pow__", "__rpow__", "__ipow__"),
+    "softplus": _nn("Softplus"),
+    "log_sigmoid": (F.logsigmoid,) + _nn("LogSigmoid"),
+    **{op: _nn(module) for op, module in (
+        ("relu", "ReLU"), ("relu6", "ReLU6"), ("leaky_relu", "LeakyReLU"), ("prelu", "PReLU"),
+        ("rrelu", "RReLU"), ("elu", "ELU"), ("selu", "SELU"), ("celu", "CELU"), ("gelu", "GELU"),
+        ("silu", "SiLU"), ("mish", "Mish"), ("hardswish", "Hardswish"),
+        ("hardsigmoid", "Hardsigmoid"), ("hardtanh", "Hardtanh"), ("sigmoid", "Sigmoid"),
+        ("tanh", "Tanh"), ("softsign", "Softsign"), ("tanhshrink", "Tanhshrink"),
+        ("hardshrink", "Hardshrink"), ("softshrink", "Softshrink"), ("threshold", "Threshold"),
+        ("glu", "GLU"), ("dropout", "Dropout"), ("dropout1d", "Dropout1d"),
+        ("dropout2d", "Dropout2d"), ("dropout3d", "Dropout3d"), ("alpha_dropout", "AlphaDropout"),
+        ("feature_alpha_dropout", "FeatureAlphaDropout"), ("flatten", "Flatten"),
+        ("unflatten", "Unflatten"), ("pixel_shuffle", "PixelShuffle"),
+        ("pixel_unshuffle", "PixelUnshuffle"), ("channel_shuffle", "ChannelShuffle"),
+        ("embedding", "Embedding"), ("identity", "Identity"),
+        ("cross_entropy", "CrossEntropyLoss"), ("mse_loss", "MSELoss"), ("l1_loss", "L1Loss"),
+        ("smooth_l1_loss", "SmoothL1Loss"), ("huber_loss", "HuberLoss"),
+        ("binary_cross_entropy", "BCELoss"),
+        ("binary_cross_entropy_with_logits", "BCEWithLogitsLoss"), ("kl_div", "KLDivLoss"),
+        ("poisson_nll_loss", "PoissonNLLLoss"), ("gaussian_nll_loss", "GaussianNLLLoss"),
+        ("cosine_embedding_loss", "CosineEmbeddingLoss"),
+        ("hinge_embedding_loss", "HingeEmbeddingLoss"),
+        ("margin_ranking_loss", "MarginRankingLoss"), ("triplet_margin_loss", "TripletMarginLoss"),
+        ("triplet_margin_with_distance_loss", "TripletMarginWithDistanceLoss"),
+        ("soft_margin_loss", "SoftMarginLoss"), ("multi_margin_loss", "MultiMarginLoss"),
+        ("multilabel_margin_loss", "MultiLabelMarginLoss"),
+        ("multilabel_soft_margin_loss", "MultiLabelSoftMarginLoss"), ("ctc_loss", "CTCLoss"),
+        ("cosine_similarity", "CosineSimilarity"), ("pairwise_distance", "PairwiseDistance"))},
+    "nll_loss": _nn("NLLLoss", "NLLLoss2d"),
+    "pad": _nn("CircularPad1d", "CircularPad2d", "CircularPad3d"),
+    "constant_pad_nd": _numbered("ZeroPad", "ConstantPad"),
+    **{f"{kind}_pad{d}d": _nn(f"{kind.capitalize()}Pad{d}d")
+       for kind in ("reflection", "replication") for d in (1, 2, 3)},
+    **{f"{kind}_pool{d}d": _nn(f"{module}Pool{d}d") for kind, module in (
+        ("max", "Max"), ("avg", "Avg"), ("adaptive_avg", "AdaptiveAvg"),
+        ("adaptive_max", "AdaptiveMax")) for d in (1, 2, 3)},
+    "interpolate": _nn("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d"),
+    "getitem": (operator.getitem, "__getitem__"),
+    "getattr": (getattr,),
+    "add": (operator.add, operator.iadd, "__add__", "__radd__", "__iadd__"),
+    "sub": (operator.sub, operator.isub, "__sub__", "__isub__"),
+    "rsub": ("__rsub__",),
+    "mul": (operator.mul, operator.imul, "__mul__", "__rmul__", "__imul__"),
+    "div": (operator.truediv, operator.itruediv, "__truediv__", "__rtruediv__", "__itruediv__"),
+    "neg": (operator.neg, "__neg__"),
+    "abs": (operator.abs, "__abs__"),
+    **{op: (getattr(operator, op), f"__{op}__") for op in ("eq", "ne", "lt", "gt", "le", "ge")},
+    "__and__": (operator.and_,),
+    "__or__": (operator.or_,),
+    "count_batches": (CountBatches,),
+    "dropout_rate": (DropoutRate,),
+    "export_guards": _GUARDS,
 }
 
-METHOD_TABLE: dict[str, OpEntry] = {
-    **_group(["matmul", "mm", "bmm", "baddbmm", "addmm", "__matmul__", "mv", "addmv"],
-             TENSOR_CORE, _MATMUL),
-    **_group(["softmax", "log_softmax"], FP32_COMPUTE, _SOFTMAX),
-    **_group(["exp", "exp_", "expm1", "pow", "pow_", "rsqrt", "reciprocal", "sinh", "cosh",
-              "tan", "__pow__", "__rpow__"], FP32_ONLY, _EXP, bf16=FOLLOW),
-    **_group(["log", "log2", "log10", "log1p", "sqrt"], FP32_ONLY, _LOG),
-    **_group(["sum", "mean", "prod", "cumsum", "cumprod", "var", "std", "norm", "logsumexp"],
-             FP32_ONLY, _REDUCE),
-    **_group(["to", "float", "double", "half", "bfloat16", "type", "int", "long", "bool"],
-             CAST, _CASTDOC),
-    **_group(["relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "abs", "neg", "sign",
-              "clamp", "clamp_", "clip", "clamp_min", "clamp_max", "floor", "ceil", "round",
-              "erf", "sin", "cos"], FOLLOW, _ACT),
-    **_group(["view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t",
-              "contiguous", "flatten", "unflatten", "unsqueeze", "squeeze", "expand",
-              "expand_as", "repeat", "repeat_interleave", "split", "chunk", "unbind", "narrow",
-              "select", "gather", "index_select", "flip", "roll", "movedim", "tril", "triu",
-              "masked_select", "__getitem__", "detach", "clone", "size", "dim", "numel",
-              "type_as", "tile", "diagonal", "masked_scatter", "scatter", "index_fill",
-              "copy_", "fill_", "zero_"], FOLLOW, _LAYOUT),
-    **_group(["add", "add_", "sub", "sub_", "__add__", "__radd__", "__sub__", "__rsub__",
-              "__iadd__", "__isub__", "addcmul", "addcdiv", "lerp", "maximum", "minimum"],
-             FOLLOW, _ARITH, params_as_values=True),
-    **_group(["mul", "mul_", "div", "div_", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-              "__neg__", "__imul__", "__itruediv__", "square"], FOLLOW, _SCALE),
-    **_group(["max", "min", "amax", "amin", "argmax", "argmin", "masked_fill", "masked_fill_",
-              "where", "eq", "ne", "lt", "gt", "le", "ge", "__eq__", "__ne__", "__lt__", "__gt__",
-              "__le__", "__ge__", "topk", "sort", "argsort", "isnan", "isinf"], FOLLOW, _COMPARE),
-    **_group(["new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"], FOLLOW, _CREATE),
-    **_group(["dropout"], FOLLOW, _DROPOUT),
-}
 
-ATEN_TABLE: dict[Any, OpEntry] = {
-    **_group(_aten("linear", "addmm", "mm", "bmm", "baddbmm", "addbmm", "matmul", "einsum",
-                   "mv", "addmv", "bilinear"), TENSOR_CORE, _MATMUL),
-    **_group(_aten("convolution", "_convolution", "conv1d", "conv2d", "conv3d",
-                   "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
-             TENSOR_CORE, _CONV),
-    **_group(_aten("scaled_dot_product_attention"), TENSOR_CORE, _SDPA),
-    **_group(_aten("layer_norm", "group_norm"), FP32_COMPUTE, _NORM, low_io=_MIXED_NORM),
-    **_group(_aten("native_layer_norm", "native_group_norm", "_native_batch_norm_legit",
-                   "_native_batch_norm_legit_no_training", "instance_norm", "rms_norm",
-                   "_fused_rms_norm"), FP32_COMPUTE, _NORM),
-    **_group(_aten("batch_norm"), FP32_COMPUTE, _BN, inference=FOLLOW, inference_reason=_BN_EVAL,
-             low_io=_MIXED_BN),
-    **_group(_aten("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"),
-             FP32_COMPUTE, _SOFTMAX),
-    **_group(_aten("exp", "exp_", "expm1", "pow", "pow_", "rsqrt", "reciprocal", "sinh", "cosh",
-                   "tan", "exp2", "softplus"), FP32_ONLY, _EXP, bf16=FOLLOW),
-    **_group(_aten("log", "log2", "log10", "log1p", "erfinv", "sqrt", "log_sigmoid_forward"),
-             FP32_ONLY, _LOG),
-    **_group(_aten("sum", "mean", "prod", "cumsum", "cumprod", "var", "std", "var_mean",
-                   "std_mean", "norm", "linalg_vector_norm", "logsumexp", "cdist",
-                   "_cdist_forward", "dist", "cosine_similarity"), FP32_ONLY, _REDUCE),
-    **_group(_aten("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
-                   "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-                   "binary_cross_entropy_with_logits", "kl_div"), FP32_ONLY, _LOSS),
-    **_group(_aten("_to_copy", "to", "prims.convert_element_type"), CAST, _CASTDOC),
-    **_group(_aten("relu", "relu_", "relu6", "leaky_relu", "leaky_relu_", "prelu",
-                   "_prelu_kernel", "elu", "selu", "celu", "gelu", "silu", "silu_", "mish",
-                   "hardswish", "hardswish_", "hardsigmoid", "hardtanh", "hardtanh_", "sigmoid",
-                   "tanh", "erf", "sign", "abs", "neg", "clamp", "clamp_", "clamp_min",
-                   "clamp_max", "clip", "floor", "ceil", "round", "trunc", "sin", "cos", "glu",
-                   "threshold"), FOLLOW, _ACT),
-    **_group(_aten("dropout", "native_dropout", "feature_dropout", "alpha_dropout",
-                   "feature_alpha_dropout"), FOLLOW, _DROPOUT),
-    **_group(_aten("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
-                   "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d",
-                   "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
-                   "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool1d",
-                   "adaptive_max_pool2d", "adaptive_max_pool3d"), FOLLOW, _POOL),
-    **_group(_aten("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
-                   "upsample_bilinear2d", "upsample_linear1d", "upsample_bicubic2d",
-                   "upsample_trilinear3d", "_upsample_nearest_exact2d"), FOLLOW,
-             "interpolation is a convex combination of inputs: range-preserving"),
-    **_group(_aten("view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
-                   "expand_as", "unsqueeze", "squeeze", "contiguous", "clone", "slice",
-                   "select", "narrow", "split", "split_with_sizes",
-                   "chunk", "unbind", "index", "index_select", "gather", "embedding", "flatten",
-                   "unflatten", "alias", "detach", "lift_fresh_copy", "constant_pad_nd", "pad",
-                   "flip", "roll", "repeat", "tile", "repeat_interleave", "tril", "triu",
-                   "diagonal", "movedim", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
-                   "masked_select", "index_put", "index_put_", "scatter", "copy_", "fill_",
-                   "zero_", "slice_scatter", "select_scatter", "as_strided", "unfold",
-                   "sym_size", "sym_numel", "sym_stride", "_assert_tensor_metadata"),
-             FOLLOW, _LAYOUT),
-    **_group(_aten("add", "add_", "sub", "sub_", "rsub", "addcmul", "addcdiv", "lerp", "maximum",
-                   "minimum"), FOLLOW, _ARITH, params_as_values=True),
-    **_group(_aten("mul", "mul_", "div", "div_", "square"), FOLLOW, _SCALE),
-    **_group(_aten("cat", "concat", "stack", "where"), FOLLOW, _JOIN, params_as_values=True),
-    **_group(_aten("max", "min", "amax", "amin", "argmax", "argmin", "masked_fill",
-                   "masked_fill_", "eq", "ne", "lt", "gt", "le", "ge", "isnan", "isinf",
-                   "topk", "sort", "argsort", "logical_and", "logical_or", "logical_not",
-                   "__and__", "__or__", "bitwise_and", "bitwise_or"), FOLLOW, _COMPARE),
-    **_group(_aten("zeros_like", "ones_like", "full_like", "empty_like", "rand_like",
-                   "randn_like", "new_zeros", "new_ones", "new_full", "new_empty"),
-             FOLLOW, _CREATE),
-}
+def _packets(namespace: str, names: tuple) -> list:
+    """ATen (or prims) overload packets by name; names this torch build lacks are skipped."""
+    out = []
+    for name in names:
+        try:
+            out.append(getattr(getattr(torch.ops, namespace), name))
+        except (AttributeError, RuntimeError):
+            continue
+    return out
+
+
+def spellings(name: str) -> list:
+    """Every target that spells the op ``name`` in this torch build: functions, Tensor method
+    names (strings), ATen overload packets, then the spellings written apart (module types...)."""
+    if "." in name:  # another namespace's op ("prims.convert_element_type"): its packet only
+        namespace, op = name.split(".")
+        return _packets(namespace, (op,))
+    spaces = [(torch, name), (F, name)]
+    if name.startswith("linalg_"):
+        spaces.append((torch.linalg, name.removeprefix("linalg_")))
+    found: list = []
+    for space, attr in spaces:
+        for fn in (getattr(space, attr, None), getattr(space, attr + "_", None)):
+            # a function: not a dtype (torch.float), a type or a submodule (torch.linalg)
+            if callable(fn) and not isinstance(fn, type) and not any(fn is f for f in found):
+                found.append(fn)
+    found += [m for m in (name, name + "_") if callable(getattr(torch.Tensor, m, None))]
+    found += _packets("aten", (name, name + "_"))
+    return found + list(SPELLED_APART.get(name, ()))
+
+
+def _tables() -> tuple[dict, dict, dict, dict, dict]:
+    """(modules, functions, methods, aten, op name by spelling): the tables map every op's
+    spellings to its entry. A spelling two ops claim is an error."""
+    modules: dict = {}
+    functions: dict = {}
+    methods: dict = {}
+    aten: dict = {}
+    owner: dict = {}
+    unknown = SPELLED_APART.keys() - OPS.keys()
+    if unknown:
+        raise ValueError(f"op table: spellings written for ops it lacks: {sorted(unknown)}")
+    for name, entry in OPS.items():
+        for spelling in spellings(name):
+            if isinstance(spelling, str):
+                table = methods
+            elif isinstance(spelling, type):
+                table = modules
+            elif isinstance(spelling, torch._ops.OpOverloadPacket):
+                table = aten
+            else:
+                table = functions
+            other = owner.setdefault(spelling, name)
+            if other != name:
+                raise ValueError(f"op table: {spelling!r} spells both {other!r} and {name!r}")
+            table[spelling] = entry
+    return modules, functions, methods, aten, owner
+
+
+# The derived tables, one per kind of target: the lookup reads these.
+MODULE_TABLE, FUNCTION_TABLE, METHOD_TABLE, ATEN_TABLE, OP_OF_SPELLING = _tables()
 
 
 def _fn_name(target: Any) -> str:
@@ -365,7 +404,8 @@ def _fn_name(target: Any) -> str:
 
 @dataclass
 class OpTable:
-    """The lookup over the four tables. Users pass their own entries to extend or replace ours.
+    """The lookup over the four derived tables. Users pass their own entries to extend or
+    replace ours.
 
     ``extra`` maps any key the tables use (module type, function, method name, ATen overload or
     packet) to an OpEntry or to a class name; it takes precedence over the built-in tables.

@@ -49,7 +49,7 @@ class StoreWeights(Pass):
 
     def call(self, gm):
         records: list[WeightRecord] = list(gm.meta.get(WEIGHTS, []))
-        edits = self._get_attrs(gm, records) + self._modules(gm, records)
+        edits = self._get_attrs(gm, records) + self._modules(gm, records) + self._caches(gm, records)
         gm.meta[WEIGHTS] = records
         if edits:
             gm.graph.lint()
@@ -111,6 +111,25 @@ class StoreWeights(Pass):
                 user.replace_input_with(node, copies[node])
                 edits += 1
         return edits
+
+    def _caches(self, gm, records) -> int:
+        """Buffers the plan keeps low although written in place (a KV cache): converted once."""
+        done = set()
+        for node in gm.graph.nodes:
+            d = node.meta.get(PRECISION)
+            if node.op != "get_attr" or d is None or d.dtype != self.low or d.stored \
+                    or node.meta.get(INSERTED_BY) is not None:
+                continue
+            original = fetch_attr(gm, node.target)
+            if not isinstance(original, torch.Tensor):
+                continue
+            if original.dtype != self.low:
+                set_attr(gm, node.target, _converted(original, self.low))
+                records.append(WeightRecord(node.target, node.target, self.low, original.numel(),
+                                            False))
+                done.add(node.target)
+            node.meta[TENSOR] = TensorInfo(node.meta[TENSOR].shape, self.low)
+        return len(done)
 
     def _modules(self, gm, records) -> int:
         calls = defaultdict(list)

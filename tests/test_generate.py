@@ -207,8 +207,11 @@ def test_plans_record_the_cache_dtype(kind):
             planned = gm.plan.node(node.name)
             assert planned.dtype == rec.dtype == str(fetch_attr(gm, rec.name).dtype).split(".")[1]
             assert planned.reason == rec.reason
-    # today's passes: "buffer written in place: keeps its dtype"
-    assert decoder.cache_dtype == torch.float32
+    # a KV cache is written only by stores (index_copy_): the plan keeps it in the low dtype,
+    # each written key/value cast once, and attention reads it as it is
+    assert decoder.cache_dtype == torch.float16
+    assert all("a cache written only by stores (aten.index_copy_.default)" in rec.reason
+               for rec in decoder.cache_plan)
     assert "cache: 4 tensors" in decoder.summary()
 
 

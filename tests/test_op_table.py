@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from mpgraph.passes.op_table import (CAST, FOLLOW, FP32_COMPUTE, FP32_ONLY, OP_CLASSES, TENSOR_CORE,
                               UNKNOWN, ATEN_TABLE, FUNCTION_TABLE, METHOD_TABLE, MODULE_TABLE,
-                              OpEntry, OpTable)
+                              OP_OF_SPELLING, OPS, OpEntry, OpTable, spellings)
 
 
 def _node(op, target, root=None):
@@ -105,3 +105,232 @@ def test_every_entry_has_a_class_and_a_reason():
         for key, entry in table.items():
             assert entry.op_class in OP_CLASSES and entry.op_class != UNKNOWN, key
             assert entry.reason.strip(), key
+
+
+# -- one entry per op, every spelling derived from it (issue 19, item 3) -------------------------
+
+def _lookup(op, target):
+    node, root = _node(op, target)
+    return OpTable.default().lookup(node, root)[1]
+
+
+def _overload(packet):
+    """A concrete overload of an ATen packet (what torch.export puts in graphs)."""
+    names = packet.overloads()
+    return getattr(packet, "default" if "default" in names else names[0])
+
+
+def _spelled(name: str) -> list[tuple[str, object]]:
+    """(node op, target) of every spelling of ``name`` that this torch build has, found here
+    without the table's own derivation: torch.<name>, F.<name>, torch.linalg.<rest>, the Tensor
+    method and an overload of aten.<name>, each also with a trailing underscore (in place)."""
+    out = []
+    for variant in (name, name + "_"):
+        for space, attr in ((torch, variant), (F, variant),
+                            (torch.linalg, variant.removeprefix("linalg_"))):
+            fn = getattr(space, attr, None)
+            if (space is not torch.linalg or name.startswith("linalg_")) and callable(fn) \
+                    and not isinstance(fn, type):
+                out.append(("call_function", fn))
+        if callable(getattr(torch.Tensor, variant, None)):
+            out.append(("call_method", variant))
+        packet = getattr(torch.ops.aten, variant, None) if "." not in variant else None
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            out.append(("call_function", _overload(packet)))
+    return out
+
+
+def test_every_op_is_one_entry_and_its_function_method_and_aten_spellings_agree():
+    for name, entry in OPS.items():
+        for op, target in _spelled(name):
+            found = _lookup(op, target)
+            assert found == entry, f"{name}: {op} {target} is {found}, the op's entry is {entry}"
+            for low in (torch.float16, torch.bfloat16):
+                assert found.class_for(low) == entry.class_for(low), (name, target)
+
+
+def test_the_methods_the_three_tables_had_lost_are_classified():
+    """exp2, trunc, erfinv, true_divide, fmax, fmin, isfinite had a function and an ATen entry
+    but no method: ``x.exp2()`` was 'unknown'."""
+    for name in ("exp2", "trunc", "erfinv", "true_divide", "fmax", "fmin", "isfinite"):
+        assert _lookup("call_method", name) == OPS[name], name
+        assert _lookup("call_function", getattr(torch, name)) == OPS[name], name
+
+
+def test_every_spelling_belongs_to_one_op_and_every_op_has_one():
+    for name in OPS:
+        assert spellings(name), f"{name} has no spelling in this torch build"
+    for table in (MODULE_TABLE, FUNCTION_TABLE, METHOD_TABLE, ATEN_TABLE):
+        for key, entry in table.items():
+            assert OPS[OP_OF_SPELLING[key]] is entry, key
+
+
+def test_range_expanding_ops_carry_a_flag_not_a_reason_text():
+    """NumericSafety reads ``range_expanding`` (through OpInfo), never the reason's words."""
+    flagged = {name for name, e in OPS.items() if e.range_expanding}
+    assert {"exp", "exp2", "expm1", "pow", "rsqrt", "reciprocal", "softplus"} <= flagged
+    assert not flagged & {"sum", "mean", "log", "softmax", "add"}
+    for name in flagged:
+        assert OPS[name].class_for(torch.float16) == FP32_ONLY
+        assert OPS[name].class_for(torch.bfloat16) == FOLLOW
+
+
+# -- coverage against PyTorch's own autocast lists ----------------------------------------------
+
+# torch/testing/_internal/autocast_test_lists.py: the ops autocast runs in the low dtype
+# ("lower precision fp") and in float32, for CUDA (AutocastTestLists) and CPU
+# (AutocastCPUTestLists). Its import needs expecttest, which is no dependency of ours: read as text.
+_AUTOCAST_LOW = ("torch_fp16", "torch_16", "nn_fp16", "nn_16", "linalg_fp16", "methods_fp16")
+_AUTOCAST_FP32 = ("torch_fp32", "nn_fp32", "methods_fp32")
+# Where the table deliberately differs from autocast: op -> (our class, why).
+AUTOCAST_DIFFERS = {
+    "prelu": (FOLLOW, "elementwise max(0, x) + a min(0, x), no matmul: a follow op runs low "
+                      "wherever its inputs are low (where autocast runs it), and alone it is not "
+                      "worth two casts"),
+    "avg_pool3d": (FOLLOW, "an average over a window stays within its inputs' range; only "
+                           "autocast's CPU list keeps it float32, its CUDA list does not"),
+    "reflection_pad1d": (FOLLOW, "padding copies elements, exact in any dtype; only autocast's "
+                                 "CPU list keeps it float32, its CUDA list does not"),
+}
+
+
+def _autocast_lists() -> dict[str, set[str]]:
+    import ast
+    import pathlib
+    path = pathlib.Path(torch.__file__).parent / "testing" / "_internal" / "autocast_test_lists.py"
+    if not path.exists():
+        pytest.skip(f"this torch build has no {path.name}")
+    lists: dict[str, set[str]] = {}
+    for klass in ast.parse(path.read_text()).body:
+        if not (isinstance(klass, ast.ClassDef) and klass.name.startswith("Autocast")):
+            continue
+        for node in ast.walk(klass):  # self.<list> = [("op", args...), ...]
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.List) \
+                    and isinstance(node.targets[0], ast.Attribute):
+                lists.setdefault(node.targets[0].attr, set()).update(
+                    item.elts[0].value for item in node.value.elts if isinstance(item, ast.Tuple))
+    return lists
+
+
+def _classes_of(name: str) -> set[str]:
+    """The fp16 classes every spelling of an autocast op name gets ("__matmul__": a method)."""
+    spelled = [("call_method", name)] if name.startswith("__") else _spelled(name)
+    entries = [_lookup(op, target) for op, target in spelled]
+    return {e.class_for(torch.float16) if e else UNKNOWN for e in entries}
+
+
+def test_autocast_op_lists_are_covered():
+    lists = _autocast_lists()
+    low = set().union(*(lists.get(k, set()) for k in _AUTOCAST_LOW))
+    fp32 = set().union(*(lists.get(k, set()) for k in _AUTOCAST_FP32))
+    assert len(low) > 25 and len(fp32) > 50 and not low & fp32
+    wrong = []
+    for name in sorted(low | fp32):
+        want = {AUTOCAST_DIFFERS[name][0]} if name in AUTOCAST_DIFFERS else \
+            {TENSOR_CORE} if name in low else {FP32_ONLY, FP32_COMPUTE}
+        got = _classes_of(name)
+        if not got or not got <= want:
+            wrong.append(f"{name}: {sorted(got)}, autocast {'low' if name in low else 'fp32'}")
+    assert not wrong, "\n".join(wrong)
+    assert set(AUTOCAST_DIFFERS) <= low | fp32  # no stale exceptions
+
+
+# -- every ATen op the model zoo produces has a class --------------------------------------------
+
+def _zoo():
+    t = pytest.importorskip("transformers")
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    tokens, image = torch.randint(0, 100, (2, 8)), torch.randn(2, 3, 32, 32)
+    return {
+        "bert": lambda: (t.BertModel(t.BertConfig(vocab_size=100, max_position_embeddings=64,
+                                                  **small)), tokens),
+        "gpt2": lambda: (t.GPT2Model(t.GPT2Config(vocab_size=100, n_positions=64, n_embd=32,
+                                                  n_layer=1, n_head=2, use_cache=False)), tokens),
+        "llama": lambda: (t.LlamaModel(t.LlamaConfig(vocab_size=100, max_position_embeddings=64,
+                                                     num_key_value_heads=1, use_cache=False,
+                                                     **small)), tokens),
+        "vit": lambda: (t.ViTModel(t.ViTConfig(image_size=32, patch_size=8, **small)), image),
+        "resnet": lambda: (t.ResNetModel(t.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16],
+                                                        depths=[1, 1], layer_type="basic")), image),
+        "convnext": lambda: (t.ConvNextModel(t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
+                                                              num_stages=2, image_size=32)), image),
+    }
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "vit", "resnet", "convnext"])
+def test_every_aten_op_the_zoo_models_produce_is_classified(name):
+    import mpgraph
+    from mpgraph.ir.meta import OP_CLASS
+    from mpgraph.passes import ClassifyOps
+    torch.manual_seed(0)
+    model, x = _zoo()[name]()
+    gm = mpgraph.capture(model.eval(), x)
+    ClassifyOps(torch.float16)(gm)
+    unknown = sorted({n.meta[OP_CLASS].key for n in gm.graph.nodes
+                      if n.meta[OP_CLASS].op_class == UNKNOWN})
+    assert not unknown, f"{name}: {unknown}"
+
+
+# -- recurrent layers convert like autocast runs them --------------------------------------------
+
+class Recurrent(nn.Module):
+    """A linear layer, a two-layer recurrent layer, a linear layer. ``export``: a shape check
+    symbolic tracing cannot follow, so torch.export captures it (the layer as one ATen op,
+    aten.lstm / aten.gru / aten.rnn_tanh, with flat outputs) instead of fx (a leaf module whose
+    output is nested for nn.LSTM: (output, (h, c)))."""
+
+    def __init__(self, kind, export: bool):
+        super().__init__()
+        self.export = export
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(16, 4)
+        self.rnn = kind(8, 16, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        if self.export and x.shape[-1] != 8:
+            raise ValueError("expected 8 features")
+        return self.out(self.rnn(self.fc(x))[0])
+
+
+@pytest.mark.filterwarnings("ignore:The tensor attributes self.rnn._flat_weights")  # torch.export's
+@pytest.mark.parametrize("kind, export", [
+    (nn.GRU, False), (nn.RNN, False), (nn.GRU, True), (nn.RNN, True), (nn.LSTM, True),
+    (nn.LSTM, False),
+])
+def test_recurrent_layers_run_low_within_tolerance(kind, export):
+    import mpgraph
+    from conftest import TOL, rel_err
+    torch.manual_seed(0)
+    model, x = Recurrent(kind, export).eval(), torch.randn(2, 5, 8)
+    gm = mpgraph.convert(model, x, dtype=torch.float16, target="a100", strategy="rules")
+    assert gm.plan.capture == ("torch.export" if export else "torch.fx.symbolic_trace")
+    layers = [r for r in gm.plan.nodes if r.op_class == TENSOR_CORE and r.name not in
+              ("fc", "out", "linear", "linear_1")]
+    assert len(layers) == 1 and layers[0].dtype == "float16", layers
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL[torch.float16]
+
+
+class ExpBetweenLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.exp(self.a(x)))
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_numeric_safety_lowers_what_the_flag_marks_whatever_the_reason_says(flag):
+    import mpgraph
+    torch.manual_seed(0)
+    text = "mine" if flag else OPS["exp"].reason  # the flag decides, not the words
+    table = {torch.exp: OpEntry(FP32_ONLY, text, bf16=FOLLOW, range_expanding=flag)}
+    gm = mpgraph.convert(ExpBetweenLinears().eval(), torch.randn(4, 8), dtype=torch.float16,
+                         target="a100", strategy="rules", op_table=table)
+    exp = gm.plan.node("exp")
+    if flag:
+        assert exp.dtype == "float16" and exp.op_class == FOLLOW
+        assert exp.reason.startswith("all float inputs are float16"), exp.reason
+    else:
+        assert exp.dtype == "float32" and exp.op_class == FP32_ONLY and exp.reason == text

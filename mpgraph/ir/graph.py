@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import operator
@@ -57,9 +58,7 @@ def is_inplace(node: torch.fx.Node, root: torch.nn.Module) -> bool:
         if node.target in _INPLACE_OPERATORS:
             return True
         if isinstance(node.target, torch._ops.OpOverload):
-            schema = node.target._schema
-            return bool(schema.arguments) and schema.arguments[0].alias_info is not None \
-                and schema.arguments[0].alias_info.is_write
+            return _writes_first_argument(node.target)
         name = getattr(node.target, "__name__", "")
         if name.endswith("_") and not name.startswith("_") and \
                 getattr(torch, name, None) is node.target:  # torch.relu_, torch.sigmoid_, ...
@@ -68,6 +67,14 @@ def is_inplace(node: torch.fx.Node, root: torch.nn.Module) -> bool:
     if node.op == "call_module":
         return bool(getattr(root.get_submodule(node.target), "inplace", False))
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def _writes_first_argument(op: torch._ops.OpOverload) -> bool:
+    """From the op's schema (read once per op: the checks read it for every edge)."""
+    arguments = op._schema.arguments
+    return bool(arguments) and arguments[0].alias_info is not None \
+        and arguments[0].alias_info.is_write
 
 
 def is_view(node: torch.fx.Node) -> bool:
@@ -81,6 +88,31 @@ def is_view(node: torch.fx.Node) -> bool:
         name = getattr(node.target, "__name__", "")  # torch.transpose, torch.flatten, ...
         return name in _VIEW_METHODS and getattr(torch, name, None) is node.target
     return False
+
+
+# In-place ops that only store into their first argument (overwrite slots with other values),
+# never combine with what it held: a KV cache written this way can live in any dtype its
+# writers cast to
+_STORES = {"index_copy_", "copy_", "index_put_", "__setitem__"}
+
+
+def _store_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.name.split("::")[-1]
+    return "__setitem__" if node.target is operator.setitem else ""
+
+
+def stored_into_only(buffer: torch.fx.Node, root: torch.nn.Module) -> list[torch.fx.Node]:
+    """The nodes that write into ``buffer`` (a get_attr) when every write is a plain store
+    (``index_copy_``, ``copy_``, ``index_put_`` without accumulate, item assignment), else []."""
+    writers = [u for u in buffer.users if u.args and u.args[0] is buffer and is_inplace(u, root)
+               or u.op == "call_function" and u.target is operator.setitem and u.args[0] is buffer]
+    stores = all(_store_name(w) in _STORES and not w.kwargs.get("accumulate")
+                 and not (len(w.args) > 3 and w.args[3] is True and _store_name(w) == "index_put_")
+                 for w in writers)
+    return writers if writers and stores else []
 
 
 def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.Node]:

@@ -57,6 +57,7 @@ class OpInfo:
     key: str  # the table key that matched, e.g. "nn.Linear" or "aten.linear"
     params_as_values: bool = False  # see OpEntry.params_as_values
     low_io: tuple = ()              # see OpEntry.low_io: the target kinds that take the mix
+    range_expanding: bool = False   # see OpEntry.range_expanding: NumericSafety may lower it
 
 
 @dataclass(frozen=True)

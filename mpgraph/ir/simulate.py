@@ -93,6 +93,16 @@ def run_simulated(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node) 
         return SimulatingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
 
 
+def _dtypes(value):
+    """A value's dtype, or a tuple of its parts' (nested: nn.LSTM returns (out, (h, c)))."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, (tuple, list)) and any(isinstance(v, (torch.Tensor, tuple, list))
+                                                for v in value):
+        return tuple(_dtypes(v) for v in value)
+    return None
+
+
 def fake_dtypes(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict:
     """The dtype every node really produces (a tuple for multi-output nodes), from a run on fake
     tensors: torch's own type rules, no arithmetic."""
@@ -102,10 +112,7 @@ def fake_dtypes(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict:
     dtypes = {}
 
     def record(node, value):
-        if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
-            dtypes[node] = tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in value)
-        else:
-            dtypes[node] = value.dtype if isinstance(value, torch.Tensor) else None
+        dtypes[node] = _dtypes(value)
 
     flat = flat_inputs(gm, args, kwargs)
     with mode, torch.no_grad():
