@@ -36,7 +36,7 @@ from mpgraph.ir.graph import (input_nodes, is_inplace, module_path, mutated_node
                               stored_into_only, target_name)
 from mpgraph.ir.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
 from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok
-from mpgraph.passes.infra import Pass, PassResult
+from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
 log = logging.getLogger(__name__)
 FP32 = torch.float32
@@ -81,6 +81,7 @@ class AssignPrecision(Pass):
     node names to (dtype name, reason) of a saved plan: applied like node-name overrides.
     """
     stage = "decide"
+    reads, reads_on, writes = (TENSOR, OP_CLASS), ALL_NODES, (PRECISION,)
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
@@ -100,11 +101,6 @@ class AssignPrecision(Pass):
         self.train = train
         for key, value in self.overrides.items():
             self._dtype_of(key, value)  # a bad dtype is an error before anything runs
-
-    def requires(self, gm):
-        for node in gm.graph.nodes:
-            if TENSOR not in node.meta or OP_CLASS not in node.meta:
-                raise self.fail("run PropagateTensorInfo and ClassifyOps first", node)
 
     # -- helpers ---------------------------------------------------------------------------
     def _dtype_of(self, key, value) -> torch.dtype:

@@ -39,6 +39,8 @@ def _us(seconds: float) -> str:
 
 
 class AssignPrecisionOptimal(AssignPrecision):
+    writes = (PRECISION, ESTIMATE)  # ESTIMATE on gm.meta: the plan's time on the target
+
     def __init__(self, low_dtype: torch.dtype, spec: DeviceSpec, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                  tf32: Optional[bool] = None, range_dtype: Optional[torch.dtype] = None,
@@ -49,10 +51,10 @@ class AssignPrecisionOptimal(AssignPrecision):
         self.costs = EstimateCost(spec, low_dtype, tf32)
 
     def requires(self, gm):
-        super().requires(gm)
+        super().requires(gm)  # TENSOR and OP_CLASS on every node; and what it prices:
         for node in gm.graph.nodes:
             if node.op.startswith("call_") and COST not in node.meta:
-                raise self.fail("run EstimateCost first", node)
+                raise self.fail(f"needs {COST} on every call node: run EstimateCost first", node)
 
     def call(self, gm):
         super().call(gm)  # the rule decisions: their pinned ones are our hard constraints

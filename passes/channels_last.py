@@ -37,6 +37,8 @@ def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
 
 class ChannelsLast(Pass):
     stage = "rewrite"
+    rewrites = True
+    reads = (OP_CLASS, PRECISION)
 
     def call(self, gm):
         convs = [n for n in gm.graph.nodes if n.meta.get(OP_CLASS) is not None
@@ -60,9 +62,6 @@ class ChannelsLast(Pass):
             nhwc.meta[INSERTED_BY] = self.name
             conv.replace_input_with(x, nhwc)
             edits += 1
-        if edits:
-            gm.graph.lint()
-            gm.recompile()
         return PassResult(gm, edits > 0)
 
     def _weight(self, conv, gm) -> None:

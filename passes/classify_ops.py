@@ -30,6 +30,7 @@ def fixed_statistics(node, gm) -> bool:
 class ClassifyOps(Pass):
     """Analysis: writes ``mpgraph.op_class``. The class may depend on the low dtype (bf16 vs fp16)."""
     stage = "decide"
+    writes = (OP_CLASS,)
 
     def __init__(self, low_dtype: torch.dtype, table: OpTable | None = None):
         self.low_dtype = low_dtype

@@ -140,16 +140,12 @@ def _quantization(spec: DeviceSpec, dims: Optional[tuple]) -> float:
 class EstimateCost(Pass):
     """Analysis: writes ``mpgraph.cost`` (NodeCost) on every call node that touches float32."""
     stage = "decide"
+    reads, writes = (OP_CLASS,), (COST,)
 
     def __init__(self, spec: DeviceSpec, low_dtype: torch.dtype, tf32: Optional[bool] = None):
         self.spec = spec
         self.low = low_dtype
         self.tf32 = tf32_enabled() if tf32 is None else tf32
-
-    def requires(self, gm):
-        for node in gm.graph.nodes:
-            if node.op.startswith("call_") and OP_CLASS not in node.meta:
-                raise self.fail("run ClassifyOps first", node)
 
     def _bytes(self, node, gm, dtype) -> float:
         total = 0.0

@@ -50,6 +50,8 @@ def _dropout_p(node):
 
 class FollowTrainingFlag(Pass):
     stage = "prepare"
+    rewrites = True
+    writes = (INSERTED_BY,)
 
     def _rate(self, gm, node) -> None:
         """Attention keeps its op; its dropout_p comes from a DropoutRate module at run time."""
@@ -103,7 +105,4 @@ class FollowTrainingFlag(Pass):
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             changed += 1
-        if changed:
-            graph.lint()
-            gm.recompile()
         return PassResult(gm, changed > 0)

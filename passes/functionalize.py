@@ -73,6 +73,8 @@ class Functionalize(Pass):
     """Rewrite: in-place ops on private intermediate values -> out-of-place ops, readers rewired."""
 
     stage = "prepare"
+    rewrites = True
+    writes = (INSERTED_BY,)
 
     def call(self, gm):
         graph, changed = gm.graph, 0
@@ -99,7 +101,4 @@ class Functionalize(Pass):
             order[new] = here  # readers after the rewrite compare against the op's position
             graph.erase_node(node)
             changed += 1
-        if changed:
-            graph.lint()
-            gm.recompile()
         return PassResult(gm, changed > 0)

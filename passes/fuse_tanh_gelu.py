@@ -97,6 +97,8 @@ def match(tanh: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, l
 
 class FuseTanhGelu(Pass):
     stage = "prepare"
+    rewrites = True
+    writes = (INSERTED_BY,)
 
     def call(self, gm):
         graph = gm.graph
@@ -122,7 +124,4 @@ class FuseTanhGelu(Pass):
                 graph.erase_node(dead)
             erased.update(nodes)
             fused += 1
-        if fused:
-            graph.lint()
-            gm.recompile()
         return PassResult(gm, fused > 0)

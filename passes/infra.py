@@ -2,7 +2,12 @@
 
 Modelled on onnx-ir's pass infrastructure: a pass is a small class, ``__call__`` returns a frozen
 ``PassResult(graph_module, modified)`` and ``modified`` is honest (analysis passes say False), so a
-pipeline can run to a fixed point and a caller can tell what changed.
+caller can tell what changed. A pass declares what it needs and what it does, and the
+infrastructure holds it to that: ``reads`` (the ``mpgraph.*`` meta keys every node it looks at
+must carry: checked before it runs, naming the pass that writes a missing one), ``writes`` (the
+keys it sets) and ``rewrites`` (whether it may change the graph: after a pass that did, the
+graph is linted and its code regenerated here, once, not by each pass; an analysis pass that
+reports a change is an error).
 """
 from __future__ import annotations
 
@@ -42,17 +47,36 @@ class PassResult:
     modified: bool
 
 
-class Pass:
-    """Base class. Subclasses implement ``call`` and may check ``requires``/``ensures``."""
+CALLS = ("call_function", "call_method", "call_module")
+ALL_NODES = CALLS + ("placeholder", "get_attr", "output")
 
-    stage = "plan"  # what progress calls the part of the work this pass belongs to
+
+class Pass:
+    """Base class. Subclasses implement ``call`` and declare ``reads``/``writes``/``rewrites``;
+    they may add checks of their own in ``requires``/``ensures``."""
+
+    stage = "plan"      # what progress calls the part of the work this pass belongs to
+    reads: tuple = ()   # meta keys every node of an op in ``reads_on`` must carry beforehand
+    reads_on: tuple = CALLS
+    writes: tuple = ()  # meta keys this pass sets, the one it exists to write first
+    rewrites = False    # whether it changes the graph (the infrastructure recompiles after)
 
     @property
     def name(self) -> str:
         return type(self).__name__
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
-        """Raise PassError when the input graph lacks what this pass needs."""
+        """Raise PassError when the input graph lacks what this pass needs: by default, a node
+        without one of the ``reads`` keys."""
+        for node in gm.graph.nodes:
+            if node.op not in self.reads_on:
+                continue
+            for key in self.reads:
+                if key not in node.meta:
+                    writers = [w.__name__ for w in _subclasses(Pass) if w.writes[:1] == (key,)]
+                    raise self.fail(f"needs {key} on every node: run "
+                                    f"{' or '.join(writers) or 'the pass that writes it'} first",
+                                    node)
 
     def call(self, gm: torch.fx.GraphModule) -> PassResult:
         raise NotImplementedError
@@ -68,8 +92,21 @@ class Pass:
         result = self.call(gm)
         if not isinstance(result, PassResult):
             raise PassError(self.name, f"returned {type(result).__name__}, not PassResult")
+        if result.modified:
+            if not self.rewrites:
+                raise PassError(self.name, "reported a change to the graph, but declares "
+                                           "rewrites = False (an analysis pass)")
+            result.graph_module.graph.lint()
+            result.graph_module.recompile()
         self.ensures(result.graph_module)
         return result
+
+
+def _subclasses(cls) -> list:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub] + _subclasses(sub)
+    return out
 
 
 def run_passes(passes: Iterable[Pass], gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

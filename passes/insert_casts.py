@@ -14,20 +14,18 @@ from mpgraph.ir.graph import input_nodes, mutated_nodes
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, SHORT_DTYPE_NAMES, TENSOR, Decision,
                           OpInfo, TensorInfo)
 from mpgraph.passes.op_table import CAST
-from mpgraph.passes.infra import Pass, PassResult
+from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
 
 
 class InsertCasts(Pass):
     stage = "rewrite"
+    rewrites = True
+    reads, reads_on = (PRECISION,), ALL_NODES
+    writes = (PRECISION, TENSOR, OP_CLASS, INSERTED_BY)
 
     def __init__(self, keep_io_types: bool = True):
         self.keep_io_types = keep_io_types
-
-    def requires(self, gm):
-        for node in gm.graph.nodes:
-            if PRECISION not in node.meta:
-                raise self.fail("run AssignPrecision first", node)
 
     def call(self, gm):
         graph = gm.graph
@@ -52,8 +50,6 @@ class InsertCasts(Pass):
                     cast = self._make_cast(graph, arg, need, have, before=node)
                     cache[key] = cast
                 node.replace_input_with(arg, cast)
-        graph.lint()
-        gm.recompile()
         return PassResult(gm, bool(cache))
 
     def _make_cast(self, graph, value, dtype, have, before):

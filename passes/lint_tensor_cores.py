@@ -60,6 +60,7 @@ def _gemm_dims(node, gm) -> Optional[dict]:
 class LintTensorCores(Pass):
     """Analysis: writes ``mpgraph.tensor_core`` on matmul-class nodes (after the dtype decision)."""
     stage = "decide"
+    reads, writes = (OP_CLASS, PRECISION), (TENSOR_CORES,)
 
     def __init__(self, spec: DeviceSpec, tf32: Optional[bool] = None):
         self.spec = spec

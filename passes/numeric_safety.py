@@ -167,6 +167,7 @@ class NumericSafety(Pass):
     """Analysis: writes ``mpgraph.safety`` (a tuple of SafetyFinding) on nodes that must stay
     float32; relaxes calibrated-safe range-expanding ops to ``follow`` in fp16."""
     stage = "decide"
+    reads, writes = (OP_CLASS,), (SAFETY, OP_CLASS)  # OP_CLASS: calibrated-safe ops -> follow
 
     def __init__(self, low_dtype: torch.dtype, margin: float = RANGE_MARGIN,
                  alt_dtype: Optional[torch.dtype] = None):
@@ -184,11 +185,6 @@ class NumericSafety(Pass):
         self.margin = margin
         # magnitudes below tiny / 2 round to 0; the margin is the headroom, as for ``range``
         self.floor = self.tiny / 2 * margin
-
-    def requires(self, gm):
-        for node in gm.graph.nodes:
-            if node.op in _CALLS and OP_CLASS not in node.meta:
-                raise self.fail("run ClassifyOps first", node)
 
     def _range_evidence(self, node) -> Optional[str]:
         r = node.meta.get(RANGE)

@@ -28,6 +28,7 @@ class PruneForInference(Pass):
     """Rewrite: eval-mode dropout, export's asserts and guards, unused shape reads removed."""
 
     stage = "prepare"
+    rewrites = True
 
     def call(self, gm):
         if gm.training:
@@ -52,7 +53,5 @@ class PruneForInference(Pass):
                 graph.erase_node(node)
                 removed += 1
         if removed:
-            graph.lint()
             gm.delete_all_unused_submodules()
-            gm.recompile()
         return PassResult(gm, removed > 0)

@@ -15,6 +15,7 @@ _ASSERT = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
 
 class RetargetDtypeAsserts(Pass):
     stage = "rewrite"
+    rewrites = True
 
     def call(self, gm):
         changed = 0
@@ -30,6 +31,4 @@ class RetargetDtypeAsserts(Pass):
                 continue
             node.update_kwarg("dtype", decision.dtype)
             changed += 1
-        if changed:
-            gm.recompile()
         return PassResult(gm, changed > 0)

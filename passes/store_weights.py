@@ -42,6 +42,8 @@ def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
 
 class StoreWeights(Pass):
     stage = "rewrite"
+    rewrites = True
+    reads, writes = (PRECISION, OP_CLASS), (WEIGHTS, TENSOR, PRECISION, INSERTED_BY)
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True):
         self.low = low_dtype
@@ -51,9 +53,6 @@ class StoreWeights(Pass):
         records: list[WeightRecord] = list(gm.meta.get(WEIGHTS, []))
         edits = self._get_attrs(gm, records) + self._modules(gm, records) + self._caches(gm, records)
         gm.meta[WEIGHTS] = records
-        if edits:
-            gm.graph.lint()
-            gm.recompile()
         return PassResult(gm, edits > 0)
 
     def _get_attrs(self, gm, records) -> int:

@@ -47,6 +47,38 @@ def test_run_passes_wraps_an_unexpected_error_with_the_pass_and_what_ran_before(
     assert stages == [("decide", True), ("decide", False), ("plan", True), ("plan", False)]
 
 
+def test_the_infrastructure_holds_passes_to_what_they_declare():
+    gm = _traced(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4))
+    # a pass that reads a key nobody wrote yet: the error names the pass that writes it
+    with pytest.raises(mpgraph.PassError, match=r"needs mpgraph.op_class on every node: run "
+                                                r"ClassifyOps first"):
+        LintTensorCores(GPU_SPECS["a100-80gb"])(gm)
+
+    class Sneaky(Pass):  # an analysis pass (rewrites = False) that changes the graph
+        def call(self, gm):
+            node = next(n for n in gm.graph.nodes if n.op == "call_module")
+            with gm.graph.inserting_after(node):
+                gm.graph.call_function(torch.relu, (node,))
+            return PassResult(gm, True)
+
+    with pytest.raises(mpgraph.PassError, match="declares rewrites = False"):
+        Sneaky()(gm)
+
+    class Rewrite(Pass):  # a rewriting pass edits; the infrastructure lints and recompiles
+        rewrites = True
+
+        def call(self, gm):
+            node = next(n for n in gm.graph.nodes if n.op == "call_module")
+            with gm.graph.inserting_after(node):
+                relu = gm.graph.call_function(torch.relu, (node,))
+            node.replace_all_uses_with(relu, delete_user_cb=lambda user: user is not relu)
+            return PassResult(gm, True)
+
+    fresh = _traced(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4))
+    Rewrite()(fresh)
+    assert "torch.relu" in fresh.code and (fresh(torch.randn(2, 4)) >= 0).all()
+
+
 def test_a_pass_that_returns_no_result_is_an_error():
     class Wrong(Pass):
         def call(self, gm):
