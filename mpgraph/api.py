@@ -33,6 +33,11 @@ _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float1
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+# convert's check: True (dtypes; values where they cost at most a small simulation), "values"
+# (always), "dtypes" (no value run), False (nothing)
+CHECKS = (True, False, "values", "dtypes")
+
+
 def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     """torch.float16 / torch.bfloat16, or one of their names; anything else is a ValueError.
 
@@ -60,14 +65,16 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             example_kwargs: Optional[dict] = None, keep_io_types: bool = True,
             target: Union[None, str, DeviceSpec] = None, strategy: str = "optimal",
             op_table: Optional[Union[OpTable, dict]] = None,
-            overrides: Optional[dict] = None, check: bool = True,
+            overrides: Optional[dict] = None, check: Union[bool, str] = True,
             calibration: Optional[Iterable] = None, tolerance: Optional[float] = None,
             progress: Optional[bool] = None, plan: Optional[Plan] = None,
-            mode: str = "inference") -> torch.fx.GraphModule:
+            mode: str = "inference", dynamic: bool = True) -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
     The example inputs are run once to learn every value's shape and dtype (and once more to
-    check the result when ``check``). ``target`` is the device to plan for: None for this machine,
+    check the result when ``check``: every node's dtype against the plan, and the outputs against
+    float32's; for a plan for another device (a GPU plan on a CPU) the outputs are simulated for
+    graphs up to 20 GFLOP per batch, ``check="values"`` always, ``check="dtypes"`` never). ``target`` is the device to plan for: None for this machine,
     or a name ("h100", "a100", "t4", "cpu", ...). ``strategy="optimal"`` minimises the estimated
     time on it exactly (min-cut over node and cast costs); ``"rules"`` is the list-based decision.
     ``dtype="auto"`` picks the low dtype the target is fast at, or keeps float32 where low
@@ -96,11 +103,19 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     readers; backward runs through every cast, so gradients arrive in float32; buffers the model
     writes (batch-norm statistics) keep their dtype; ``.train()``/``.eval()`` switch dropout and
     batch norm as in the model. The converted module trains its own copy of the parameters.
+
+    ``dynamic`` (default True): a graph captured by torch.export keeps every input dimension
+    above 1 symbolic, so the converted module runs at other batch sizes and sequence lengths.
+    ``dynamic=False`` specialises it to the example's shapes (another shape fails the module's
+    input guard): about half the capture time, and a graph without shape arithmetic, for a
+    deployment that runs one shape (CUDA graphs, a fixed-size ONNX file).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
     train = mode == "train"
     if plan is not None:
         if not isinstance(plan, Plan):
@@ -143,7 +158,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     options = Options(low, second, keep_fp32, spec, strategy, keep_io_types, table,
                       dict(overrides or {}), check, calibration, tolerance, progress, plan, train)
     with stage("capture"):
-        gm = capture(model, args, kwargs, export_only=train, abstract=abstract)
+        gm = capture(model, args, kwargs, export_only=train, abstract=abstract, dynamic=dynamic)
     with fake_mode(abstract):
         gm, report = _convert_captured(gm, model, args, kwargs, options)
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
@@ -245,7 +260,7 @@ class Options:
     keep_io_types: bool
     table: OpTable
     overrides: dict
-    check: bool
+    check: Union[bool, str]
     calibration: Optional[list]
     tolerance: Optional[float]
     progress: Optional[bool]

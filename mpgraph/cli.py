@@ -82,6 +82,7 @@ def _export(args) -> int:
         result = export_onnx(model, inputs, args.output, dtype=args.dtype, opset=args.opset,
                              example_kwargs=kwargs, validate=not args.no_validate,
                              target=args.target, strategy=args.strategy,
+                             dynamic_shapes=None if args.static else "auto",
                              **({"external_data_threshold": args.external_data_threshold}
                                 if args.external_data_threshold is not None else {}))
     except MpgraphError as e:
@@ -98,7 +99,7 @@ def _inspect(args) -> int:
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     try:
         converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
-                            target=args.target, strategy=args.strategy)
+                            target=args.target, strategy=args.strategy, dynamic=not args.static)
     except MpgraphError as e:
         print(f"mpgraph: inspect failed: {e}", file=sys.stderr)
         return 1
@@ -221,6 +222,10 @@ def main(argv=None) -> int:
     p.add_argument("--ncu-csv", help="read an ncu --csv report made elsewhere")
     p.add_argument("--nvprof-csv", help="read an nvprof --csv --metrics tensor_precision_fu_utilization report")
     p.set_defaults(func=_profile)
+    for command in (e, i):
+        command.add_argument("--static", action="store_true",
+                             help="capture (and export) at the example's shapes only: about half "
+                                  "the capture time; the result takes no other shape")
     for command in (e, i, p):
         command.add_argument("--batch", type=int, default=None,
                              help="passed to the factory as batch= (default: the factory's)")

@@ -4,14 +4,17 @@ The float32 graph runs node by node (a torch.fx Interpreter) on each batch; for 
 value we keep its finite absolute max (per batch, so findings can say "on 3/8 batches"), its
 smallest non-zero magnitude and its count of inf/NaN elements. The safety rules read these: a
 range seen in float32 is the range the low-precision graph has to hold. Without calibration data
-``convert`` passes the example inputs, so every plan has ranges from at least one real run.
+``convert`` passes the example inputs, so every plan has ranges from at least one real run; that
+batch is measured once: capture's run on it (``PropagateTensorInfo(observe=True)``) records the
+same statistics, and a batch that is those inputs, on a graph that run covered, is taken from it.
 """
 from __future__ import annotations
 
 import logging
 import math
 import sys
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.fx
@@ -19,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CalibrationError
 from mpgraph.ir.graph import as_call, flat_inputs, float_tensors, run_recording
-from mpgraph.ir.meta import RANGE, REFERENCE, Reference, ValueRange
+from mpgraph.ir.meta import OBSERVED, RANGE, REFERENCE, TENSOR, Reference, TensorInfo, ValueRange
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.frontend.fake import is_abstract
 
@@ -30,16 +33,26 @@ _PROGRESS_MIN_BATCHES = 8  # show a progress bar (on a terminal) from this many 
 def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
     """(finite absmax, smallest non-zero finite magnitude, count of inf/NaN) of one tensor.
 
-    Two reductions in the common, all-finite case (max, then min over the non-zeros); the
-    inf/NaN masks only when the max says there are some. float16/bfloat16 values are exact in
-    float32, which the reductions run in."""
+    It runs on every value of every calibration batch, so it reads the values as few times as
+    it can: one min/max pass (no copy of a strided view) settles values of one sign (softmax,
+    exp, a variance); mixed signs add |t| and its min, exact zeros (relu, masks) a masked min,
+    and inf/NaN the masks below. Min and max are exact in any float dtype."""
     if t.numel() == 0:
         return 0.0, math.inf, 0
-    flat = t.detach().reshape(-1)
-    if flat.numel() > _CHUNK:  # weights of GBs: chunks keep the temporaries small and reused
-        parts = [tensor_stats(c) for c in flat.split(_CHUNK)]
+    t = t.detach()
+    if t.numel() > _CHUNK:  # weights of GBs: chunks keep the temporaries small and reused
+        parts = [tensor_stats(c) for c in t.reshape(-1).split(_CHUNK)]
         return max(p[0] for p in parts), min(p[1] for p in parts), sum(p[2] for p in parts)
-    a = flat.abs()
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    if math.isfinite(lo) and math.isfinite(hi):
+        if lo > 0 or hi < 0:
+            return max(-lo, hi), min(abs(lo), abs(hi)), 0
+        a = t.abs()
+        small = float(a.min())
+        if small == 0 and hi != lo:  # exact zeros: the smallest magnitude among the others
+            small = float(a.masked_fill_(a == 0, math.inf).min())
+        return max(-lo, hi), small if small > 0 else math.inf, 0
+    a = t.reshape(-1).abs()
     if a.dtype not in (torch.float32, torch.float64):
         a = a.float()
     nonfinite = 0
@@ -54,6 +67,68 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
 
 
 _CHUNK = 1 << 22  # values per chunk of tensor_stats: 16 MB of float32
+
+# ops whose output holds exactly their input's elements (views, reshapes, copies; dropout in
+# eval, the identity): their statistics are the input's, not measured again
+_SAME_ELEMENTS = {"view", "_unsafe_view", "view_as", "reshape", "reshape_as", "permute",
+                  "transpose", "t", "unsqueeze", "squeeze", "flatten", "unflatten", "contiguous",
+                  "clone", "alias", "detach"}
+
+
+def same_elements(node: torch.fx.Node, value) -> Optional[torch.fx.Node]:
+    """The input whose elements ``node``'s output holds, all and only them (same count, same
+    dtype): its statistics are the output's. None for anything else."""
+    if node.op not in ("call_function", "call_method") or not node.args \
+            or not isinstance(node.args[0], torch.fx.Node) or not isinstance(value, torch.Tensor):
+        return None
+    target = node.target
+    name = target if node.op == "call_method" else \
+        getattr(getattr(target, "overloadpacket", target), "__name__", "")
+    identity = name == "dropout" and isinstance(target, torch._ops.OpOverload) \
+        and len(node.args) > 2 and node.args[2] is False  # aten.dropout(x, p, train=False)
+    info = node.args[0].meta.get(TENSOR)
+    if (name in _SAME_ELEMENTS or identity) and isinstance(info, TensorInfo) \
+            and info.numel == value.numel() and info.dtype == value.dtype:
+        return node.args[0]
+    return None
+
+
+def value_stats(node: torch.fx.Node, value, measured: dict) -> list:
+    """``tensor_stats`` of each float tensor in a node's output, from ``measured`` (the same
+    run's, by node) where the node only rearranges an input's elements."""
+    source = same_elements(node, value)
+    if source in measured:
+        return measured[source]
+    return [tensor_stats(t) for t in float_tensors(value) if not is_abstract(t)]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One float32 run of the graph on the example inputs, as Calibrate would record it; each
+    node's statistics are in its meta (``mpgraph.observed``), beside its ``mpgraph.tensor``."""
+
+    inputs: list    # the flat inputs it ran on (copies of these very objects were run)
+    output: Any     # the graph's flat output (as ``run_recording`` returns it)
+    buffers: dict   # name -> value of each buffer after the run (the run then put them back)
+    weights: dict   # id -> (tensor, its _version, its stats) of each parameter or buffer read:
+                    # the same in any run of any rewrite of the graph, while not written
+
+    def weight_stats(self, value) -> Optional[list]:
+        """The stats of a parameter or buffer this run read, if it is still what was read."""
+        seen = self.weights.get(id(value))
+        return seen[2] if seen and seen[0] is value and seen[1] == value._version else None
+
+    def covers(self, gm: torch.fx.GraphModule, inputs: list) -> bool:
+        """Whether it stands for a run of ``gm`` on ``inputs``: the same input objects, and
+        every node carries its statistics. Rewrites keep that true as they keep
+        ``mpgraph.tensor``: removing a node changes no other node's value, and a node that
+        replaces one computing the same value takes its meta (Functionalize's out-of-place op,
+        FollowTrainingFlag's module, FuseTanhGelu's GELU for the chain it computes to float32
+        rounding); a node without it (a new value) makes the batch run again."""
+        same = len(inputs) == len(self.inputs) and all(
+            a is b or (not isinstance(a, torch.Tensor) and type(a) is type(b) and a == b)
+            for a, b in zip(inputs, self.inputs))
+        return same and all(OBSERVED in n.meta for n in gm.graph.nodes)
 
 
 def _progress(batches, show: Optional[bool]):
@@ -78,6 +153,7 @@ def _logged(batches, total):
 class Calibrate(Pass):
     """Analysis: writes ``mpgraph.range`` (a ValueRange) on every node with a float output."""
     stage = "calibrate"
+    writes = (RANGE, REFERENCE)  # REFERENCE on gm.meta: batch 0's float32 outputs
 
     def __init__(self, batches: Iterable, progress: Optional[bool] = None,
                  example: Optional[tuple[tuple, dict]] = None):
@@ -107,6 +183,9 @@ class Calibrate(Pass):
                     f"fit the example input's {tuple(w.shape)} {w.dtype} (same rank and dtype needed)")
 
     def call(self, gm):
+        # capture's run on the example inputs (PropagateTensorInfo(observe=True)): a batch that
+        # is those very inputs, on the graph that run covered, is taken from it, not run again
+        observed = gm.meta.pop(OBSERVED, None)
         per_batch: dict[torch.fx.Node, list[float]] = {}
         smallest: dict[torch.fx.Node, float] = {}
         bad: dict[torch.fx.Node, int] = {}
@@ -115,23 +194,38 @@ class Calibrate(Pass):
             args, kwargs = as_call(batch)
             self._check_fits(gm, i, args, kwargs)
             seen: dict[torch.fx.Node, float] = {}
+            measured: dict[torch.fx.Node, list] = {}  # this batch's tensor_stats, by node
             last = ["(graph inputs)"]
+
+            def wanted(node) -> bool:  # a weight is the same on every batch: measured once
+                return not (count and node.op == "get_attr" and node in per_batch)
+
+            def add(node, stats) -> None:
+                if stats:
+                    seen[node] = max(s[0] for s in stats)
+                    smallest[node] = min([smallest.get(node, math.inf)] + [s[1] for s in stats])
+                    bad[node] = bad.get(node, 0) + sum(s[2] for s in stats)
 
             def record(node, value):
                 last[0] = node.name
-                tensors = [t for t in float_tensors(value) if not is_abstract(t)]
-                if not tensors or (count and node.op == "get_attr" and node in per_batch):
-                    return
-                stats = [tensor_stats(t) for t in tensors]
-                seen[node] = max(s[0] for s in stats)
-                smallest[node] = min([smallest.get(node, math.inf)] + [s[1] for s in stats])
-                bad[node] = bad.get(node, 0) + sum(s[2] for s in stats)
+                if wanted(node):
+                    known = observed.weight_stats(value) if observed and node.op == "get_attr" \
+                        else None  # a weight capture's run measured: the same in this run
+                    measured[node] = known if known is not None else \
+                        value_stats(node, value, measured)
+                    add(node, measured[node])
 
-            try:
-                output = run_recording(gm, args, kwargs, record)
-            except Exception as e:  # noqa: BLE001 - re-raised with the batch and node named
-                raise CalibrationError(f"calibration batch {i} failed after node {last[0]}: "
-                                       f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
+            if observed is not None and observed.covers(gm, flat_inputs(gm, args, kwargs)):
+                for node in gm.graph.nodes:
+                    if wanted(node):
+                        add(node, node.meta[OBSERVED])
+                output, observed = observed.output, None
+            else:
+                try:
+                    output = run_recording(gm, args, kwargs, record)
+                except Exception as e:  # noqa: BLE001 - re-raised with the batch and node named
+                    raise CalibrationError(f"calibration batch {i} failed after node {last[0]}: "
+                                           f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
             for node, m in seen.items():
                 per_batch.setdefault(node, []).append(m)
             if count == 0:  # what the converted graph is checked against (CheckDtypes)
@@ -143,6 +237,7 @@ class Calibrate(Pass):
             raise CalibrationError("calibration is empty: pass at least one batch of inputs")
         for node in gm.graph.nodes:
             node.meta.pop(RANGE, None)
+            node.meta.pop(OBSERVED, None)  # taken (or stale): not carried into the plan
             if node in per_batch:
                 node.meta[RANGE] = ValueRange(max(per_batch[node]), smallest[node], bad[node],
                                               tuple(per_batch[node]))

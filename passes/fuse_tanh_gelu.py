@@ -17,7 +17,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from mpgraph.ir.meta import INSERTED_BY, TENSOR
+from mpgraph.ir.meta import INSERTED_BY, OBSERVED, TENSOR
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
@@ -116,8 +116,10 @@ class FuseTanhGelu(Pass):
                     gelu = graph.call_function(aten.gelu.default, (x,), {"approximate": "tanh"})
                 else:
                     gelu = graph.call_function(F.gelu, (x,), {"approximate": "tanh"})
-            gelu.meta.update({k: v for k, v in final.meta.items() if k in (TENSOR, "nn_module_stack",
-                                                                              "stack_trace", "val")})
+            # the same function (to float32 rounding): the chain's output shape, dtype and
+            # statistics of the example run stand for the fused node's (Calibrate takes them)
+            gelu.meta.update({k: v for k, v in final.meta.items()
+                              if k in (TENSOR, OBSERVED, "nn_module_stack", "stack_trace", "val")})
             gelu.meta[INSERTED_BY] = self.name
             final.replace_all_uses_with(gelu)
             for dead in nodes:

@@ -1,7 +1,7 @@
 """The default pipeline: a plain list of pass instances, readable top to bottom."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import torch
 
@@ -36,7 +36,7 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
 def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs: dict, *,
                      spec: DeviceSpec, strategy: str = "optimal", keep_io_types: bool = True,
                      op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
-                     keep_fp32: Optional[str] = None, check: bool = True,
+                     keep_fp32: Optional[str] = None, check: Union[bool, str] = True,
                      range_dtype: Optional[torch.dtype] = None,
                      from_plan: Optional[dict] = None, train: bool = False,
                      simulate: bool = False) -> list[Pass]:
@@ -66,5 +66,5 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
     ]
     if check:
         passes.append(CheckDtypes(example_args, example_kwargs, keep_io_types,  # verify by running
-                                  simulate=simulate))
+                                  simulate=simulate, values={"values": True, "dtypes": False}.get(check)))
     return passes

@@ -4,7 +4,9 @@ Eager execution on a GPU is host-bound at ordinary sizes: every node costs ~5-10
 dispatch whatever its FLOPs, so a node that computes nothing is pure loss. An inference
 conversion of a model in eval mode has some: dropout (the identity in eval; an attention's
 ``dropout_p`` is 0), torch.export's ``_assert_tensor_metadata`` checks and its ``_guards_fn``
-input guard, and ``sym_size`` reads nothing uses any more. They go; what is left computes. A model
+input guard (kept in a graph captured at the example's shapes, ``dynamic=False``: it is what
+turns another shape into "Guard failed: x.size()[1] == 8" rather than a failure deep inside some
+op), and ``sym_size`` reads nothing uses any more. They go; what is left computes. A model
 converted in training mode keeps them (dropout follows ``.train()``/``.eval()`` there), and so does
 ``mode="train"``, which does not run this pass.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from mpgraph.ir.meta import STATIC_SHAPES
 from mpgraph.ir.modules import DropoutRate
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -34,6 +37,7 @@ class PruneForInference(Pass):
         if gm.training:
             return PassResult(gm, False)  # captured in training mode: the flag still matters
         graph, removed = gm.graph, 0
+        guards = "" if gm.meta.get(STATIC_SHAPES) else "_guards_fn"
         for node in list(graph.nodes):
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
             if module is not None and _dropout(module) and len(node.args) == 1:
@@ -41,7 +45,7 @@ class PruneForInference(Pass):
             elif isinstance(module, DropoutRate):
                 for user in list(node.users):  # attention's dropout_p in eval mode
                     user.replace_input_with(node, 0.0)
-            elif not (node.op == "call_module" and node.target == "_guards_fn"  # input guard
+            elif not (node.op == "call_module" and node.target == guards  # input guard
                       or node.op == "call_function"
                       and getattr(node.target, "overloadpacket", None) in _ASSERTS):
                 continue

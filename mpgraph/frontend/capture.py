@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CaptureError
 from mpgraph.ir.graph import as_call, fresh, seeded, state_kept
-from mpgraph.ir.meta import CAPTURE
+from mpgraph.ir.meta import CAPTURE, OBSERVED, STATIC_SHAPES
 from mpgraph.ir.modules import ConvertedModule
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,8 @@ def _quiet():
             lg.setLevel(level)
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict,
+            dynamic: bool = True) -> torch.fx.GraphModule:
     frozen = [f"{k}={v!r}" for k, v in list(enumerate(args)) + list(kwargs.items())
               if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor)]
     if frozen:
@@ -95,7 +96,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.Graph
                     "tensor to vary one", ", ".join(frozen))
     with _EXPORT_LOCK, _quiet():
         ep = torch.export.export(model, args, kwargs, strict=False,
-                                 dynamic_shapes=dynamic_spec(model, args, kwargs))
+                                 dynamic_shapes=dynamic_spec(model, args, kwargs) if dynamic else None)
     unlifted = ep.module()
     # A GraphModule of our own on the same graph and attributes: the unlifted module refuses
     # .train() and .eval(), which users call on what convert returns (FollowTrainingFlag gives
@@ -116,7 +117,7 @@ def dynamic_spec(model, args, kwargs):
 
 def capture(model: torch.nn.Module, example_inputs: Any = None,
             example_kwargs: Optional[dict] = None, *, export_only: bool = False,
-            abstract=None) -> torch.fx.GraphModule:
+            abstract=None, observe: bool = True, dynamic: bool = True) -> torch.fx.GraphModule:
     """Return a GraphModule computing ``model``, traced from a copy of it.
 
     With example inputs, every node's output shape and dtype is recorded in
@@ -124,6 +125,13 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     torch.export. Raises CaptureError naming what each tracer reported when none works.
     ``abstract`` (an ``mpgraph.frontend.fake.Abstract``): trace fakes of the model's tensors and of the
     example inputs on the device it fakes (a model on the meta device, see mpgraph.frontend.fake).
+    ``observe``: that run also records what calibration measures of the example inputs
+    (``PropagateTensorInfo``, in ``gm.meta["mpgraph.observed"]``), which ``convert``'s Calibrate
+    takes instead of running them again.
+    ``dynamic``: torch.export with every dimension > 1 symbolic, so the graph takes other batch
+    sizes and sequence lengths; False specialises it to the example's shapes (about half the
+    export time: symbolic shapes are what torch.export spends the rest on). A symbolic_trace
+    graph is not tied to shapes either way.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
@@ -139,7 +147,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         args, kwargs = abstract.fake_inputs(args, kwargs)
     from mpgraph.frontend.fake import fake_mode
     with fake_mode(abstract):
-        return _trace(work, model, args, kwargs, has_inputs, export_only)
+        return _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
 
 
 def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
@@ -150,22 +158,22 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
 def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
                       kwargs: dict) -> Optional[str]:
     """How the traced graph differs from the model on the example inputs (the outputs, their
-    structure, the buffers after the run), or None; both run seeded from the same state."""
+    structure, the buffers after the run), or None. The graph's side is its recorded run
+    (PropagateTensorInfo's Observation); the model runs once, eagerly, seeded the same way."""
     from mpgraph.frontend.fake import is_abstract
     if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
            if isinstance(t, torch.Tensor)):
         return None  # no values to compare (a model on the meta device)
-
-    def run(module):
-        with torch.no_grad(), seeded(), state_kept(module):
-            out = module(*fresh(args), **fresh(kwargs))
-            return out, {n: b.clone() for n, b in model.named_buffers()}
-
     try:
-        want, want_buffers = run(model)
-        got, got_buffers = run(gm)
+        with torch.no_grad(), seeded(), state_kept(model):
+            want = model(*fresh(args), **fresh(kwargs))
+            want_buffers = {n: b.clone() for n, b in model.named_buffers()}
     except Exception as e:  # noqa: BLE001 - the export route may do better
         return "running it failed: " + _brief(e)
+    seen = gm.meta[OBSERVED]
+    got = gm.graph.process_outputs(seen.output)  # as gm(...) returns it
+    # a buffer the graph does not hold (fx dropped what read it) is as the model had it before
+    got_buffers = {n: seen.buffers.get(n, b) for n, b in model.named_buffers()}
     want_leaves, want_spec = pytree.tree_flatten(want)
     got_leaves, got_spec = pytree.tree_flatten(got)
     if want_spec != got_spec or type(want) is not type(got):
@@ -187,7 +195,7 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _trace(work, model, args, kwargs, has_inputs, export_only):
+def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic):
     from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
     reports: dict[str, str] = {}
     # export_only (training): every parameter a get_attr node, no leaf module hiding its weights.
@@ -195,7 +203,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only):
     hf = type(model).__module__.startswith("transformers.") and has_inputs
     attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work))]
     if has_inputs:
-        attempts.append((EXPORT, lambda: _export(work, args, kwargs)))
+        attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic)))
     for name, trace in attempts:
         try:
             gm = trace()
@@ -204,8 +212,9 @@ def _trace(work, model, args, kwargs, has_inputs, export_only):
             log.info("%s failed: %s", name, reports[name])
             continue
         if has_inputs:
-            try:
-                PropagateTensorInfo(args, kwargs)(gm)
+            symbolic = name == SYMBOLIC
+            try:  # one run: shapes, what calibration measures, and what the comparison needs
+                PropagateTensorInfo(args, kwargs, observe=observe or symbolic)(gm)
             except Exception as e:
                 reports[name] = "traced, but the traced graph failed on the example inputs: " + _brief(e)
                 log.info("%s", reports[name])
@@ -213,12 +222,18 @@ def _trace(work, model, args, kwargs, has_inputs, export_only):
             # symbolic_trace records what the forward does to proxies: attribute assignments
             # (self.n += 1), output objects it cannot build, reads of self.training are lost or
             # frozen silently; torch.export keeps them, so a trace that parts goes there
-            parted = _parts_from_eager(gm, work, args, kwargs) if name == SYMBOLIC else None
+            parted = _parts_from_eager(gm, work, args, kwargs) if symbolic else None
+            if not observe:
+                gm.meta.pop(OBSERVED, None)
+                for node in gm.graph.nodes:
+                    node.meta.pop(OBSERVED, None)
             if parted:
                 reports[name] = f"traced, but the graph is not the model on the example inputs: {parted}"
                 log.info("%s", reports[name])
                 continue
         gm.meta[CAPTURE] = name
+        if name == EXPORT and not dynamic:
+            gm.meta[STATIC_SHAPES] = True  # its input guard is then what rejects another shape
         gm.training = model.training  # a fresh GraphModule says "training"; keep the model's flag
         if reports:
             log.info("captured with %s after: %s", name, "; ".join(reports))

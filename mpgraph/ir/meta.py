@@ -18,12 +18,16 @@ COST = "mpgraph.cost"                # NodeCost written by EstimateCost
 TENSOR_CORES = "mpgraph.tensor_core"  # TensorCoreFinding written by LintTensorCores
 ESTIMATE = "mpgraph.estimate"        # on gm.meta: {"target", "fp32_s", "plan_s"} of the optimal plan
 CAPTURE = "mpgraph.capture"          # on gm.meta: which tracer produced the graph
+STATIC_SHAPES = "mpgraph.static_shapes"  # on gm.meta: True when exported at the example's shapes
 RANGE = "mpgraph.range"              # ValueRange written by Calibrate
 SAFETY = "mpgraph.safety"            # tuple of SafetyFinding written by NumericSafety
 # on gm.meta: Reference (the float32 graph's outputs on the first calibration batch), written by
 # Calibrate for CheckDtypes' value check, dropped when convert returns
 REFERENCE = "mpgraph.reference"
 CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckDtypes' value check
+# node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that
+# run (passes.calibrate.Observation). Calibrate takes the example batch from it, then drops it
+OBSERVED = "mpgraph.observed"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch.fx
 
 from mpgraph.ir.graph import module_path, target_name
 from mpgraph.ir.meta import (CAPTURE, CHECK, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION,
-                             RANGE, SAFETY, TENSOR, TENSOR_CORES, TensorInfo, WEIGHTS,
+                             RANGE, SAFETY, STATIC_SHAPES, TENSOR, TENSOR_CORES, TensorInfo, WEIGHTS,
                              WeightRecord, cast_source, dtype_name, is_inserted_cast,
                              planned_dtype, shape_of)
 
@@ -76,14 +76,18 @@ class Plan:
     tolerance: Optional[dict] = None
     mode: str = "inference"          # or "train": float32 master weights, cast once per forward
     # the value check: {"error": relative L2 of the outputs vs float32 on the first calibration
-    # batch, "bound": what a plan in this dtype may have}; None when not checked (check=False, meta)
+    # batch, "bound": what a plan in this dtype may have}; with "error" None and "skipped" (why)
+    # when only dtypes were (a large plan for another device); None when not checked (check=False, meta)
     check: Optional[dict] = None
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
                    target: str = "", strategy: str = "", kept_fp32: Optional[str] = None,
                    mode: str = "inference", tolerance: Optional[dict] = None) -> "Plan":
-        plan = cls(dtype=dtype, capture=gm.meta.get(CAPTURE, "unknown"), keep_io_types=keep_io_types,
+        capture = gm.meta.get(CAPTURE, "unknown")
+        if gm.meta.get(STATIC_SHAPES):
+            capture += " at the example's shapes"
+        plan = cls(dtype=dtype, capture=capture, keep_io_types=keep_io_types,
                    weights=list(gm.meta.get(WEIGHTS, [])), target=target, strategy=strategy,
                    kept_fp32=kept_fp32, estimate=dict(gm.meta.get(ESTIMATE, {})),
                    check=dict(gm.meta[CHECK]) if gm.meta.get(CHECK) else None, mode=mode,
@@ -243,7 +247,9 @@ class Plan:
         if self.safety_nodes:
             text += (f"; {len(self.safety_nodes)} float32 nodes with numeric-safety findings "
                      f"(calibrated on {self.calibration_batches} batches)")
-        if self.check:
+        if self.check and self.check.get("error") is None:
+            text += "; dtypes checked, " + self.check.get("skipped", "values not checked")
+        elif self.check:
             text += (f"; checked: error {self.check['error']:.2g} vs float32 (bound "
                      f"{self.check['bound']:.2g})")
         if self.tolerance:

@@ -160,14 +160,22 @@ def inspect_model(model) -> OnnxStats:
     return stats
 
 
-def load_with_types(path: str):
-    """The file as onnx_ir, after ONNX shape inference (types for every value), data left on disk."""
+def load_with_types(path: str, inferred: Optional[str] = None):
+    """The file as onnx_ir, after ONNX shape inference (types for every value), data left on disk.
+
+    The inference runs file to file (``inferred``: a file that already holds its result): the
+    in-memory API copies the whole protobuf, weights included, through Python four times."""
     import onnx
     ir = _ir()
-    proto = onnx.load(path, load_external_data=False)
-    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
-    model = ir.from_proto(inferred)
-    return model
+    if inferred is not None:
+        return ir.from_proto(onnx.load(inferred, load_external_data=False))
+    workdir = tempfile.mkdtemp(prefix=".mpgraph-types-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        typed = os.path.join(workdir, "typed.onnx")
+        onnx.shape_inference.infer_shapes_path(os.fspath(path), typed, data_prop=True)
+        return ir.from_proto(onnx.load(typed, load_external_data=False))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @dataclass
@@ -335,13 +343,14 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
     workdir = tempfile.mkdtemp(prefix=".mpgraph-check-", dir=os.path.dirname(os.path.abspath(path)))
     try:
         inferred = os.path.join(workdir, "inferred.onnx")
-        try:
-            onnx.shape_inference.infer_shapes_path(path, inferred, check_type=True, strict_mode=True)
+        try:  # with data propagation: the typed model inspected below comes from this pass
+            onnx.shape_inference.infer_shapes_path(path, inferred, check_type=True, strict_mode=True,
+                                                   data_prop=True)
         except Exception as e:
             raise ExportError(f"strict ONNX type inference fails on {shown}: {e}") from e
         checks.append("strict type inference")
 
-        model = load_with_types(path)
+        model = load_with_types(path, inferred)
         stats = inspect_model(model)
         problems = [f"runtime weight cast {n}" for n in stats.runtime_weight_casts]
         problems += [f"cast round trip {n}" for n in stats.round_trips]

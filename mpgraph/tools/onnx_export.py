@@ -269,7 +269,8 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         reference = model_or_converted
         try:
             converted = convert(model_or_converted, args, example_kwargs=kwargs, dtype=low,
-                                keep_io_types=keep_io_types, target=target, strategy=strategy)
+                                keep_io_types=keep_io_types, target=target, strategy=strategy,
+                                dynamic=dynamic_shapes is not None)  # a static file: a static capture
         except MpgraphError as e:
             raise ExportError(f"could not convert the model before export: {e}") from e
     if converted.plan.range_nodes:
