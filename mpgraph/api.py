@@ -158,7 +158,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     options = Options(low, second, keep_fp32, spec, strategy, keep_io_types, table,
                       dict(overrides or {}), check, calibration, tolerance, progress, plan, train)
     with stage("capture"):
-        gm = capture(model, args, kwargs, export_only=train, abstract=abstract, dynamic=dynamic)
+        gm = capture(model, args, kwargs, export_only=train, abstract=abstract, dynamic=dynamic,
+                     observe=True)  # Calibrate takes the example batch from capture's run
     with fake_mode(abstract):
         gm, report = _convert_captured(gm, model, args, kwargs, options)
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
@@ -187,6 +188,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         # warned): that is the plan applied, not a mismatch
         differ = []
         for r in plan.compute_nodes:
+            if r.target == "_guards_fn":  # see check_plan_fits
+                continue
             got = gm.plan.node(r.name)
             if got.dtype != r.dtype and not (got.safety and got.dtype == "float32"):
                 differ.append(f"{r.name}: the plan says {r.dtype}, the conversion gave "
@@ -339,12 +342,15 @@ def _restore_buffers(gm: torch.nn.Module, model: torch.nn.Module) -> None:
 def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
     """Raise PlanMismatchError unless every node the plan decides is in ``gm`` with the same op
     and output shape, and every node of ``gm`` that needs a decision is in the plan."""
-    records = {r.name: r for r in plan.compute_nodes}
+    # export's input guard is in a graph captured at the example's shapes only: a plan moves
+    # between static and dynamic captures of one model without it
+    guard = "_guards_fn"
+    records = {r.name: r for r in plan.compute_nodes if r.target != guard}
     listed = {r.name for r in plan.nodes}
     problems = []
     seen = set()
     for node in gm.graph.nodes:
-        if not node.op.startswith("call_"):
+        if not node.op.startswith("call_") or node.op == "call_module" and node.target == guard:
             continue
         record = records.get(node.name)
         info = node.meta.get(TENSOR)

@@ -224,8 +224,9 @@ def main(argv=None) -> int:
     p.set_defaults(func=_profile)
     for command in (e, i):
         command.add_argument("--static", action="store_true",
-                             help="capture (and export) at the example's shapes only: about half "
-                                  "the capture time; the result takes no other shape")
+                             help="torch.export at the example's shapes only: about half the "
+                                  "capture time, and the result takes no other shape (a model "
+                                  "that symbolic_trace captures is not tied to shapes anyway)")
     for command in (e, i, p):
         command.add_argument("--batch", type=int, default=None,
                              help="passed to the factory as batch= (default: the factory's)")

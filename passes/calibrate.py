@@ -21,7 +21,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CalibrationError
-from mpgraph.ir.graph import as_call, flat_inputs, float_tensors, run_recording
+from mpgraph.ir.graph import as_call, flat_inputs, float_tensors, mutated_nodes, run_recording
 from mpgraph.ir.meta import OBSERVED, RANGE, REFERENCE, TENSOR, Reference, TensorInfo, ValueRange
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.frontend.fake import is_abstract
@@ -46,12 +46,12 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
     lo, hi = (float(v) for v in torch.aminmax(t))
     if math.isfinite(lo) and math.isfinite(hi):
         if lo > 0 or hi < 0:
-            return max(-lo, hi), min(abs(lo), abs(hi)), 0
+            return max(-lo, hi) + 0.0, min(abs(lo), abs(hi)), 0
         a = t.abs()
         small = float(a.min())
         if small == 0 and hi != lo:  # exact zeros: the smallest magnitude among the others
             small = float(a.masked_fill_(a == 0, math.inf).min())
-        return max(-lo, hi), small if small > 0 else math.inf, 0
+        return max(-lo, hi) + 0.0, small if small > 0 else math.inf, 0  # (+0.0: no -0.0)
     a = t.reshape(-1).abs()
     if a.dtype not in (torch.float32, torch.float64):
         a = a.float()
@@ -93,11 +93,13 @@ def same_elements(node: torch.fx.Node, value) -> Optional[torch.fx.Node]:
     return None
 
 
-def value_stats(node: torch.fx.Node, value, measured: dict) -> list:
+def value_stats(node: torch.fx.Node, value, measured: dict, mutated=frozenset()) -> list:
     """``tensor_stats`` of each float tensor in a node's output, from ``measured`` (the same
-    run's, by node) where the node only rearranges an input's elements."""
+    run's, by node) where the node only rearranges an input's elements and nothing writes into
+    that input in place (``mutated``: mpgraph.ir.graph.mutated_nodes; the input's statistics
+    were taken before such a write)."""
     source = same_elements(node, value)
-    if source in measured:
+    if source in measured and source not in mutated:
         return measured[source]
     return [tensor_stats(t) for t in float_tensors(value) if not is_abstract(t)]
 
@@ -125,10 +127,26 @@ class Observation:
         replaces one computing the same value takes its meta (Functionalize's out-of-place op,
         FollowTrainingFlag's module, FuseTanhGelu's GELU for the chain it computes to float32
         rounding); a node without it (a new value) makes the batch run again."""
-        same = len(inputs) == len(self.inputs) and all(
-            a is b or (not isinstance(a, torch.Tensor) and type(a) is type(b) and a == b)
-            for a, b in zip(inputs, self.inputs))
-        return same and all(OBSERVED in n.meta for n in gm.graph.nodes)
+        return _same_inputs(inputs, self.inputs) and all(OBSERVED in n.meta for n in gm.graph.nodes)
+
+
+def _same_inputs(a, b) -> bool:
+    """The very same tensors (nested in lists or dicts too), and equal other values."""
+    leaves_a, spec_a = pytree.tree_flatten(a)
+    leaves_b, spec_b = pytree.tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is not y:
+                return False
+            continue
+        try:
+            if type(x) is not type(y) or not bool(x == y):
+                return False
+        except Exception:  # noqa: BLE001 - a value without a plain equality: not the same
+            return False
+    return True
 
 
 def _progress(batches, show: Optional[bool]):
@@ -186,6 +204,7 @@ class Calibrate(Pass):
         # capture's run on the example inputs (PropagateTensorInfo(observe=True)): a batch that
         # is those very inputs, on the graph that run covered, is taken from it, not run again
         observed = gm.meta.pop(OBSERVED, None)
+        mutated = mutated_nodes(gm.graph, gm)
         per_batch: dict[torch.fx.Node, list[float]] = {}
         smallest: dict[torch.fx.Node, float] = {}
         bad: dict[torch.fx.Node, int] = {}
@@ -212,7 +231,7 @@ class Calibrate(Pass):
                     known = observed.weight_stats(value) if observed and node.op == "get_attr" \
                         else None  # a weight capture's run measured: the same in this run
                     measured[node] = known if known is not None else \
-                        value_stats(node, value, measured)
+                        value_stats(node, value, measured, mutated)
                     add(node, measured[node])
 
             if observed is not None and observed.covers(gm, flat_inputs(gm, args, kwargs)):

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import free_attr_name
-from mpgraph.ir.meta import INSERTED_BY, TENSOR
+from mpgraph.ir.meta import INSERTED_BY, OBSERVED, TENSOR
 from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -69,22 +69,26 @@ class FollowTrainingFlag(Pass):
 
     def call(self, gm):
         graph, changed = gm.graph, 0
+        stale = False  # an op ran with a baked flag other than the module's: its value changes
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
             if node.target is aten.dropout.default:
                 x, p = node.args[0], node.args[1]
+                stale |= bool(p) and (node.args[2] if len(node.args) > 2 else True) != gm.training
                 module = torch.nn.Dropout(p)
                 args = (x,)
             elif node.target is aten.batch_norm.default:
                 x, w, b, rm, rv, _, momentum, eps = node.args[:8]
                 if rm is None or rv is None:
                     continue  # no running statistics: the flag is not baked in
+                stale |= node.args[5] != gm.training
                 module = TrainingBatchNorm(momentum, eps)
                 args = (x, w, b, rm, rv)
             elif node.target is aten.scaled_dot_product_attention.default \
                     and _dropout_p(node) not in (None, 0.0):
                 self._rate(gm, node)
+                stale |= not gm.training
                 changed += 1
                 continue
             elif gm.training and _functional_dropout(node) is not None:
@@ -93,6 +97,7 @@ class FollowTrainingFlag(Pass):
                     and node.args[0].op == "get_attr" \
                     and str(node.args[0].target).endswith("num_batches_tracked") and node.args[1] == 1:
                 module, args = CountBatches(), (node.args[0],)
+                stale |= not gm.training
             else:
                 continue
             module.train(gm.training)
@@ -105,4 +110,6 @@ class FollowTrainingFlag(Pass):
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             changed += 1
+        if stale:  # capture's run on the example inputs is not this graph's: calibrate runs it
+            gm.meta.pop(OBSERVED, None)
         return PassResult(gm, changed > 0)

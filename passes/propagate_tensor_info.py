@@ -11,7 +11,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.frontend.fake import is_abstract
-from mpgraph.ir.graph import RecordingInterpreter, flat_inputs, fresh, seeded, state_kept
+from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, mutated_nodes, seeded,
+                              state_kept)
 from mpgraph.ir.meta import OBSERVED, TENSOR, TensorInfo
 from mpgraph.passes.calibrate import Observation, value_stats
 from mpgraph.passes.infra import Pass, PassResult
@@ -71,25 +72,28 @@ class PropagateTensorInfo(Pass):
     fakes of a model without values, torch.export's records stand for that run.
 
     ``observe``: the run also records every float value's statistics (``tensor_stats``, in
-    ``node.meta["mpgraph.observed"]``), and the inputs, outputs and buffers after it, as
+    ``node.meta["mpgraph.observed"]``), and the inputs and outputs (with ``buffers``, the
+    buffers after it too: capture's comparison with the eager model) as
     ``gm.meta["mpgraph.observed"]`` (an Observation)."""
     stage = "capture"
     writes = (TENSOR, OBSERVED)
 
     def __init__(self, example_args: tuple, example_kwargs: dict | None = None,
-                 observe: bool = False):
+                 observe: bool = False, buffers: bool = False):
         self.args = tuple(example_args)
         self.kwargs = dict(example_kwargs or {})
         self.observe = observe
+        self.buffers = observe and buffers  # the buffers after the run (capture's comparison)
 
     def call(self, gm):
         measured: dict = {}
         weights: dict = {}
+        mutated = mutated_nodes(gm.graph, gm) if self.observe else frozenset()
 
         def record(node, value):
             node.meta[TENSOR] = value_info(value)
             if self.observe:
-                measured[node] = node.meta[OBSERVED] = value_stats(node, value, measured)
+                measured[node] = node.meta[OBSERVED] = value_stats(node, value, measured, mutated)
                 if node.op == "get_attr" and isinstance(value, torch.Tensor):
                     weights[id(value)] = (value, value._version, measured[node])
 
@@ -103,7 +107,7 @@ class PropagateTensorInfo(Pass):
             with torch.no_grad(), seeded(), state_kept(gm):
                 output = RecordingInterpreter(gm, record).run(*fresh(inputs),
                                                               enable_io_processing=False)
-                buffers = {n: b.clone() for n, b in gm.named_buffers()} if self.observe else {}
+                buffers = {n: b.clone() for n, b in gm.named_buffers()} if self.buffers else {}
         for node in gm.graph.nodes:
             node.meta.setdefault(TENSOR, None)
             if self.observe:

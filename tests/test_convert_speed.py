@@ -126,7 +126,7 @@ def test_a_batch_that_is_not_the_example_is_run(bert, token_ids, monkeypatch):
     ids = token_ids[0]
     ranges = []
     for batches in ([(ids,)], [(ids.clone(),)]):
-        gm = mpgraph.capture(bert, (ids,))
+        gm = mpgraph.capture(bert, (ids,), observe=True)
         gm = run_passes(prepare_pipeline((ids,), {}, calibration=batches), gm)
         ranges.append({n.name: n.meta.get(RANGE) for n in gm.graph.nodes})
     assert len(runs) == 1 and ranges[0] == ranges[1]
@@ -296,3 +296,73 @@ def test_the_dtype_check_still_catches_a_dtype_the_plan_did_not_give_when_values
     relu.meta[PRECISION] = dataclasses.replace(relu.meta[PRECISION], dtype=torch.float32)
     with pytest.raises(mpgraph.ConversionError, match="does not match its plan"):
         CheckDtypes((x,), {}, simulate=True)(gm)
+
+
+class _BakedDropout(nn.Module):
+    """Dropout hard-coded on (F.dropout(h, 0.5, True)) in a model in eval mode; int(x.shape)
+    sends it down the torch.export route, which bakes the flag in."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        n = int(x.shape[-1])
+        return self.l2(nn.functional.dropout(self.l1(x), 0.5, True)) * (n / 64)
+
+
+class _WritesThenViews(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.l1(x)
+        h.mul_(1e5)  # in place, then viewed: the view holds the written values
+        return h.view(-1).sum()
+
+
+class _ListInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, xs):
+        return self.l(xs[0]) + self.l(xs[1])
+
+
+def test_what_capture_s_run_cannot_stand_for_is_run_again():
+    """(review of issue 18) A graph whose values a later pass changes (baked train-mode dropout
+    made to follow eval), a view of a value written in place after capture measured it, and
+    inputs given as a list of tensors: each measured as it is, never a stale figure."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    model = _BakedDropout().eval()
+    gm = mpgraph.convert(model, x, dtype="bf16", target="cpu", strategy="rules")
+    want = model.l2(model.l1(x))
+    assert float((gm(x).float() - want).norm() / want.norm()) < 0.01
+    r = {n.name: n.meta.get(RANGE) for n in
+         run_passes(prepare_pipeline((x,), {}), mpgraph.capture(_WritesThenViews().eval(), x,
+                                                                 observe=True)).graph.nodes}
+    view = next(v for k, v in r.items() if k.startswith("view"))
+    assert view.absmax > 1e4  # after the write (was the value before it: ~2)
+    xs = [torch.randn(4, 16), torch.randn(4, 16)]
+    batches = [([torch.randn(4, 16), torch.randn(4, 16)],) for _ in range(2)]
+    listed = mpgraph.convert(_ListInput().eval(), (xs,), dtype="fp16", target=GPU,
+                             calibration=batches)
+    assert listed.plan.calibration_batches == 2
+    assert math.copysign(1.0, tensor_stats(torch.zeros(8))[0]) == 1.0  # no -0.0 absmax
+
+
+def test_a_plan_moves_between_static_and_dynamic_captures(tmp_path):
+    """export's input guard, kept in a static capture, is no node a plan must match."""
+    torch.manual_seed(0)
+    model, x = _BakedDropout().eval(), torch.randn(8, 64)
+    for made, applied in ((True, False), (False, True)):
+        plan = mpgraph.convert(model, x, dtype="fp16", target=GPU, dynamic=made).plan
+        assert any(r.target == "_guards_fn" for r in plan.nodes) == (not made)
+        path = tmp_path / f"{made}.json"
+        plan.save(str(path))
+        again = mpgraph.convert(model, x, plan=mpgraph.Plan.load(str(path)), dynamic=applied)
+        assert [r.name for r in again.plan.low_nodes] == [r.name for r in plan.low_nodes]
+        assert again.plan.low_nodes

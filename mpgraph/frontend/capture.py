@@ -117,7 +117,7 @@ def dynamic_spec(model, args, kwargs):
 
 def capture(model: torch.nn.Module, example_inputs: Any = None,
             example_kwargs: Optional[dict] = None, *, export_only: bool = False,
-            abstract=None, observe: bool = True, dynamic: bool = True) -> torch.fx.GraphModule:
+            abstract=None, observe: bool = False, dynamic: bool = True) -> torch.fx.GraphModule:
     """Return a GraphModule computing ``model``, traced from a copy of it.
 
     With example inputs, every node's output shape and dtype is recorded in
@@ -125,7 +125,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     torch.export. Raises CaptureError naming what each tracer reported when none works.
     ``abstract`` (an ``mpgraph.frontend.fake.Abstract``): trace fakes of the model's tensors and of the
     example inputs on the device it fakes (a model on the meta device, see mpgraph.frontend.fake).
-    ``observe``: that run also records what calibration measures of the example inputs
+    ``observe`` (``convert`` sets it): that run also records what calibration measures of the example inputs
     (``PropagateTensorInfo``, in ``gm.meta["mpgraph.observed"]``), which ``convert``'s Calibrate
     takes instead of running them again.
     ``dynamic``: torch.export with every dimension > 1 symbolic, so the graph takes other batch
@@ -214,7 +214,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         if has_inputs:
             symbolic = name == SYMBOLIC
             try:  # one run: shapes, what calibration measures, and what the comparison needs
-                PropagateTensorInfo(args, kwargs, observe=observe or symbolic)(gm)
+                PropagateTensorInfo(args, kwargs, observe=observe or symbolic, buffers=symbolic)(gm)
             except Exception as e:
                 reports[name] = "traced, but the traced graph failed on the example inputs: " + _brief(e)
                 log.info("%s", reports[name])
