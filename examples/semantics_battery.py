@@ -138,16 +138,20 @@ def run(name: str) -> dict:
     untouched = torch.equal(x, before)
     gm.eval(), model.eval()
     reference = copy.deepcopy(model)
+    a, b = before.clone(), before.clone()
     with torch.no_grad():
-        want, got = reference(before.clone()), gm(before.clone())
+        want, got = reference(a), gm(b)
     r, o = first(want).float(), first(got).float()
     buffers = dict(gm.named_buffers())
     return {"route": gm.plan.capture, "error": float((o - r).norm() / r.norm()),
+            "low_nodes": len(gm.plan.low_nodes), "summary": gm.plan.summary(),
             "check": gm.plan.check, "same_type": type(got) is type(want),
+            "inputs_written_alike": torch.equal(a, b),
             "buffers_same": all(torch.allclose(buffers[k].float(), v.float(), rtol=1e-2, atol=1e-3)
                                 for k, v in reference.named_buffers()),
             "input_untouched": untouched,
-            "warnings": [str(w.message).split(":")[0][:60] for w in caught]}
+            "warnings": [str(w.message).split(":")[0][:60] for w in caught],
+            "trained_warnings": sum("is in training mode" in str(w.message) for w in caught)}
 
 
 def main() -> None:

@@ -14,9 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 
 import mpgraph
 from mpgraph.ir.meta import INSERTED_BY
+from mpgraph.tools.cuda_graph import CudaGraphBackend
 
 # Plans for "this machine" (no target) come from a CPU micro-benchmark cached in ~/.cache/mpgraph.
 # The tests measure afresh into a private directory, so a stale or noisy cache cannot decide them.
@@ -180,3 +182,39 @@ def round_trips(gm) -> list[str]:
                     and len(float_inputs) == 1:
                 todo.extend(n.users)
     return found
+
+
+class Recorder(CudaGraphBackend):
+    """A CUDA-graph backend (mpgraph.tools.cuda_graph.CudaGraphBackend) that stands in for CUDA:
+    accepts CPU tensors, "captures" by calling the module and "replays" by calling it again and
+    writing the result into the captured outputs, as a graph would; ``fail`` makes capture fail
+    as torch.cuda.graph does. Counts warm-up runs, captures and replays."""
+
+    def __init__(self, fail: Exception | None = None):
+        self.fail, self.warmups, self.captures, self.replays = fail, 0, 0, 0
+
+    def unsupported(self, tensors):
+        return None
+
+    def warmup(self, fn, device, iters):
+        for _ in range(iters):
+            fn()
+        self.warmups += iters
+
+    def capture(self, fn, device):
+        self.captures += 1
+        if self.fail:
+            try:
+                raise self.fail
+            except Exception:  # as torch.cuda.graph's __exit__: capture_end fails in turn
+                raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                                   "capture")
+        out = fn()
+        return (fn, out), out
+
+    def replay(self, graph, device):
+        self.replays += 1
+        fn, out = graph
+        for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(fn())):
+            if isinstance(static, torch.Tensor):
+                static.copy_(new)

@@ -8,49 +8,14 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 import mpgraph
-from conftest import MLP, rel_err
+from conftest import MLP, Recorder, rel_err
 from mpgraph.tools.cuda_graph import CudaGraphBackend, GraphedModule, REASONS, signature
 
 LOGGER = "mpgraph.tools.cuda_graph"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: replays a "
                           "real CUDA graph (run on a GPU machine: pytest tests/test_cuda_graph.py)")
-
-
-class Recorder(CudaGraphBackend):
-    """Stands in for CUDA: accepts CPU tensors, "captures" by calling the module and "replays" by
-    calling it again and writing the result into the captured outputs, as a graph would."""
-
-    def __init__(self, fail: Exception | None = None):
-        self.fail, self.warmups, self.captures, self.replays = fail, 0, 0, 0
-
-    def unsupported(self, tensors):
-        return None
-
-    def warmup(self, fn, device, iters):
-        for _ in range(iters):
-            fn()
-        self.warmups += iters
-
-    def capture(self, fn, device):
-        self.captures += 1
-        if self.fail:
-            try:
-                raise self.fail
-            except Exception:  # as torch.cuda.graph's __exit__: capture_end fails in turn
-                raise RuntimeError("CUDA error: operation failed due to a previous error during "
-                                   "capture")
-        out = fn()
-        return (fn, out), out
-
-    def replay(self, graph, device):
-        self.replays += 1
-        fn, out = graph
-        for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(fn())):
-            if isinstance(static, torch.Tensor):
-                static.copy_(new)
 
 
 def graphed(module, backend=None, **kw) -> GraphedModule:

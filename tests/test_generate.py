@@ -19,12 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 import mpgraph
-from conftest import GPU, MLP
+from conftest import GPU, MLP, Recorder
 from mpgraph.ir.graph import fetch_attr, is_inplace
-from mpgraph.tools.cuda_graph import CudaGraphBackend
 from mpgraph.tools.generate import cache_names, share_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -253,32 +251,6 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
     assert torch.equal(nucleus, sample(3, top_p=0.5))
     # one candidate left: sampling is greedy decoding
     assert torch.equal(sample(5, top_k=1), mpgraph.generate(decoder, ids, NEW))
-
-
-class Recorder(CudaGraphBackend):
-    """Stands in for CUDA (as in test_cuda_graph.py): "captures" by running the module, "replays"
-    by running it again on the captured inputs and writing into the captured outputs."""
-
-    def __init__(self):
-        self.captures = self.replays = 0
-
-    def unsupported(self, tensors):
-        return None
-
-    def warmup(self, fn, device, iters):
-        for _ in range(iters):
-            fn()
-
-    def capture(self, fn, device):
-        self.captures += 1
-        out = fn()
-        return (fn, out), out
-
-    def replay(self, graph, device):
-        self.replays += 1
-        fn, out = graph
-        for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(fn())):
-            static.copy_(new)
 
 
 def test_decode_replayed_from_a_graph_gives_the_eager_tokens():
