@@ -186,10 +186,10 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     if plan is not None:
         # a node the plan puts low against a numeric-safety finding stays float32 (AssignPrecision
         # warned): that is the plan applied, not a mismatch
-        differ = []
+        differ, names = [], {x.name for x in gm.plan.nodes}
         for r in plan.compute_nodes:
-            if r.target == "_guards_fn":  # see check_plan_fits
-                continue
+            if r.target == "_guards_fn" or r.inserted_by and r.name not in names:
+                continue  # see check_plan_fits
             got = gm.plan.node(r.name)
             if got.dtype != r.dtype and not (got.safety and got.dtype == "float32"):
                 differ.append(f"{r.name}: the plan says {r.dtype}, the conversion gave "
@@ -345,7 +345,11 @@ def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
     # export's input guard is in a graph captured at the example's shapes only: a plan moves
     # between static and dynamic captures of one model without it
     guard = "_guards_fn"
-    records = {r.name: r for r in plan.compute_nodes if r.target != guard}
+    names = {node.name for node in gm.graph.nodes}
+    # a node a rewriting pass added after this point (ChannelsLast's layout change) is added
+    # again by that pass: not a node of the model to match
+    records = {r.name: r for r in plan.compute_nodes
+               if r.target != guard and not (r.inserted_by and r.name not in names)}
     listed = {r.name for r in plan.nodes}
     problems = []
     seen = set()

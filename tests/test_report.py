@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
-from conftest import GPU, small_bert
+from conftest import GPU, ConvBnReluPool, small_bert
 
 import mpgraph
 from mpgraph.cli import main as cli
@@ -69,8 +69,12 @@ def test_report_formats_and_bad_input(tmp_path):
 
 
 def test_saved_plan_round_trip_reproduces_the_converted_module(tmp_path):
-    for model, x in (_blocks(), _small_bert()):
-        gm = mpgraph.convert(model, x, dtype="bf16", target=GPU)
+    """Blocks of linears, a small BERT, and a CNN whose conv the ChannelsLast pass gives an
+    NHWC input (a node it adds again when the plan is applied, not one the plan must match)."""
+    torch.manual_seed(0)
+    cnn = (ConvBnReluPool().eval(), torch.randn(4, 3, 16, 16))
+    for model, x in (_blocks(), _small_bert(), cnn):
+        gm = mpgraph.convert(model, x, dtype="bf16", target=GPU, strategy="rules")
         assert gm.plan.low_nodes and gm.plan.casts  # a plan with decisions to reproduce
         gm.plan.save(tmp_path / "plan.json")
         again = mpgraph.convert(model, x, plan=mpgraph.Plan.load(tmp_path / "plan.json"))

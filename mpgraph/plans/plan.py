@@ -38,6 +38,7 @@ class NodeRecord:
     shape: Optional[tuple[int, ...]] = None  # output shape at the example inputs
     flops: Optional[float] = None    # estimated FLOPs per run
     kind: str = ""                   # the op-table key it matched: "nn.Linear", "aten.softmax", ...
+    inserted_by: str = ""            # the pass that added it (not the model's own op), if one did
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ class Plan:
                 inputs=tuple(cast_source(a).name for a in node.all_input_nodes),
                 shape=shape_of(node.meta.get(TENSOR)),
                 flops=cost.flops if cost is not None else None,
-                kind=op_info.key if op_info else ""))
+                kind=op_info.key if op_info else "",
+                inserted_by=node.meta.get(INSERTED_BY) or ""))
         plan.calibration_batches = int(gm.meta.get(RANGE, 0))
         return plan
 
