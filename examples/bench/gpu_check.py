@@ -5,14 +5,20 @@ their configs): per model, median latency of fp32 eager, autocast fp16, ``.half(
 eager, mpgraph fp16 replayed from CUDA graphs (``mpgraph.cuda_graph``, its cache stats printed
 once per model), and (for ``--compile-models``) mpgraph + torch.compile and autocast +
 torch.compile, with each one's relative L2 error against fp32 (CUDA events, interleaved runs).
-Then BERT-base node by node: mpgraph.profile's per-node kernels and the share of matmul time in
+Then the training-step table (fp32 / autocast / mpgraph ``mode="train"``, fp16 with a
+GradScaler, AdamW: BERT-base 8x128 and ResNet-50 32x224²). Then BERT-base node by node: mpgraph.profile's per-node kernels and the share of matmul time in
 Tensor Core kernels, and, where ``ncu`` runs, the command for Nsight Compute's tensor pipe
 metrics per node. About 3–4 minutes on an H100/H200 with the defaults. Writes the tables to
 stdout and to ``--out``. ``--batch 1`` is the latency size (BERT, GPT-2 and Llama at 1x16
 tokens), where eager is bound by the host and CUDA graphs pay most; ``llama`` is a
-TinyLlama-1.1B-shaped Llama, not in the default list.
+TinyLlama-1.1B-shaped Llama (22 layers), ``llama4`` the 4-layer, 2048-wide one of the GPU table
+in the README's issue 16, ``t5`` T5-small's encoder. ``--tiny`` runs every model at tiny widths on
+the CPU (timed with perf_counter, the CUDA-graph variant falling back to eager, the per-node
+section profiled on the CPU): it checks that the script runs end to end before a GPU session
+spends its minutes on it, and measures nothing of a GPU.
 
     python examples/bench/gpu_check.py --out gpu_check.txt
+    python examples/bench/gpu_check.py --tiny --compile-models none   # CPU smoke, ~1 minute
     python examples/bench/gpu_check.py --models bert resnet50 --compile-models none
     python examples/bench/gpu_check.py --models bert gpt2 llama --batch 1 --compile-models none
 """
@@ -32,22 +38,55 @@ from bench_strategies import build  # examples/bench/bench_strategies.py: the fi
 from mpgraph.tools.ncu import ncu_command, query_metrics, shell
 
 FP16 = torch.float16
-SIZES = {"bert": 8, "gpt2": 4, "vit": 8, "resnet50": 8, "convnext": 8}
-MODELS = [*SIZES, "llama"]
+SIZES = {"bert": 8, "gpt2": 4, "vit": 8, "resnet50": 8, "convnext": 8}  # default batch
+MODELS = [*SIZES, "llama", "llama4", "t5"]
 
 
-def build_model(name: str, batch: int):
-    """bench_strategies' five models, and a Llama with TinyLlama-1.1B's shape (random weights)."""
-    if name != "llama":
-        return build(name, batch)
+def _tokens(vocab: int, batch: int, tiny: bool):
+    seq = 4 if tiny else 128 if batch > 1 else 16
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+class T5Encoder(torch.nn.Module):
+    """T5's encoder stack alone (its forward takes input_ids only)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        import transformers as hf
+        self.encoder = hf.T5EncoderModel(cfg)
+
+    def forward(self, input_ids):
+        return self.encoder(input_ids=input_ids)
+
+
+def build_model(name: str, batch: int, tiny: bool = False):
+    """bench_strategies' five models, Llamas of TinyLlama-1.1B's width (22 or 4 layers) and T5-small's
+    encoder, random weights; ``tiny``: every one at widths a CPU runs in milliseconds."""
     import transformers as hf
     torch.manual_seed(0)
-    cfg = hf.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                         num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
-                         use_cache=False)
-    seq = 128 if batch > 1 else 16
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    return hf.LlamaModel(cfg).eval(), ids
+    if tiny and name in SIZES:
+        from bench_host import _models  # examples/bench/bench_host.py: tiny widths
+        if name != "resnet50":
+            model, x = _models()[name]
+            return model.eval(), x.expand(batch, *x.shape[1:]).clone()
+        cfg = hf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 16, 16, 16], depths=[1, 1, 1, 1])
+        return hf.ResNetModel(cfg).eval(), torch.randn(batch, 3, 32, 32)
+    if name in SIZES:
+        return build(name, batch)
+    if name in ("llama", "llama4"):
+        width = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=100) if tiny else \
+            dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000)
+        cfg = hf.LlamaConfig(num_hidden_layers=2 if tiny else 22 if name == "llama" else 4,
+                             use_cache=False, **width)
+        return hf.LlamaModel(cfg).eval(), _tokens(cfg.vocab_size, batch, tiny)
+    if name == "t5":
+        cfg = hf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100) \
+            if tiny else hf.T5Config.from_dict(dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
+                                                    num_heads=8, vocab_size=32128))
+        return T5Encoder(cfg).eval(), _tokens(cfg.vocab_size, batch, tiny)
+    raise ValueError(name)
 
 
 def _out(value):
@@ -55,6 +94,13 @@ def _out(value):
 
 
 def _cuda_ms(f, x, rounds: int) -> float:
+    if not x.is_cuda:  # --tiny on the CPU
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            f(x)
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
     times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -66,16 +112,19 @@ def _cuda_ms(f, x, rounds: int) -> float:
     return statistics.median(times)
 
 
-def model_rows(name: str, rounds: int, compile_: bool, batch: int | None = None) -> list[str]:
+def model_rows(name: str, rounds: int, compile_: bool, batch: int | None = None,
+               tiny: bool = False) -> list[str]:
     batch = batch or SIZES.get(name, 1)
-    model, x = build_model(name, batch)
-    model, x = model.cuda(), x.cuda()
-    converted = mpgraph.convert(model, (x,), dtype=FP16)  # planned for this GPU
+    model, x = build_model(name, batch, tiny)
+    device = "cpu" if tiny else "cuda"
+    model, x = model.to(device), x.to(device)
+    # planned for this GPU (--tiny: for an H100, on the CPU)
+    converted = mpgraph.convert(model, (x,), dtype=FP16, target="h100" if tiny else None)
     graphed = mpgraph.cuda_graph(converted)  # one graph for this input shape, on the first call
     half = copy.deepcopy(model).half()
 
     def autocast(inp):
-        with torch.autocast("cuda", dtype=FP16):
+        with torch.autocast(device, dtype=FP16):
             return model(inp)
 
     variants = {"fp32": model, "autocast": autocast,
@@ -110,10 +159,65 @@ def model_rows(name: str, rounds: int, compile_: bool, batch: int | None = None)
     return rows
 
 
-def bert_tensor_cores() -> list[str]:
-    model, x = build("bert", 8)
-    model, x = model.cuda(), x.cuda()
-    converted = mpgraph.convert(model, (x,), dtype=FP16)
+def _classifier(name: str, tiny: bool):
+    """(model in train mode, batch as keyword arguments with labels) for the training table:
+    BERT-base sequence classification at 8x128, ResNet-50 image classification at 32x224²."""
+    import transformers as hf
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "bert":
+        cfg = hf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, vocab_size=100) if tiny else hf.BertConfig()
+        batch, seq = (2, 8) if tiny else (8, 128)
+        return hf.BertForSequenceClassification(cfg).train(), {
+            "input_ids": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g),
+            "labels": torch.randint(0, 2, (batch,), generator=g)}
+    cfg = hf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 16, 16, 16], depths=[1, 1, 1, 1]) \
+        if tiny else hf.ResNetConfig()
+    batch, size = (2, 32) if tiny else (32, 224)
+    return hf.ResNetForImageClassification(cfg).train(), {
+        "pixel_values": torch.randn(batch, 3, size, size, generator=g),
+        "labels": torch.randint(0, cfg.num_labels, (batch,), generator=g)}
+
+
+def training_rows(name: str, steps: int, tiny: bool = False) -> list[str]:
+    """ms per step (forward, backward, AdamW step, fp16 with a GradScaler) of fp32, autocast and
+    mpgraph mode="train", interleaved, median of ``steps`` steps each after 3 warm-up steps."""
+    device = "cpu" if tiny else "cuda"
+    model, batch = _classifier(name, tiny)
+    model, batch = model.to(device), {k: v.to(device) for k, v in batch.items()}
+    converted = mpgraph.convert(model, example_kwargs=batch, dtype=FP16, mode="train",
+                                target="h100" if tiny else None)
+    models = {"fp32": copy.deepcopy(model), "autocast": copy.deepcopy(model), "mpgraph train": converted}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5) for k, m in models.items()}
+    scalers = {k: torch.amp.GradScaler(device, enabled=k != "fp32") for k in models}
+
+    def step(k):
+        opts[k].zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=FP16, enabled=k == "autocast"):
+            loss = models[k](**batch).loss
+        scalers[k].scale(loss).backward()
+        scalers[k].step(opts[k])
+        scalers[k].update()
+        return float(loss)
+
+    losses = {k: [step(k) for _ in range(3)][-1] for k in models}  # warm-up
+    times = {k: [] for k in models}
+    for _ in range(steps):
+        for k in models:
+            times[k].append(_cuda_ms(lambda _x, k=k: step(k), next(iter(batch.values())), 1))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    peak = torch.cuda.max_memory_allocated() / 2**30 if not tiny else float("nan")
+    return [f"| {name} | {k} | {med[k]:.2f} | {med['fp32'] / med[k]:.2f}× | "
+            f"{med['autocast'] / med[k]:.2f}× | {losses[k]:.4f} |" for k in models] + \
+        ([f"# {name}: peak CUDA memory of the process {peak:.2f} GiB"] if not tiny else [])
+
+
+def bert_tensor_cores(tiny: bool = False) -> list[str]:
+    model, x = build_model("bert", 8, tiny)
+    device = "cpu" if tiny else "cuda"
+    model, x = model.to(device), x.to(device)
+    converted = mpgraph.convert(model, (x,), dtype=FP16, target="h100" if tiny else None)
     result = mpgraph.profile(converted, (x,), iters=5)
     mm = [n for n in result.nodes if n.op_class == "tensor_core"]
     lines = [f"BERT-base fp16, node by node (torch.profiler kernels): {len(mm)} matmul-class nodes, "
@@ -132,29 +236,42 @@ def bert_tensor_cores() -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(SIZES), choices=MODELS)
+    parser.add_argument("--models", nargs="*", default=[*SIZES, "llama4", "t5"], choices=MODELS)
     parser.add_argument("--batch", type=int, default=None,
                         help="batch for every model (1: 1x16 tokens, one image); default per model")
     parser.add_argument("--compile-models", nargs="*", default=["bert", "resnet50"],
                         help="models also timed under torch.compile ('none' for none)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--train-models", nargs="*", default=["bert", "resnet50"],
+                        choices=["bert", "resnet50"], help="the training-step table ('' for none)")
+    parser.add_argument("--train-steps", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny widths on the CPU: checks the script runs, measures no GPU")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.tiny:
+        args.rounds = min(args.rounds, 3)
+    elif not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here: nothing to check (this script is for a GPU machine)")
         return 1
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     start = time.time()
-    gpu = torch.cuda.get_device_name(0)
+    gpu = "CPU (--tiny smoke run)" if args.tiny else torch.cuda.get_device_name(0)
     lines = [f"{time.strftime('%Y-%m-%d')} {gpu}, torch {torch.__version__}, fp16, median of "
-             f"{args.rounds}-call blocks (CUDA events)", "",
+             f"{args.rounds}-call blocks ({'perf_counter' if args.tiny else 'CUDA events'})", "",
              "| model | input | variant | median ms | vs fp32 | vs autocast | vs .half() | "
              "rel. L2 error |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for name in args.models:
-        lines += model_rows(name, args.rounds, name in args.compile_models, args.batch)
-    lines += [""] + bert_tensor_cores()
+        lines += model_rows(name, args.rounds, name in args.compile_models, args.batch, args.tiny)
+    if args.train_models:
+        lines += ["", "Training steps (fp16, GradScaler, AdamW), ms per step:", "",
+                  "| model | variant | median ms | vs fp32 | vs autocast | loss after warm-up |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for name in args.train_models:
+            lines += training_rows(name, args.train_steps, args.tiny)
+    lines += [""] + bert_tensor_cores(args.tiny)
     lines.append(f"total {time.time() - start:.0f} s")
     text = "\n".join(lines)
     print(text)

@@ -1,0 +1,44 @@
+"""The GPU scripts run end to end before a GPU session spends its minutes on them: their CPU smoke
+modes (tiny widths, every variant, the same code paths but CUDA's) on this machine.
+
+They measure nothing here; what is checked is that every table row comes out, with finite
+numbers, and that the script exits 0.
+"""
+import math
+import pathlib
+import re
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "examples" / "bench"
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, script, *args], cwd=BENCH, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _rows(text: str, first: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith(f"| {first} |")]
+
+
+def test_gpu_check_runs_every_variant_and_the_training_table_on_the_cpu():
+    out = _run("gpu_check.py", "--tiny", "--models", "t5", "--compile-models", "none",
+               "--train-models", "bert", "--train-steps", "2")
+    for model in ("t5",):
+        rows = [r for r in _rows(out, model) if len(r) == 8]
+        assert [r[2] for r in rows] == ["fp32", "autocast", ".half()", "mpgraph",
+                                        "mpgraph CUDA graph"], out
+        assert all(math.isfinite(float(r[3])) and float(r[7]) < 1e-2 for r in rows), rows
+    train = [r for r in _rows(out, "bert") if len(r) == 6]
+    assert [r[1] for r in train] == ["fp32", "autocast", "mpgraph train"], out
+    assert all(math.isfinite(float(r[5])) for r in train)
+    assert re.search(r"\d+ matmul-class nodes, \d+ on Tensor Core kernels", out) and "total" in out
+
+
+def test_bench_generate_runs_on_the_cpu():
+    out = _run("bench_generate.py", "--tiny", "--batches", "1", "--reps", "1")
+    assert "mpgraph eager" in out, out
