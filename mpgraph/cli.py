@@ -98,8 +98,10 @@ def _inspect(args) -> int:
     from mpgraph.tools.report import report
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     try:
+        check = {"auto": True, "off": False}.get(args.check, args.check)
         converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
-                            target=args.target, strategy=args.strategy, dynamic=not args.static)
+                            target=args.target, strategy=args.strategy, dynamic=not args.static,
+                            check=check)
     except MpgraphError as e:
         print(f"mpgraph: inspect failed: {e}", file=sys.stderr)
         return 1
@@ -206,6 +208,10 @@ def main(argv=None) -> int:
     i.add_argument("--dtype", default="auto", help="auto (what the target is fast at), fp16 or bf16")
     i.add_argument("--target", default=None, help="cpu, h100, a100, t4, ... (default: this machine)")
     i.add_argument("--strategy", choices=["optimal", "rules"], default="optimal")
+    i.add_argument("--check", choices=["auto", "values", "dtypes", "off"], default="auto",
+                   help="auto: dtypes always, values where they are cheap to run (a plan for "
+                        "another device: up to 20 GFLOP, simulated); values: always; dtypes: "
+                        "no value run; off: no check")
     i.add_argument("--html", help="write the self-contained HTML report here")
     i.add_argument("--json", help="write the plan as JSON here (mpgraph.Plan.load reads it)")
     i.add_argument("--dot", help="write the Graphviz source here")

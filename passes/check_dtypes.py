@@ -154,7 +154,8 @@ class CheckDtypes(Pass):
         if flops <= SIMULATED_VALUES_MAX_FLOPS:
             return None
         return (f"values not checked: the plan is for another device, and simulating it here "
-                f"costs a float32 forward of {flops / 1e9:.0f} GFLOP (check='values' runs it)")
+                f"costs a float32 forward of {flops / 1e9:.0f} GFLOP (check='values', or the "
+                f"CLI's --check values, runs it)")
 
     def _absmax(self, gm, args, kwargs) -> dict:
         """Every float node's output magnitude on the batch, from another run of the converted

@@ -67,6 +67,8 @@ class LintTensorCores(Pass):
         self.tf32 = tf32_enabled() if tf32 is None else tf32
 
     def call(self, gm):
+        if self.spec.kind != "gpu":
+            return PassResult(gm, False)  # Tensor Cores are a GPU's: a CPU plan has no finding
         for node in gm.graph.nodes:
             if node.op.startswith("call_") and node.meta.get(OP_CLASS) \
                     and node.meta[OP_CLASS].op_class == TENSOR_CORE:

@@ -231,6 +231,11 @@ def test_static_capture_takes_only_the_example_shape_and_says_so(bert, token_ids
     assert static.plan.capture == "torch.export at the example's shapes"
     assert dynamic.plan.capture == "torch.export"
     assert "captured with torch.export at the example's shapes" in static.plan.summary()
+    import copy
+    import warnings
+    with warnings.catch_warnings():  # torch's pytree deprecation noise stays off the screen
+        warnings.simplefilter("error", FutureWarning)
+        copy.deepcopy(dynamic)
     with torch.no_grad():
         torch.testing.assert_close(static(ids).last_hidden_state, dynamic(ids).last_hidden_state)
         shorter = ids[:, :7]
@@ -267,7 +272,8 @@ def test_value_check_of_a_simulated_plan_is_bounded_by_size_and_can_be_forced(mo
     monkeypatch.setattr(check_dtypes, "SIMULATED_VALUES_MAX_FLOPS", 1e5)  # now it is "large"
     large = convert_rules(model, x, dtype="fp16")
     assert large.plan.check["error"] is None and large.plan.check["bound"] == pytest.approx(2**-6)
-    assert "0 GFLOP (check='values' runs it)" in large.plan.check["skipped"]
+    assert "0 GFLOP (check='values', or the CLI's --check values, runs it)" in \
+        large.plan.check["skipped"]
     assert "dtypes checked, values not checked: the plan is for another device" in \
         large.plan.summary()
     forced = convert_rules(model, x, dtype="fp16", check="values")

@@ -6,6 +6,8 @@ torch.export bakes the training flag into the graph (``aten.dropout(x, p, True)`
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -69,6 +71,14 @@ class ConvertedModule(torch.fx.GraphModule):
                 setattr(new, key, getattr(gm, key))
         new.meta = gm.meta
         return new
+
+    def __deepcopy__(self, memo):
+        # torch 2.13's pytree warns from copyreg while copying the in/out specs (its own
+        # deprecated LeafSpec check, nothing the caller did): kept off the user's screen
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
+                                    category=FutureWarning)
+            return super().__deepcopy__(memo)
 
     def recompile(self):
         """GraphModule's code, with each parameter and buffer read as a lookup in the dict that

@@ -263,7 +263,8 @@ class Plan:
                      f"speed on {self.target} ({self.strategy})")
         misaligned = [r for r in self.nodes if r.tensor_core.startswith("eligible but misaligned")]
         if misaligned:
-            text += f"; {len(misaligned)} matmuls misaligned for Tensor Cores"
+            text += (f"; {len(misaligned)} matmul{'s' if len(misaligned) > 1 else ''} misaligned "
+                     "for Tensor Cores")
         if self.unknown_nodes:
             names = ", ".join(sorted({r.target for r in self.unknown_nodes}))
             text += f"; {len(self.unknown_nodes)} nodes of unknown ops kept in float32 ({names})"
