@@ -108,7 +108,10 @@ def fake_dtypes(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict:
     tensors: torch's own type rules, no arithmetic."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    from torch._guards import detect_fake_mode
+    # a model without values (mpgraph.frontend.fake) already runs under a fake mode, its weights
+    # fakes of it: that mode, so that they are not converted again on every op
+    mode = detect_fake_mode(flat_inputs(gm, args, kwargs)) or FakeTensorMode(allow_non_fake_inputs=True)
     dtypes = {}
 
     def record(node, value):
