@@ -16,7 +16,7 @@ from mpgraph.frontend.capture import capture
 from mpgraph.cost.device import auto_dtype, range_dtype, resolve_target
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
-from mpgraph.passes.infra import run_passes, stage
+from mpgraph.passes.infra import deferred_recompile, run_passes, stage
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import as_call, target_name
 from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm
@@ -248,7 +248,8 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:
     """The plan ``convert`` makes for ``model``, without keeping the converted module: for a
     model on the meta device (too big to materialise) this is the whole point, and nothing of
     its weights is allocated. Options as for ``convert``."""
-    return convert(model, example_inputs, **options).plan
+    with deferred_recompile(discard=True):  # the module is dropped: its code is never needed
+        return convert(model, example_inputs, **options).plan
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,13 @@ class Options:
 
 
 def _convert_captured(gm, model, args, kwargs, opts: Options):
-    """The captured graph through the pipelines (and the tolerance search): (module, report)."""
+    """The captured graph through the pipelines (and the tolerance search): (module, report);
+    its code regenerated once, at the end (the passes and the search read graphs, not code)."""
+    with deferred_recompile():
+        return _through_pipelines(gm, model, args, kwargs, opts)
+
+
+def _through_pipelines(gm, model, args, kwargs, opts: Options):
     from mpgraph.passes.pipeline import default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train), gm)
     simulate = elsewhere(opts.spec, args, kwargs, model)

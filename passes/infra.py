@@ -118,18 +118,29 @@ def _subclasses(cls) -> list:
     return out
 
 
-def run_passes(passes: Iterable[Pass], gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Run a pipeline (a plain list of pass instances) in order, with context on failure."""
-    ran: list[str] = []
+@contextlib.contextmanager
+def deferred_recompile(discard: bool = False):
+    """Inside it, graphs that passes rewrite get their code regenerated once, when the outermost
+    of these contexts ends (``run_passes`` is one; ``convert`` holds one around its pipelines).
+    ``discard``: the outermost context's caller drops every module made inside it (``plan``
+    keeps only the Plan), so none is regenerated."""
     outer = getattr(_pending, "modules", None)
     _pending.modules = {} if outer is None else outer
     try:
-        return _run(passes, gm, ran)
+        yield
     finally:
-        if outer is None:  # the outermost pipeline: every rewritten graph's code, once
+        if outer is None and discard:
+            _pending.modules = None
+        elif outer is None:
             modules, _pending.modules = _pending.modules, None
             for module in modules.values():
                 module.recompile()
+
+
+def run_passes(passes: Iterable[Pass], gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Run a pipeline (a plain list of pass instances) in order, with context on failure."""
+    with deferred_recompile():
+        return _run(passes, gm, [])
 
 
 def _run(passes, gm, ran: list) -> torch.fx.GraphModule:

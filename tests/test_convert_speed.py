@@ -372,3 +372,23 @@ def test_a_plan_moves_between_static_and_dynamic_captures(tmp_path):
         again = mpgraph.convert(model, x, plan=mpgraph.Plan.load(str(path)), dynamic=applied)
         assert [r.name for r in again.plan.low_nodes] == [r.name for r in plan.low_nodes]
         assert again.plan.low_nodes
+
+
+def test_convert_regenerates_the_converted_code_once_and_plan_not_at_all(monkeypatch):
+    """The pipelines read graphs, not code: convert regenerates the converted module's code once
+    at the end (was after every rewriting pass), plan (which drops the module) not at all."""
+    import mpgraph.passes.infra as infra
+    from mpgraph.ir.modules import ConvertedModule
+    calls = []
+    recompile = ConvertedModule.recompile
+    monkeypatch.setattr(ConvertedModule, "recompile", lambda self: calls.append(1) or recompile(self))
+    torch.manual_seed(0)
+    model, x = _BakedDropout().eval(), torch.randn(8, 64)  # the export route: a ConvertedModule
+    mpgraph.plan(model, x, dtype="fp16", target=GPU)
+    planned = len(calls)
+    calls.clear()
+    gm = mpgraph.convert(model, x, dtype="fp16", target=GPU)
+    assert len(calls) == planned + 1 and infra._pending.modules is None
+    with torch.no_grad():  # and that code is the converted graph's
+        want = model.l2(model.l1(x))
+        assert float((gm(x).float() - want).norm() / want.norm()) < 1e-2
