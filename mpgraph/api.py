@@ -18,7 +18,7 @@ from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import deferred_recompile, run_passes, stage
 from mpgraph.errors import PlanMismatchError
-from mpgraph.ir.graph import as_call, target_name
+from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
 from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm
 from mpgraph.ir.meta import REFERENCE, TENSOR, dtype_name, is_float32_tensor, shape_of
 from mpgraph.plans.plan import MODES, Plan
@@ -160,7 +160,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     with stage("capture"):
         gm = capture(model, args, kwargs, export_only=train, abstract=abstract, dynamic=dynamic,
                      observe=True)  # Calibrate takes the example batch from capture's run
-    with fake_mode(abstract):
+    # the passes and the tolerance search read graphs, not code: regenerated once, at the end
+    with fake_mode(abstract), deferred_recompile():
         gm, report = _convert_captured(gm, model, args, kwargs, options)
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
     if not train and model.training and follows_training_flag(gm):
@@ -186,10 +187,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     if plan is not None:
         # a node the plan puts low against a numeric-safety finding stays float32 (AssignPrecision
         # warned): that is the plan applied, not a mismatch
-        differ, names = [], {x.name for x in gm.plan.nodes}
-        for r in plan.compute_nodes:
-            if r.target == "_guards_fn" or r.inserted_by and r.name not in names:
-                continue  # see check_plan_fits
+        differ = []
+        for r in _to_match(plan, {x.name for x in gm.plan.nodes}):
             got = gm.plan.node(r.name)
             if got.dtype != r.dtype and not (got.safety and got.dtype == "float32"):
                 differ.append(f"{r.name}: the plan says {r.dtype}, the conversion gave "
@@ -273,13 +272,7 @@ class Options:
 
 
 def _convert_captured(gm, model, args, kwargs, opts: Options):
-    """The captured graph through the pipelines (and the tolerance search): (module, report);
-    its code regenerated once, at the end (the passes and the search read graphs, not code)."""
-    with deferred_recompile():
-        return _through_pipelines(gm, model, args, kwargs, opts)
-
-
-def _through_pipelines(gm, model, args, kwargs, opts: Options):
+    """The captured graph through the pipelines (and the tolerance search): (module, report)."""
     from mpgraph.passes.pipeline import default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train), gm)
     simulate = elsewhere(opts.spec, args, kwargs, model)
@@ -346,22 +339,24 @@ def _restore_buffers(gm: torch.nn.Module, model: torch.nn.Module) -> None:
                 buf.copy_(src)
 
 
+def _to_match(plan: Plan, names: set) -> list:
+    """The plan's decided nodes that a graph with these node names must have: not export's input
+    guard (only a graph captured at the example's shapes has it: a plan moves between static and
+    dynamic captures of one model), nor a node a rewriting pass added that the graph lacks
+    (ChannelsLast's layout change: that pass adds it again)."""
+    return [r for r in plan.compute_nodes
+            if r.target != EXPORT_GUARD and not (r.inserted_by and r.name not in names)]
+
+
 def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
     """Raise PlanMismatchError unless every node the plan decides is in ``gm`` with the same op
     and output shape, and every node of ``gm`` that needs a decision is in the plan."""
-    # export's input guard is in a graph captured at the example's shapes only: a plan moves
-    # between static and dynamic captures of one model without it
-    guard = "_guards_fn"
-    names = {node.name for node in gm.graph.nodes}
-    # a node a rewriting pass added after this point (ChannelsLast's layout change) is added
-    # again by that pass: not a node of the model to match
-    records = {r.name: r for r in plan.compute_nodes
-               if r.target != guard and not (r.inserted_by and r.name not in names)}
+    records = {r.name: r for r in _to_match(plan, {node.name for node in gm.graph.nodes})}
     listed = {r.name for r in plan.nodes}
     problems = []
     seen = set()
     for node in gm.graph.nodes:
-        if not node.op.startswith("call_") or node.op == "call_module" and node.target == guard:
+        if not node.op.startswith("call_") or node.op == "call_module" and node.target == EXPORT_GUARD:
             continue
         record = records.get(node.name)
         info = node.meta.get(TENSOR)

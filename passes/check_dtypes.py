@@ -14,10 +14,11 @@ answers this catches by ~1) is an error that names the first node whose values p
 Where the plan is for another device (a GPU plan checked on a CPU) the dtypes come from a run on
 fake tensors (no arithmetic) and the values from a simulation of the target's arithmetic, which
 costs one more float32 forward on this CPU. By default that simulation runs for graphs up to
-``SIMULATED_VALUES_MAX_FLOPS`` per batch (every test-sized model; 0.9 s of BERT-base's 4.4 s
-convert at 8x128 otherwise) and is reported as not run above it; ``check="values"`` always runs
-it. In the test suite it caught no bad plan that the dtype check, capture's comparison with the
-eager model or the tests' own comparisons did not (examples/bench/bench_convert.py's notes).
+``SIMULATED_VALUES_MAX_FLOPS`` per batch (every test-sized model; it was 0.9 s of BERT-base's
+4.4 s convert at 8x128 on a 2-core CPU) and is reported as not run above it; ``check="values"``
+always runs it. Measured by turning it off: the test suite then let no bad plan through (the
+dtype check, capture's comparison with the eager model and the tests' own comparisons caught
+them); the tests that failed were those asserting the recorded error figure.
 """
 from __future__ import annotations
 
@@ -140,8 +141,8 @@ class CheckDtypes(Pass):
             raise ConversionError("the converted graph does not match its plan:\n  " + shown + more)
         if reference is not None:
             self._check_values(gm, pytree.tree_leaves(output), reference)
-        elif skipped and _low_dtype(gm) is not None:
-            gm.meta[CHECK] = {"error": None, "bound": value_bound(_low_dtype(gm)), "skipped": skipped}
+        elif skipped and (low := _low_dtype(gm)) is not None:
+            gm.meta[CHECK] = {"error": None, "bound": value_bound(low), "skipped": skipped}
         return PassResult(gm, False)
 
     def _skip_values(self, gm) -> Optional[str]:

@@ -11,8 +11,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.frontend.fake import is_abstract
-from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, mutated_nodes, seeded,
-                              state_kept)
+from mpgraph.ir.graph import flat_inputs, mutated_nodes, run_recording
 from mpgraph.ir.meta import OBSERVED, TENSOR, TensorInfo
 from mpgraph.passes.calibrate import Observation, value_stats
 from mpgraph.passes.infra import Pass, PassResult
@@ -104,10 +103,11 @@ class PropagateTensorInfo(Pass):
         inputs = flat_inputs(gm, self.args, self.kwargs)
         output, buffers = _from_export(gm, inputs), {}
         if output is None:
-            with torch.no_grad(), seeded(), state_kept(gm):
-                output = RecordingInterpreter(gm, record).run(*fresh(inputs),
-                                                              enable_io_processing=False)
-                buffers = {n: b.clone() for n, b in gm.named_buffers()} if self.buffers else {}
+            def keep(module):  # the buffers as the run left them
+                buffers.update((n, b.clone()) for n, b in module.named_buffers())
+
+            output = run_recording(gm, self.args, self.kwargs, record,
+                                   after=keep if self.buffers else None)
         for node in gm.graph.nodes:
             node.meta.setdefault(TENSOR, None)
             if self.observe:

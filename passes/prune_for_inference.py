@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from mpgraph.ir.graph import EXPORT_GUARD
 from mpgraph.ir.meta import STATIC_SHAPES
 from mpgraph.ir.modules import DropoutRate
 from mpgraph.passes.infra import Pass, PassResult
@@ -37,7 +38,7 @@ class PruneForInference(Pass):
         if gm.training:
             return PassResult(gm, False)  # captured in training mode: the flag still matters
         graph, removed = gm.graph, 0
-        guards = "" if gm.meta.get(STATIC_SHAPES) else "_guards_fn"
+        keep_guard = gm.meta.get(STATIC_SHAPES)  # what rejects another shape there
         for node in list(graph.nodes):
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
             if module is not None and _dropout(module) and len(node.args) == 1:
@@ -45,7 +46,7 @@ class PruneForInference(Pass):
             elif isinstance(module, DropoutRate):
                 for user in list(node.users):  # attention's dropout_p in eval mode
                     user.replace_input_with(node, 0.0)
-            elif not (node.op == "call_module" and node.target == guards  # input guard
+            elif not (node.op == "call_module" and node.target == EXPORT_GUARD and not keep_guard
                       or node.op == "call_function"
                       and getattr(node.target, "overloadpacket", None) in _ASSERTS):
                 continue

@@ -20,6 +20,8 @@ _VIEW_METHODS = {"view", "view_as", "reshape", "permute", "transpose", "t", "exp
                  "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "split",
                  "chunk", "unbind", "__getitem__", "detach", "diagonal", "movedim", "contiguous"}
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+# the submodule torch.export's ep.module() calls first: it checks the inputs, returns nothing
+EXPORT_GUARD = "_guards_fn"
 
 
 class Call(NamedTuple):
@@ -219,12 +221,17 @@ def state_kept(module: torch.nn.Module):
                 buf.copy_(copy)
 
 
-def run_recording(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node) -> Any:
+def run_recording(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node,
+                  after=None) -> Any:
     """Run ``gm`` on fresh copies of (args, kwargs), seeded, under no_grad, its buffers kept,
-    calling ``on_node(node, value)`` for each node; returns the graph's flat output."""
+    calling ``on_node(node, value)`` for each node; returns the graph's flat output.
+    ``after(gm)``: called once the graph has run, before its buffers are put back."""
     flat = fresh(flat_inputs(gm, args, kwargs))
     with torch.no_grad(), seeded(), state_kept(gm):
-        return RecordingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
+        output = RecordingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
+        if after is not None:
+            after(gm)
+        return output
 
 
 def module_path(node: torch.fx.Node) -> str:

@@ -135,9 +135,9 @@ def _direct_reads(root: torch.fx.GraphModule, previous):
                 expr = _lookup(root, node.target)
                 line = f"{name} = {expr}" if expr else line
             elif node is not None:  # a submodule call: fx writes getattr(self.body, "0")(x)
-                called, direct = _fx_path(node.target) + "(", _module_path(root, node.target)
-                if direct and rhs.startswith(called):
-                    line = f"{name} = {direct}({rhs[len(called):]}"
+                called, found = _fx_path(node.target) + "(", _module_path(root, node.target)
+                if found and rhs.startswith(called):
+                    line = f"{name} = {found[1]}({rhs[len(called):]}"
             out.append(line)
         return out
     return transform
@@ -152,25 +152,24 @@ def _fx_path(target: str) -> str:
 
 
 def _module_path(root: torch.nn.Module, target: str):
-    """``self._modules[..]._modules[..]`` for a dotted submodule target, or None."""
+    """(the submodule, ``self._modules[..]._modules[..]``) for a dotted target ('' for the
+    root), or None when it is not a submodule."""
     module, expr = root, "self"
-    for part in target.split("."):
+    for part in filter(None, target.split(".")):
         module = module._modules.get(part) if isinstance(module, torch.nn.Module) else None
         if module is None:
             return None
         expr += f"._modules[{part!r}]"
-    return expr
+    return module, expr
 
 
 def _lookup(root: torch.nn.Module, target: str):
     """``self._modules[..]._parameters[..]`` (or ``_buffers``) for a dotted target, or None."""
-    *path, leaf = target.split(".")
-    module, expr = root, "self"
-    for part in path:
-        module = module._modules.get(part)
-        if module is None:
-            return None
-        expr += f"._modules[{part!r}]"
+    path, _, leaf = target.rpartition(".")
+    found = _module_path(root, path)
+    if found is None:
+        return None
+    module, expr = found
     for store in ("_parameters", "_buffers"):
         if getattr(module, store, {}).get(leaf) is not None:
             return f"{expr}.{store}[{leaf!r}]"

@@ -106,18 +106,18 @@ def _dtypes(value):
 def fake_dtypes(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict:
     """The dtype every node really produces (a tuple for multi-output nodes), from a run on fake
     tensors: torch's own type rules, no arithmetic."""
+    from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torch._guards import detect_fake_mode
     # a model without values (mpgraph.frontend.fake) already runs under a fake mode, its weights
     # fakes of it: that mode, so that they are not converted again on every op
-    mode = detect_fake_mode(flat_inputs(gm, args, kwargs)) or FakeTensorMode(allow_non_fake_inputs=True)
+    flat = flat_inputs(gm, args, kwargs)
+    mode = detect_fake_mode(flat) or FakeTensorMode(allow_non_fake_inputs=True)
     dtypes = {}
 
     def record(node, value):
         dtypes[node] = _dtypes(value)
 
-    flat = flat_inputs(gm, args, kwargs)
     with mode, torch.no_grad():
         fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat]
         RecordingInterpreter(gm, record).run(*fakes, enable_io_processing=False)
