@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mpgraph.api import convert
+from mpgraph.numerics import relative_l2
 from mpgraph.cost.device import auto_dtype, resolve_target
 from mpgraph.cost.specs import GPU_SPECS
 
@@ -150,7 +151,7 @@ def run(name: str, dtype: Optional[torch.dtype] = None, rounds: int = 10,
     with torch.no_grad():
         ref = model(x)
         out = converted(x)
-        rel = float((out.float() - ref).norm() / ref.norm())
+        rel = relative_l2(out, ref)
         t32, tlow = [], []
         if target is None:
             model(x), converted(x)  # warm-up

@@ -1,7 +1,7 @@
 """Meet a stated output tolerance: measure, attribute the error to nodes, pin, re-solve.
 
-The error is the relative L2 error of all float outputs over all calibration batches, against the
-float32 graph. When a plan misses the tolerance, the float32 and the converted graph run on the
+The error is the relative L2 error of each float output on each calibration batch against the
+float32 graph's, the worst of them (``mpgraph.numerics``: the metric users compute). When a plan misses the tolerance, the float32 and the converted graph run on the
 same (first) batch node by node, and each low-precision node is charged the error it adds: the
 relative error of its output minus the largest relative error among its activation inputs (its
 own rounding, including that of its low-precision weights, without what it merely passes on).
@@ -20,8 +20,9 @@ import torch
 import torch.fx
 
 from mpgraph.errors import CalibrationError, ToleranceError
-from mpgraph.ir.graph import float_tensors, input_nodes, run_recording
+from mpgraph.ir.graph import input_nodes, run_recording
 from mpgraph.ir.simulate import run_simulated
+from mpgraph.numerics import float_leaves, relative_l2, worst_error
 from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name
 
 log = logging.getLogger(__name__)
@@ -35,37 +36,16 @@ def check_tolerance(tolerance) -> float:
     return float(tolerance)
 
 
+def _error(outputs: list, references: list) -> float:
+    """The worst output's relative L2 error over the batches (mpgraph.numerics)."""
+    return worst_error(list(zip(outputs, references)))
+
+
 def _call(gm, call, simulate: bool = False):
     """The graph's flat outputs on one batch; ``simulate``: computed as the target would
     (mpgraph.ir.simulate: a GPU plan on a CPU), not in the CPU's emulated kernels."""
     run = run_simulated if simulate else run_recording
     return run(gm, *call, lambda node, value: None)
-
-
-def output_error(outputs: list, references: list) -> float:
-    """Relative L2 error of all float outputs (in float64) over all batches."""
-    num = den = 0.0
-    for out, ref in zip(outputs, references):
-        got, want = float_tensors(out), float_tensors(ref)
-        if len(got) != len(want):
-            raise ValueError(f"the converted model returns {len(got)} float outputs, "
-                             f"float32 returned {len(want)}")
-        for g, w in zip(got, want):
-            w64 = w.detach().double()
-            num += float(((g.detach().double() - w64) ** 2).sum())
-            den += float((w64 ** 2).sum())
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return math.sqrt(num / den)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    b64 = b.detach().double()
-    den = float(b64.norm())
-    diff = float((a.detach().double() - b64).norm())
-    if not math.isfinite(diff):
-        return math.inf
-    return diff / den if den > 0 else (0.0 if diff == 0 else math.inf)
 
 
 def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
@@ -83,7 +63,7 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
     def compare(node, value):
         if node.name in ref and isinstance(value, torch.Tensor) \
                 and value.shape == ref[node.name].shape:
-            err[node.name] = _rel(value, ref[node.name])
+            err[node.name] = relative_l2(value, ref[node.name])
 
     (run_simulated if simulate else run_recording)(converted, *call, compare)
 
@@ -108,19 +88,19 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
     """
     references = [_call(base, c) for c in calls]
     for i, ref in enumerate(references):
-        bad = sum(int((~torch.isfinite(t)).sum()) for t in float_tensors(ref))
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in float_leaves(ref))
         if bad:
             raise CalibrationError(f"calibration batch {i}: the float32 model's outputs hold {bad} "
                                    "inf/NaN values, so no error can be measured against them "
                                    "(look for NaN or inf in that batch's inputs)")
-    again = output_error([_call(base, c) for c in calls], references)
+    again = _error([_call(base, c) for c in calls], references)
     if again > tolerance:
         raise ToleranceError(f"tolerance {tolerance:g} cannot be met even in float32: two float32 "
                              f"runs of the model differ by {again:.3g} (is it in training mode, "
                              "with dropout?)")
     gm, pins, rounds = first, {}, 0
     start_s = first.meta.get(ESTIMATE, {}).get("plan_s")
-    error = output_error([_call(gm, c, simulate) for c in calls], references)
+    error = _error([_call(gm, c, simulate) for c in calls], references)
     if math.isnan(error):  # inf/NaN where float32 is finite: as far from it as can be
         error = math.inf
     log.info("tolerance %g: error %.3g without pins", tolerance, error)
@@ -128,7 +108,7 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
         nonlocal rounds
         rounds += 1
         g = build({name: "fp32" for name in pinned})
-        e = output_error([_call(g, c, simulate) for c in calls], references)
+        e = _error([_call(g, c, simulate) for c in calls], references)
         e = math.inf if math.isnan(e) else e
         log.info("tolerance %g: round %d, %d nodes pinned, error %.3g", tolerance, rounds,
                  len(pinned), e)

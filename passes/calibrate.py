@@ -21,7 +21,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CalibrationError
-from mpgraph.ir.graph import as_call, flat_inputs, float_tensors, mutated_nodes, run_recording
+from mpgraph.numerics import float_leaves
+from mpgraph.ir.graph import as_call, flat_inputs, mutated_nodes, run_recording
 from mpgraph.ir.meta import OBSERVED, RANGE, REFERENCE, TENSOR, Reference, TensorInfo, ValueRange
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.frontend.fake import is_abstract
@@ -101,7 +102,7 @@ def value_stats(node: torch.fx.Node, value, measured: dict, mutated=frozenset())
     source = same_elements(node, value)
     if source in measured and source not in mutated:
         return measured[source]
-    return [tensor_stats(t) for t in float_tensors(value) if not is_abstract(t)]
+    return [tensor_stats(t) for t in float_leaves(value) if not is_abstract(t)]
 
 
 @dataclass(frozen=True)

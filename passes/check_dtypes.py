@@ -7,9 +7,11 @@ what each node really produced with what the plan says, so an op whose dtype beh
 misjudged is an error at conversion time, never a silently different model. Dtypes right is not
 values right: an in-place op writing into a throwaway cast, or a dropped buffer update, has every
 dtype right. So the outputs are compared with what the float32 graph gave on the same batch
-(Calibrate's ``Reference``): a relative L2 error above ``VALUE_BOUND_ULPS`` units of the low dtype's
-rounding (bf16 0.125, fp16 0.0156; plans err by ~1e-2 and ~1e-3 on the models here, the wrong
-answers this catches by ~1) is an error that names the first node whose values part from float32.
+(Calibrate's ``Reference``), each output by itself with the one metric users compute
+(``mpgraph.numerics.relative_l2``: ``||y - y_hat|| / ||y||`` over the whole output): the worst
+output above ``VALUE_BOUND_ULPS`` units of the low dtype's rounding (bf16 0.125, fp16 0.0156; plans
+err by ~1e-2 and ~1e-3 on the models here, the wrong answers this catches by ~1) is an error that
+names that output and the first node whose values part from float32.
 
 Where the plan is for another device (a GPU plan checked on a CPU) the dtypes come from a run on
 fake tensors (no arithmetic) and the values from a simulation of the target's arithmetic, which
@@ -34,7 +36,8 @@ from mpgraph.errors import ConversionError
 from mpgraph.frontend.fake import is_abstract
 from mpgraph.ir.graph import input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
-from mpgraph.ir.meta import (CHECK, COST, PRECISION, RANGE, REFERENCE, TENSOR, cast_source,
+from mpgraph.numerics import output_errors, rounding
+from mpgraph.ir.meta import (CHECK, COST, PRECISION, RANGE, REFERENCE, TENSOR,
                              dtype_name, is_inserted_cast, planned_dtype)
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -44,29 +47,7 @@ SIMULATED_VALUES_MAX_FLOPS = 20e9  # fp32 FLOPs per batch (~0.2 s on a 2-core CP
 
 def value_bound(low: torch.dtype) -> float:
     """The relative L2 error of the outputs a plan in ``low`` may have against float32."""
-    return VALUE_BOUND_ULPS * torch.finfo(low).eps / 2
-
-
-def relative_error(outputs, references, scales=None) -> float:
-    """Relative L2 error of the float outputs; positions where float32 itself is inf/NaN are left
-    out (the same there or not, there is nothing to compare), a non-finite value where float32 is
-    finite makes it inf. ``scales``: per output, the magnitude of what its op read: an output far
-    smaller than its inputs (a sum of normalised values, ~0 by cancellation) is measured against
-    them, not against its own rounding noise."""
-    num = den = 0.0
-    for i, (out, ref) in enumerate(zip(outputs, references)):
-        if not (isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor)
-                and ref.is_floating_point() and out.shape == ref.shape):
-            continue
-        ref64, out64 = ref.detach().double(), out.detach().double()
-        keep = torch.isfinite(ref64)
-        if not bool(torch.isfinite(out64[keep]).all()):
-            return math.inf
-        num += float(((out64 - ref64)[keep] ** 2).sum())
-        floor = (scales[i] if scales and len(scales) == len(outputs) else 0.0) ** 2 \
-            * int(keep.sum())
-        den += max(float((ref64[keep] ** 2).sum()), floor)
-    return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+    return VALUE_BOUND_ULPS * rounding(low)
 
 
 def expected_dtypes(node):
@@ -174,19 +155,21 @@ class CheckDtypes(Pass):
         low = _low_dtype(gm)
         if low is None:
             return  # nothing in low precision: the float32 graph itself
-        error = relative_error(outputs, reference.outputs, _output_scales(gm))
+        errors = output_errors(outputs, reference.outputs)
+        error = max(errors, default=0.0)
         bound = value_bound(low)
-        gm.meta[CHECK] = {"error": error, "bound": bound}
+        gm.meta[CHECK] = {"error": error, "bound": bound, "outputs": errors}
         if error <= bound:
             return
+        worst = errors.index(error)
         where = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs), bound)
         raise ConversionError(
-            f"the converted module's outputs differ from float32 by {error:.3g} (relative L2 on "
-            f"the first calibration batch), more than a {dtype_name(low)} plan should "
-            f"({bound:.3g}): {where}. Either a value kept in {dtype_name(low)} loses too much "
-            "there (keep it in float32: overrides={'<node or module>': 'fp32'}, or state a "
-            "tolerance= and the nodes that need it are pinned), or the conversion is wrong "
-            "(please report it with the model)")
+            f"the converted module's output {worst} differs from float32 by {error:.3g} (relative "
+            f"L2 ||y - y_hat|| / ||y|| on the first calibration batch), more than a "
+            f"{dtype_name(low)} plan should ({bound:.3g}): {where}. Either a value kept in "
+            f"{dtype_name(low)} loses too much there (keep it in float32: "
+            "overrides={'<node or module>': 'fp32'}, or state a tolerance= and the nodes that "
+            "need it are pinned), or the conversion is wrong (please report it with the model)")
 
 
 def _low_dtype(gm) -> Optional[torch.dtype]:
@@ -208,16 +191,3 @@ def _first_parting(gm, absmax: dict, bound: float) -> str:
             return (f"values first part at node {node.name} ({target_name(node)}): absmax "
                     f"{got:.4g}, float32 {want:.4g}")
     return "no single node's magnitude parts (the outputs differ in their values' placement)"
-
-
-def _output_scales(gm) -> list[float]:
-    """Per output value (flat, in the output's order): the largest float32 magnitude its op read
-    on the first calibration batch (Calibrate's absmax), 0 where unknown."""
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    scales = []
-    for leaf in pytree.tree_leaves(output.args[0]):
-        producer = cast_source(leaf) if isinstance(leaf, torch.fx.Node) else None
-        seen = [a.meta[RANGE].batch_absmax[0] for a in input_nodes(producer)
-                if a.meta.get(RANGE) is not None and a.meta[RANGE].batch_absmax] if producer else []
-        scales.append(max(seen, default=0.0))
-    return scales

@@ -73,7 +73,7 @@ def test_value_check_names_the_node_where_values_part_from_float32():
     relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
     gm.recompile()
     with pytest.raises(mpgraph.ConversionError,
-                       match=r"differ from float32 by .* more than a bfloat16 plan should"):
+                       match=r"output 0 differs from float32 by .* more than a bfloat16 plan should"):
         CheckDtypes((x,), {})(gm)
 
 

@@ -24,6 +24,7 @@ import onnx
 import torch
 
 import mpgraph
+from mpgraph.numerics import relative_l2
 from mpgraph.tools.onnx_check import inspect_model, load_with_types
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -52,7 +53,7 @@ def _row(model_name, opset, tool, path, feeds, ref, layers):
     except Exception as e:  # a file shape inference cannot read
         return {"model": model_name, "opset": opset, "tool": tool, "loads": "no", "casts": "-",
                 "per_layer": "-", "share": "-", "fp32_ops": f"unreadable: {str(e)[:60]}", "err": "-"}
-    err = "-" if out is None else f"{np.linalg.norm(out - ref) / np.linalg.norm(ref):.2e}"
+    err = "-" if out is None else f"{relative_l2(out, ref):.2e}"
     low = stats.low_fp32_ops
     return {"model": model_name, "opset": opset, "tool": tool,
             "loads": "yes" if out is not None else f"no: {why}",

@@ -267,20 +267,6 @@ def fetch_attr(root: torch.nn.Module, target: str):
     return obj
 
 
-def float_tensors(value) -> list[torch.Tensor]:
-    """The floating-point tensors in a value: a tensor, or nested tuples, lists and dicts of them
-    (HF ModelOutputs are dicts), in order."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in float_tensors(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in float_tensors(v)]
-    if hasattr(value, "to_tuple"):
-        return float_tensors(value.to_tuple())
-    return []
-
-
 def free_attr_name(root: torch.nn.Module, base: str) -> str:
     """``base``, or ``base_1``, ``base_2``, ...: the first dotted path not yet taken on ``root``."""
     name, i = base, 1

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import ExportError
 from mpgraph.ir.meta import dtype_name
+from mpgraph.numerics import relative_l2
 
 log = logging.getLogger(__name__)
 
@@ -197,14 +198,6 @@ class ValidationResult:
         return text
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    if not np.isfinite(a).all():
-        return float("inf")
-    denom = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a - b))
-
-
 def _tensors(value) -> list[torch.Tensor]:
     if hasattr(value, "to_tuple"):
         value = value.to_tuple()
@@ -283,7 +276,7 @@ def _locate(path: str, feeds: dict, workdir: str, torch_values: Optional[dict], 
             if torch_values and out.name in torch_values:
                 ref = torch_values[out.name]
                 if tuple(ref.shape) == tuple(val.shape):
-                    err = _rel(val, ref.detach().float().numpy())
+                    err = relative_l2(val, ref.detach().float().numpy())
                     if err > tol:
                         return _describe(node, f"first differs from PyTorch (rel. L2 {err:.2e})")
     return "no single node found; the difference builds up over the graph"
@@ -385,11 +378,11 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
             emulated = True
         provider = session.get_providers()[0]
         outs = session.run(None, feeds)
-        err_conv = [_rel(o.astype(np.float32), t.detach().float().numpy()) for o, t in zip(outs, torch_out)]
+        err_conv = [relative_l2(o.astype(np.float32), t.detach().float().numpy()) for o, t in zip(outs, torch_out)]
         err_ref = None
         if ref_out is not None:
-            err_ref = [_rel(o.astype(np.float32), r.detach().float().numpy()) for o, r in zip(outs, ref_out)]
-            own = [_rel(t.detach().float().numpy(), r.detach().float().numpy())
+            err_ref = [relative_l2(o.astype(np.float32), r.detach().float().numpy()) for o, r in zip(outs, ref_out)]
+            own = [relative_l2(t.detach().float().numpy(), r.detach().float().numpy())
                    for t, r in zip(torch_out, ref_out)]
         bad = [i for i, e in enumerate(err_conv) if e > tol]
         if ref_out is not None:

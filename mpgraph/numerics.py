@@ -1,0 +1,71 @@
+"""The one error metric mpgraph reports, checks and searches with, and dtype facts beside it.
+
+What a user computes to judge a conversion is the plain relative L2 error of each output,
+``||y - y_hat|| / ||y||`` over the whole output tensor, against the float32 model on the same
+inputs. The check (``plan.check``), ``tolerance=``, ONNX validation, reports, tests and benchmarks
+all use ``relative_l2`` and take the worst output (``worst_error``): no output is averaged away by
+a larger one, and no output is measured against anything but itself. Positions where float32
+itself is inf/NaN are left out (there is nothing to compare); a non-finite value where float32
+is finite makes the error inf.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def relative_l2(out, ref) -> float:
+    """``||out - ref|| / ||ref||`` in float64 over the whole tensor (torch tensors or numpy
+    arrays); inf where ``out`` is inf/NaN and ``ref`` is finite, or where ``ref`` is all zeros
+    and ``out`` is not."""
+    out, ref = _tensor(out), _tensor(ref)
+    if out.shape != ref.shape:
+        raise ValueError(f"output of shape {tuple(out.shape)} compared with float32's "
+                         f"{tuple(ref.shape)}")
+    keep = torch.isfinite(ref)
+    if not bool(keep.all()):
+        out, ref = out[keep], ref[keep]
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    num, den = float((out - ref).norm()), float(ref.norm())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def _tensor(value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)
+    return value.detach().to("cpu", torch.float64)
+
+
+def float_leaves(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of an output structure (tensors, tuples, lists, dicts,
+    HuggingFace ModelOutputs, dataclasses), in order."""
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    return [t for t in pytree.tree_leaves(value)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def output_errors(outputs: Any, references: Any) -> list[float]:
+    """``relative_l2`` of each float output against float32's, in output order."""
+    got, want = float_leaves(outputs), float_leaves(references)
+    if len(got) != len(want):
+        raise ValueError(f"the converted model returns {len(got)} float outputs, float32 "
+                         f"returned {len(want)}")
+    return [relative_l2(g, w) for g, w in zip(got, want)]
+
+
+def worst_error(runs: Sequence[tuple[Any, Any]]) -> float:
+    """The largest ``relative_l2`` over every output of every (outputs, references) pair: the
+    error a user sees on the worst output of the worst batch."""
+    return max((e for out, ref in runs for e in output_errors(out, ref)), default=0.0)
+
+
+def rounding(dtype: torch.dtype) -> float:
+    """Relative rounding error of one value stored in ``dtype`` (half its machine epsilon)."""
+    return torch.finfo(dtype).eps / 2
