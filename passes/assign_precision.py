@@ -143,7 +143,7 @@ class AssignPrecision(Pass):
 
     @staticmethod
     def _safety_reason(node, rules=("range", "underflow", "constant", "weight",
-                                    "unproven_range")) -> Optional[str]:
+                                    "unproven_range", "periodic", "conditioning")) -> Optional[str]:
         """The numeric-safety findings (NumericSafety) that keep this node float32, if any."""
         found = [f for f in node.meta.get(SAFETY, ()) if f.rule in rules]
         return "numeric safety: " + "; ".join(f.evidence for f in found) if found else None
@@ -281,7 +281,7 @@ class AssignPrecision(Pass):
         activations = [a for a in runtime if a.op != "get_attr"]  # training: weights are runtime
         if op_info.low_io and activations and node not in self._norms_fp32 \
                 and all(dec[a].dtype == self.low for a in activations) \
-                and not self._safety_reason(node, rules=("range", "underflow")):
+                and not self._safety_reason(node, rules=("range", "underflow", "periodic")):
             low = dtype_name(self.low)
             if mixed_params_ok(op_info.low_io, self.kernels):
                 return Decision(self.low, f"reads and writes {low}, computes in float32 inside "
@@ -295,7 +295,7 @@ class AssignPrecision(Pass):
                                           f"kernel takes no float32 parameters with a {low} input)",
                                 param_dtype=self.low)
         if cls != FOLLOW:  # fp32_compute, fp32_only, unknown
-            why = self._safety_reason(node, rules=("unproven_range",))
+            why = self._safety_reason(node, rules=("unproven_range", "periodic"))
             in_range_dtype = self._range_decision(node) if why else None
             if in_range_dtype:  # exp/pow: follow ops in bf16
                 return in_range_dtype

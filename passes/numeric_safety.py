@@ -35,6 +35,22 @@ constraint on a node that would otherwise compute in low precision. Rules:
   write it low), and the precision assignment acts on that name. Values that lose precision in
   fp16's subnormal range (6e-8 to 6e-5) without becoming 0 are the tolerance's to measure.
 
+- ``periodic``: the argument of sin, cos or tan with a calibrated absmax above ``PERIODIC_LIMIT``
+  (2 pi: more than one period). Rounding an argument x costs |x| times the dtype's rounding in
+  absolute terms, so sin(20 x) of a value rounded to fp16 is off by ~1e-2 where its own output
+  rounding is 5e-4 (Fourier features, rotary angles of long sequences, SIREN layers): the op, and
+  the ops that compute its argument back to (and including) the first one that is not an
+  elementwise ``follow`` op (the matmul that scales the input into frequencies), compute in
+  float32. Not cleared by bf16, whose rounding is coarser.
+- ``conditioning``: a matmul-class op reading a buffer or constant (not a parameter: a whitening
+  matrix, Fourier frequencies kept as a buffer) is low only where calibration bounds how much it
+  amplifies rounding: ``rho = absmax(x) * max column sum |W| / absmax(y)`` over sqrt(K) (about 1
+  for random matrices, and the error grows with it: a whitening matrix of covariance condition
+  1e3 measures 114 and errs by 2.5e-2 in fp16 against 3e-4) at most ``AMPLIFICATION_LIMIT``.
+  Uncalibrated (a model on the meta device), such a reader stays float32. Parameters are weights
+  the model was trained with in whatever precision; their readers are not held to this, and the
+  value check measures them.
+
 Long reductions (sum, mean, var, norms, cumsum) are float32-only by op class in every low dtype,
 so no rule is needed for them here; matmul and conv accumulate in float32 on every backend we
 target (Tensor Cores, AVX512-BF16/AMX, ONNX Runtime), so large K is a precision cost the tolerance
@@ -50,7 +66,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import fetch_attr, input_nodes
+from mpgraph.ir.graph import fetch_attr, input_nodes, owner_of
 from mpgraph.ir.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
@@ -63,6 +79,9 @@ RANGE_MARGIN = 2.0             # limit = finfo(low).max / margin (see the module
 SMALL_TENSOR = 16              # up to this many values: any underflow counts
 UNDERFLOW_FRACTION = 0.01      # larger tensors: this share of non-zero values flushed to zero
 UNDERFLOW_RULE = "underflow"   # the rule name of underflow findings (see the module docstring)
+PERIODIC = ("sin", "sin_", "cos", "cos_", "tan", "tan_")
+PERIODIC_LIMIT = 2 * math.pi   # an argument above one period: see ``periodic`` above
+AMPLIFICATION_LIMIT = 8.0      # rho / sqrt(K) of a buffer's reader: see ``conditioning`` above
 _CALLS = ("call_function", "call_method", "call_module")
 
 # Ops that cannot take a 0, by op name (the last part of the op-table key: "torch.log",
@@ -163,6 +182,42 @@ def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype,
     return []
 
 
+def _is_parameter(gm: torch.nn.Module, target: str) -> bool:
+    owner, leaf = owner_of(gm, target)
+    return leaf in owner._parameters
+
+
+# matmul-class ops whose stored operand's contraction dimension mpgraph knows: op name ->
+# {argument position of the operand: its contraction dimension}
+_CONTRACTION = {"linear": {1: -1}, "matmul": {0: -1, 1: -2}, "mm": {0: -1, 1: -2},
+                "bmm": {0: -1, 1: -2}, "__matmul__": {0: -1, 1: -2},
+                "__rmatmul__": {0: -2, 1: -1}}
+
+
+def amplification(node: torch.fx.Node, gm) -> list[tuple[str, Optional[float]]]:
+    """(buffer, rho / sqrt(K)) for each buffer or constant a matmul-class node reads as an operand
+    (``conditioning`` above); None where calibration or the op's form does not bound it."""
+    out = []
+    dims = _CONTRACTION.get(op_name(node), {})
+    for position, arg in enumerate(node.args):
+        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr" \
+                or _is_parameter(gm, arg.target):
+            continue
+        w = fetch_attr(gm, arg.target)
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() < 2:
+            continue
+        other = [a for a in input_nodes(node) if a is not arg and a.op != "get_attr"]
+        seen = [a.meta.get(RANGE) for a in other] + [node.meta.get(RANGE)]
+        dim = dims.get(position)
+        if dim is None or is_abstract(w) or len(other) != 1 or None in seen or not seen[-1].absmax:
+            out.append((str(arg.target), None))
+            continue
+        k = w.shape[dim]
+        column = float(w.detach().abs().float().sum(dim).max())
+        out.append((str(arg.target), seen[0].absmax * column / seen[-1].absmax / math.sqrt(k)))
+    return out
+
+
 class NumericSafety(Pass):
     """Analysis: writes ``mpgraph.safety`` (a tuple of SafetyFinding) on nodes that must stay
     float32; relaxes calibrated-safe range-expanding ops to ``follow`` in fp16."""
@@ -256,6 +311,15 @@ class NumericSafety(Pass):
             found += [relaxed] if relaxed else []
         if info.op_class in (TENSOR_CORE, FOLLOW):  # the others compute in float32 inside
             found += self._constant_findings(node)
+        if info.op_class == TENSOR_CORE:
+            for name, rho in amplification(node, gm):
+                if rho is None:
+                    found.append(SafetyFinding("conditioning", f"reads buffer {name}: calibration "
+                                                               "does not bound its rounding error"))
+                elif rho > AMPLIFICATION_LIMIT:
+                    found.append(SafetyFinding("conditioning", (
+                        f"reads buffer {name}, amplifying rounding {rho:.3g}x (rho/sqrt(K) > "
+                        f"{AMPLIFICATION_LIMIT:g}: cancellation, as a whitening matrix's)")))
         found += self._weight_findings(node, gm)
         own = self._range_evidence(node)
         if own:
@@ -342,6 +406,33 @@ class NumericSafety(Pass):
         return {n: [SafetyFinding(UNDERFLOW_RULE, f"{why}: 0 {_listed(list(roles))}")
                     for why, roles in found.items()] for n, found in out.items()}
 
+    def _periodic_findings(self, gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
+        """sin/cos/tan of arguments beyond one period, and the ops that compute the argument
+        (``periodic`` above)."""
+        out: dict[torch.fx.Node, list[SafetyFinding]] = {}
+        for node in gm.graph.nodes:
+            if node.op not in _CALLS or op_name(node) not in PERIODIC or not node.args \
+                    or not isinstance(node.args[0], torch.fx.Node):
+                continue
+            r = node.args[0].meta.get(RANGE)
+            if r is not None and r.absmax <= PERIODIC_LIMIT:
+                continue
+            seen = "not calibrated" if r is None else f"absmax {r.absmax:.3g}"
+            why = (f"{op_name(node)} of {node.args[0].name} ({seen} > {PERIODIC_LIMIT:.3g}, one "
+                   f"period): rounding the argument costs |x| times the dtype's rounding")
+            out.setdefault(node, []).append(SafetyFinding("periodic", why))
+            stack, done = [node.args[0]], set()
+            while stack:  # the argument's producers, through elementwise follow ops
+                v = stack.pop()
+                if v in done or v.op not in _CALLS:
+                    continue
+                done.add(v)
+                out.setdefault(v, []).append(SafetyFinding("periodic", f"computes the argument "
+                                                                       f"of {node.name}: {why}"))
+                if v.meta[OP_CLASS].op_class == FOLLOW:
+                    stack += [a for a in input_nodes(v) if a.op != "get_attr"]
+        return out
+
     def call(self, gm):
         self._seen = {}
         if self.alt is not None:
@@ -354,13 +445,16 @@ class NumericSafety(Pass):
                 findings[node] = self._node_findings(node, gm)
         for node, found in self._underflow_findings(gm).items():
             findings.setdefault(node, []).extend(found)
+        periodic = self._periodic_findings(gm)  # the same in every dtype: never cleared
         alt_underflow = self.alt._underflow_findings(gm) if self.alt is not None else {}
         for node, found in list(findings.items()):
             if not found:
                 del findings[node]
-            elif self.alt is not None and not alt_underflow.get(node) \
+            elif self.alt is not None and not alt_underflow.get(node) and node not in periodic \
                     and not self.alt._node_findings(node, gm):
                 findings[node] = [replace(f, cleared_by=dtype_name(self.alt.low)) for f in found]
+        for node, found in periodic.items():
+            findings.setdefault(node, []).extend(found)
         for node, found in findings.items():
             node.meta[SAFETY] = tuple(found)
             log.debug("%s: %s", node.name, "; ".join(f.evidence for f in found))

@@ -3,6 +3,9 @@ check reports is the number the user computes, float32-sensitive state stays flo
 cannot convert right raises an error that names the construct and the way out."""
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -50,3 +53,115 @@ def test_the_check_takes_the_worst_output_not_an_average_over_outputs(bert):
     assert fast.plan.check["outputs"] == pytest.approx(each, rel=0.05)
     assert each[1] > 3 * each[0]  # the pooler's error: what an average would hide
     assert fast.plan.check["error"] == max(fast.plan.check["outputs"])
+
+
+# -- float32-sensitive state (issue 25.2) ---------------------------------------------------
+
+class FourierFeatures(nn.Module):
+    """Random Fourier features: a buffer scales the input into frequencies for sin and cos."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("B", torch.randn(3, 64) * 20)
+        self.fc = nn.Linear(128, 32)
+
+    def forward(self, x):
+        p = 2 * math.pi * x @ self.B
+        return self.fc(torch.cat([p.sin(), p.cos()], -1))
+
+
+class Whitening(nn.Module):
+    """PCA whitening of correlated features kept as buffers, then a layer."""
+
+    def __init__(self, data: torch.Tensor):
+        super().__init__()
+        mu = data.mean(0)
+        e, q = torch.linalg.eigh((data - mu).T @ (data - mu) / len(data))
+        self.register_buffer("mu", mu)
+        self.register_buffer("W", q @ torch.diag(e.rsqrt()) @ q.T)
+        self.fc = nn.Linear(data.shape[1], 16)
+
+    def forward(self, x):
+        return self.fc((x - self.mu) @ self.W)
+
+
+def correlated(n: int, k: int = 64, condition: float = 1e3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    u, _, v = torch.linalg.svd(torch.randn(k, k, generator=g))
+    return torch.randn(n, k, generator=g) @ (u @ torch.diag(torch.logspace(0, math.log10(condition), k)) @ v) + 5
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_buffers_that_feed_sin_cos_or_cancel_stay_float32_and_the_error_holds_on_new_data(dtype):
+    torch.manual_seed(0)
+    data = correlated(512)
+    cases = [(FourierFeatures().eval(), torch.rand(16, 3), torch.rand(64, 3), "B", "periodic"),
+             (Whitening(data).eval(), data[:32], data[32:160], "W", "conditioning")]
+    for model, x, new, buffer, rule in cases:
+        fast = mpgraph.convert(model, x, dtype=dtype, target=GPU, strategy="rules")
+        reader = fast.plan.node("matmul")
+        assert reader.dtype == "float32" and reader.safety[0].startswith(rule), reader.safety
+        assert getattr(fast, buffer).dtype == torch.float32
+        with torch.no_grad():  # float32's error on data the conversion never saw
+            assert relative_l2(fast(new), model(new)) < (1e-3 if dtype == "fp16" else 1e-2)
+
+
+class Accumulates(nn.Module):
+    """State carried across calls, written in place in several ways users write it."""
+
+    def __init__(self, update: str):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("acc", torch.zeros(16))
+        self.update = update
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.update == "ema copy_":
+            self.acc.copy_(self.acc * 0.9 + y[0])
+        elif self.update == "mul_ then add_":
+            self.acc.mul_(0.9).add_(y[0])
+        elif self.update == "index_copy_":
+            self.acc.index_copy_(0, torch.arange(16), self.acc * 0.5 + y[0])
+        else:
+            self.acc += y[0]
+        return y + self.acc
+
+
+@pytest.mark.parametrize("update", ["ema copy_", "mul_ then add_", "index_copy_", "+="])
+@pytest.mark.parametrize("check", [True, False])
+def test_state_the_model_writes_keeps_its_dtype_and_does_not_drift(update, check):
+    torch.manual_seed(0)
+    model = Accumulates(update).eval()
+    fast = mpgraph.convert(model, torch.randn(4, 16), dtype="fp16", target=GPU, strategy="rules",
+                           check=check)
+    assert fast.acc.dtype == torch.float32
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for _ in range(300):
+            x = torch.randn(4, 16)
+            out, want = fast(x), reference(x)
+    assert relative_l2(fast.acc, reference.acc) < 2e-3
+    assert relative_l2(out, want) < 2e-3
+
+
+def test_values_computed_from_buffers_are_read_at_run_time_not_frozen_at_trace_time():
+    """torch.fx's default tracer runs what reads only buffers once, at trace time: a buffer the
+    user loads after conversion would never be read."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, x):
+            return self.fc(x) * (self.scale * 2)
+
+    model = Scaled().eval()
+    fast = mpgraph.convert(model, torch.randn(4, 8), dtype="fp16", target=GPU, strategy="rules")
+    assert fast.plan.capture == "torch.fx.symbolic_trace"
+    with torch.no_grad():
+        fast.scale.fill_(3.0)
+        model.scale.fill_(3.0)
+        x = torch.randn(4, 8)
+        assert relative_l2(fast(x), model(x)) < 4e-3

@@ -150,9 +150,30 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         return _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
 
 
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer with buffers read as graph values, as parameters are. torch.fx's default
+    hands the forward the buffer's tensor itself: whatever is computed from buffers alone is run
+    once at trace time and frozen into the graph as a constant (``self.acc * 0.9`` from the
+    buffer as it was then; a buffer loaded later is never read), and an in-place op on one
+    (``self.acc.mul_(0.9)``) runs once on the trace's copy and is missing from the graph."""
+
+    proxy_buffer_attributes = True
+
+
 def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
+    # a forward that assigns to a buffer (self.n += 1) leaves the traced value (a Proxy) there:
+    # the buffers are put back before the graph module takes its attributes from the model
+    buffers = [(m, dict(m._buffers)) for m in model.modules()]
     with _quiet():
-        return ConvertedModule.wrap(torch.fx.symbolic_trace(model))
+        tracer = _Tracer()
+        try:
+            graph = tracer.trace(model)
+        finally:
+            for m, saved in buffers:
+                m._buffers.clear()
+                m._buffers.update(saved)
+        return ConvertedModule.wrap(torch.fx.GraphModule(tracer.root, graph,
+                                                         type(model).__name__))
 
 
 def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,

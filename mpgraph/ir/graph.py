@@ -108,13 +108,32 @@ def _store_name(node: torch.fx.Node) -> str:
 
 def stored_into_only(buffer: torch.fx.Node, root: torch.nn.Module) -> list[torch.fx.Node]:
     """The nodes that write into ``buffer`` (a get_attr) when every write is a plain store
-    (``index_copy_``, ``copy_``, ``index_put_`` without accumulate, item assignment), else []."""
+    (``index_copy_``, ``copy_``, ``index_put_`` without accumulate, item assignment) of values
+    computed without reading the buffer (new keys and values: a cache), else []. A store of
+    something made from the buffer's own contents (``acc.copy_(0.9 * acc + y)``) is state that
+    accumulates across calls: rounding it to a low dtype on every call drifts."""
     writers = [u for u in buffer.users if u.args and u.args[0] is buffer and is_inplace(u, root)
                or u.op == "call_function" and u.target is operator.setitem and u.args[0] is buffer]
     stores = all(_store_name(w) in _STORES and not w.kwargs.get("accumulate")
                  and not (len(w.args) > 3 and w.args[3] is True and _store_name(w) == "index_put_")
+                 and not _reads_attr(list(w.args[1:]) + list(w.kwargs.values()), buffer.target)
                  for w in writers)
     return writers if writers and stores else []
+
+
+def _reads_attr(values: list, target: str) -> bool:
+    """Whether any node in ``values`` is computed from a read of the attribute ``target``."""
+    stack = [v for v in pytree.tree_leaves(values) if isinstance(v, torch.fx.Node)]
+    seen: set = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.op == "get_attr" and v.target == target:
+            return True
+        stack += v.all_input_nodes
+    return False
 
 
 def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.Node]:
