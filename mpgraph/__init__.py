@@ -24,6 +24,7 @@ from mpgraph.plans.diff import PlanDiff, diff
 from mpgraph.plans.plan import CastRecord, NodeRecord, Plan
 from mpgraph.tools.cuda_graph import cuda_graph
 from mpgraph.tools.generate import ConvertedDecoder, convert_decoder, generate
+from mpgraph.tools.guard import NonFiniteError, guard
 from mpgraph.tools.profiling import ProfileResult, profile
 from mpgraph.tools.report import report
 from mpgraph.tools.weights import load_weights
@@ -54,4 +55,4 @@ __all__ = ["convert", "plan", "load_weights", "capture", "resolve_dtype", "Plan"
            "ConversionError", "PassError", "MpgraphError", "ExportError", "CalibrationError",
            "ToleranceError", "PlanMismatchError", "report", "diff", "PlanDiff", "export_onnx",
            "ort_session", "profile", "ProfileResult", "ncu_command", "cuda_graph",
-           "convert_decoder", "generate", "ConvertedDecoder"]
+           "convert_decoder", "generate", "ConvertedDecoder", "guard", "NonFiniteError"]

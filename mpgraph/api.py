@@ -20,7 +20,8 @@ from mpgraph.passes.infra import deferred_recompile, run_passes, stage
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
 from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm
-from mpgraph.ir.meta import REFERENCE, TENSOR, dtype_name, is_float32_tensor, shape_of
+from mpgraph.ir.meta import (CONSTANT_INPUTS, REFERENCE, TENSOR, dtype_name, is_float32_tensor,
+                             shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
 from mpgraph.frontend.fake import (Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors,
@@ -181,6 +182,10 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         record = dataclasses.replace(record, warning=little_converted(record, spec))
         if record.warning:
             warnings.warn(record.warning, UserWarning, stacklevel=2)
+    record = dataclasses.replace(record, calibration_warning=calibration_warning(
+        record, gm.meta.get(CONSTANT_INPUTS, ())))
+    if record.calibration_warning:
+        warnings.warn(record.calibration_warning, UserWarning, stacklevel=2)
     gm.plan = record
     # copy.deepcopy of a GraphModule keeps only what its meta lists here: the plan goes along
     gm.meta.setdefault("_user_preserved_attributes", {})["plan"] = gm.plan
@@ -241,6 +246,28 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
         way.append("the safety findings hold in any plan (their evidence is in the plan)")
     way_out = "; ".join(way)
     return f"{text}: {'; '.join(why)}. {way_out[0].upper()}{way_out[1:]}."
+
+
+def calibration_warning(plan: Plan, constant: tuple) -> Optional[str]:
+    """Why the calibration data may not represent real inputs, and the way out; None when
+    nothing says so. Calibration decides what overflow keeps in float32: inputs that hold one
+    value in every batch (``torch.zeros``) measure nothing real, and one batch shows fp16 the
+    ranges of that batch only (bf16 has float32's range: its plans do not rest on them)."""
+    if not plan.low_nodes or not plan.calibration_batches:
+        return None
+    why = []
+    if constant:
+        why.append(f"input{'s' if len(constant) > 1 else ''} {', '.join(constant)} held one value "
+                   "(all zeros, or constant) in every calibration batch")
+    if plan.dtype == torch.float16 and plan.calibration_batches == 1:
+        why.append("the float16 plan was calibrated on one batch")
+    if not why:
+        return None
+    return (f"{' and '.join(why)}: the plan keeps in float32 what calibration saw overflow or "
+            "lose too much, and inputs larger than it saw can overflow float16 at run time "
+            "(inf/NaN outputs). Pass calibration=[a few batches of real inputs, with the largest "
+            "values you expect]; mpgraph.guard(module) names the node if an output goes "
+            "non-finite at run time")
 
 
 def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:

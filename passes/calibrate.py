@@ -23,7 +23,8 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import CalibrationError
 from mpgraph.numerics import float_leaves
 from mpgraph.ir.graph import as_call, flat_inputs, mutated_nodes, run_recording
-from mpgraph.ir.meta import OBSERVED, RANGE, REFERENCE, TENSOR, Reference, TensorInfo, ValueRange
+from mpgraph.ir.meta import (CONSTANT_INPUTS, OBSERVED, RANGE, REFERENCE, TENSOR, Reference,
+                             TensorInfo, ValueRange)
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.frontend.fake import is_abstract
 
@@ -169,10 +170,20 @@ def _logged(batches, total):
         yield b
 
 
+def _constant(value) -> bool:
+    """A tensor of more than one element that holds one value (all zeros, all ones)."""
+    if not isinstance(value, torch.Tensor) or value.numel() < 2 or is_abstract(value):
+        return False
+    flat = value.detach().reshape(-1)
+    return bool((flat == flat[0]).all())
+
+
 class Calibrate(Pass):
     """Analysis: writes ``mpgraph.range`` (a ValueRange) on every node with a float output."""
     stage = "calibrate"
-    writes = (RANGE, REFERENCE)  # REFERENCE on gm.meta: batch 0's float32 outputs
+    # on gm.meta: REFERENCE, batch 0's float32 outputs; CONSTANT_INPUTS, inputs constant in
+    # every batch (degenerate calibration data, which convert warns about)
+    writes = (RANGE, REFERENCE, CONSTANT_INPUTS)
 
     def __init__(self, batches: Iterable, progress: Optional[bool] = None,
                  example: Optional[tuple[tuple, dict]] = None):
@@ -210,9 +221,13 @@ class Calibrate(Pass):
         smallest: dict[torch.fx.Node, float] = {}
         bad: dict[torch.fx.Node, int] = {}
         count = 0
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        constant: Optional[set] = None  # inputs constant in every batch so far
         for i, batch in enumerate(_progress(self.batches, self.progress)):
             args, kwargs = as_call(batch)
             self._check_fits(gm, i, args, kwargs)
+            here = {name for name, t in zip(names, flat_inputs(gm, args, kwargs)) if _constant(t)}
+            constant = here if constant is None else constant & here
             seen: dict[torch.fx.Node, float] = {}
             measured: dict[torch.fx.Node, list] = {}  # this batch's tensor_stats, by node
             last = ["(graph inputs)"]
@@ -262,5 +277,6 @@ class Calibrate(Pass):
                 node.meta[RANGE] = ValueRange(max(per_batch[node]), smallest[node], bad[node],
                                               tuple(per_batch[node]))
         gm.meta[RANGE] = count
+        gm.meta[CONSTANT_INPUTS] = tuple(n for n in names if n in (constant or ()))
         log.debug("calibrated %d values over %d batches", len(per_batch), count)
         return PassResult(gm, False)

@@ -70,10 +70,14 @@ def test_cli_shows_stage_progress_and_keeps_third_party_noise_for_verbose(tmp_pa
 
     out, err = cli_run("--progress", "inspect", f"{factory}:build", "--dtype", "fp16",
                        "--target", "a100", "--batch", "4", "--seq", "32")
-    stages = [line.split(" ...")[0] for line in err.splitlines()]
+    lines = err.splitlines()
+    stages = [line.split(" ...")[0] for line in lines[:6]]
     assert stages == ["mpgraph: capture", "mpgraph: prepare", "mpgraph: calibrate",
                       "mpgraph: decide", "mpgraph: rewrite", "mpgraph: check"], err
-    assert all(line.endswith(" s") for line in err.splitlines())
+    assert all(line.endswith(" s") for line in lines[:6])
+    # then mpgraph's own warning, one line: an fp16 plan calibrated on the example batch alone
+    assert len(lines) == 7 and lines[6].startswith("mpgraph: warning: the float16 plan was "
+                                                   "calibrated on one batch"), err
     # the factory got --batch and --seq: the input cast moves 4 x 32 values, M is 4
     assert re.search(r"float32 -> float16\s+128\s", out) and "pad M 4->8" in out
     # -v: the third-party warning and log record are shown; no progress when not asked for

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -165,3 +166,59 @@ def test_values_computed_from_buffers_are_read_at_run_time_not_frozen_at_trace_t
         model.scale.fill_(3.0)
         x = torch.randn(4, 8)
         assert relative_l2(fast(x), model(x)) < 4e-3
+
+
+# -- calibration that does not represent the data (issue 25.3) ------------------------------
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.o(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+
+def test_degenerate_calibration_warns_and_the_guard_names_the_node_that_overflows():
+    torch.manual_seed(0)
+    model = Attention().eval()
+    with pytest.warns(UserWarning, match=r"input x held one value \(all zeros, or constant\) in "
+                                         r"every calibration batch .* Pass calibration=\["):
+        fast = mpgraph.convert(model, torch.zeros(2, 16, 64), dtype="fp16", target=GPU,
+                               strategy="rules")
+    assert "held one value" in fast.plan.summary().splitlines()[0]
+    real = torch.randn(2, 16, 64) * 300
+    with torch.no_grad():
+        assert not torch.isfinite(fast(real)).any()  # unguarded: inf everywhere, silently
+        assert mpgraph.guard(fast) is fast
+        with pytest.raises(mpgraph.NonFiniteError, match=r"first node that went non-finite is "
+                           r"matmul \(matmul\), \d+ of 512 values, computed in float16.*"
+                           r"calibration saw absmax 0.0\d+ there on 1 batch.*overrides="
+                           r"\{'matmul': 'fp32'\}") as caught:
+            fast(real)
+        assert caught.value.node == "matmul"
+        small = torch.randn(2, 16, 64)
+        assert relative_l2(fast(small), model(small)) < 4e-3  # finite: returned as it is
+        nan = small.clone()
+        nan[0, 0, 0] = float("nan")  # float32 is NaN too: the model's own answer, no error
+        assert torch.isnan(fast(nan)).any()
+        mpgraph.guard(fast, enabled=False)
+        assert not torch.isfinite(fast(real)).any()
+
+
+def test_one_batch_warns_for_fp16_and_real_batches_do_not_warn():
+    torch.manual_seed(0)
+    model = Attention().eval()
+    with pytest.warns(UserWarning, match="the float16 plan was calibrated on one batch"):
+        mpgraph.convert(model, torch.randn(2, 16, 64), dtype="fp16", target=GPU, strategy="rules")
+    batches = [torch.randn(2, 16, 64) * s for s in (1, 30, 300)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = mpgraph.convert(model, batches[0], dtype="fp16", target=GPU, strategy="rules",
+                               calibration=batches)
+        mpgraph.convert(model, batches[0], dtype="bf16", target=GPU, strategy="rules")
+    assert fast.plan.calibration_warning is None
+    assert fast.plan.node("matmul").dtype == "float32"  # the scores overflow fp16 at x300
+    with torch.no_grad():
+        assert relative_l2(fast(batches[2]), model(batches[2])) < 4e-3

@@ -24,6 +24,9 @@ SAFETY = "mpgraph.safety"            # tuple of SafetyFinding written by Numeric
 # on gm.meta: Reference (the float32 graph's outputs on the first calibration batch), written by
 # Calibrate for CheckDtypes' value check, dropped when convert returns
 REFERENCE = "mpgraph.reference"
+# on gm.meta: names of the graph inputs that were constant (all zeros, one value) in every
+# calibration batch, written by Calibrate: ranges from such data do not represent real inputs
+CONSTANT_INPUTS = "mpgraph.constant_inputs"
 CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckDtypes' value check
 # node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that
 # run (passes.calibrate.Observation). Calibrate takes the example batch from it, then drops it

@@ -52,9 +52,12 @@ class SimulatingInterpreter(RecordingInterpreter):
     are read as copies (float32 from stored fp16/bf16 weights), so rounding in place never
     touches the module."""
 
-    def __init__(self, gm: torch.fx.GraphModule, on_node):
+    def __init__(self, gm: torch.fx.GraphModule, on_node, rounding: bool = True):
         super().__init__(gm, on_node)
         self.copies: dict = {}
+        # False: nothing is rounded, every op computes in float32 from the stored weights: what
+        # the plan's graph gives in float32 (the run-time guard's reference)
+        self.rounding = rounding
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op == "call_function" and n.target in _CHECKS:
@@ -81,16 +84,19 @@ class SimulatingInterpreter(RecordingInterpreter):
             else:
                 result = getattr(self, n.op)(n.target, _up(args), _up(kwargs))
             result = _up(result)  # an explicit cast to a low dtype: a fresh float32 copy
-            _round_(result, planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION)))
+            if self.rounding:
+                _round_(result, planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION)))
         self._on_node(n, result)
         return result
 
 
-def run_simulated(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node) -> Any:
-    """``run_recording``, with the target's arithmetic instead of this machine's (see above)."""
+def run_simulated(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node,
+                  rounding: bool = True) -> Any:
+    """``run_recording``, with the target's arithmetic instead of this machine's (see above);
+    ``rounding=False``: float32 throughout, nothing rounded to the plan's dtypes."""
     flat = fresh(flat_inputs(gm, args, kwargs))
     with torch.no_grad(), seeded(), state_kept(gm):
-        return SimulatingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
+        return SimulatingInterpreter(gm, on_node, rounding).run(*flat, enable_io_processing=False)
 
 
 def _dtypes(value):

@@ -63,6 +63,10 @@ class Plan:
     # an explicit dtype that converted little of the matmul/conv work: why, and the way out
     # (also a UserWarning from convert, and the summary's first line)
     warning: Optional[str] = None
+    # calibration data that does not represent real inputs (constant inputs; one batch for an
+    # fp16 plan, whose overflow rules rest on the ranges it saw): why, and the way out (also a
+    # UserWarning from convert, and a line of the summary)
+    calibration_warning: Optional[str] = None
     estimate: dict = field(default_factory=dict)  # {"fp32_s", "plan_s"} on the target
     nodes: list[NodeRecord] = field(default_factory=list)
     casts: list[CastRecord] = field(default_factory=list)
@@ -176,6 +180,7 @@ class Plan:
                    keep_io_types=data["keep_io_types"], target=data["target"],
                    strategy=data["strategy"], kept_fp32=data.get("kept_fp32"),
                    warning=data.get("warning"),
+                   calibration_warning=data.get("calibration_warning"),
                    estimate=dict(data.get("estimate") or {}),
                    nodes=[node(d) for d in data["nodes"]],
                    casts=[CastRecord(**{**c, "consumers": tuple(c["consumers"])}) for c in data["casts"]],
@@ -235,7 +240,7 @@ class Plan:
     def summary(self) -> str:
         low = dtype_name(self.dtype)
         stored = sum(w.numel for w in self.weights)
-        text = f"warning: {self.warning}\n" if self.warning else ""
+        text = "".join(f"warning: {w}\n" for w in (self.warning, self.calibration_warning) if w)
         text += (f"converted {len(self.low_nodes)}/{len(self.compute_nodes)} nodes to {low} "
                 f"with {len(self.casts)} casts; {len(self.weights)} weights "
                 f"({stored / 1e6:.2f}M values) stored as {low}; captured with {self.capture}")
@@ -285,7 +290,8 @@ class Plan:
             "format": PLAN_FORMAT,
             "dtype": dtype_name(self.dtype), "capture": self.capture,
             "keep_io_types": self.keep_io_types, "target": self.target, "strategy": self.strategy,
-            "kept_fp32": self.kept_fp32, "warning": self.warning, "estimate": self.estimate,
+            "kept_fp32": self.kept_fp32, "warning": self.warning,
+            "calibration_warning": self.calibration_warning, "estimate": self.estimate,
             "summary": self.summary(),
             "mode": self.mode,
             "calibration_batches": self.calibration_batches, "check": self.check,
