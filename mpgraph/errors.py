@@ -60,6 +60,12 @@ class PassError(MpgraphError):
         return text
 
 
+class InputMismatchError(MpgraphError, ValueError):
+    """A call's inputs break a condition the converted graph was captured under (a shape it was
+    specialised to, a branch of the model's Python code taken at capture); says which, and the
+    way out."""
+
+
 class ConversionError(MpgraphError):
     """The converted graph does not match its plan (a bug in mpgraph, or an op we mis-classified)."""
 

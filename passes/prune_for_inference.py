@@ -3,10 +3,10 @@
 Eager execution on a GPU is host-bound at ordinary sizes: every node costs ~5-10 us of Python and
 dispatch whatever its FLOPs, so a node that computes nothing is pure loss. An inference
 conversion of a model in eval mode has some: dropout (the identity in eval; an attention's
-``dropout_p`` is 0), torch.export's ``_assert_tensor_metadata`` checks and its ``_guards_fn``
-input guard (kept in a graph captured at the example's shapes, ``dynamic=False``: it is what
-turns another shape into "Guard failed: x.size()[1] == 8" rather than a failure deep inside some
-op), and ``sym_size`` reads nothing uses any more. They go; what is left computes. A model
+``dropout_p`` is 0), torch.export's ``_assert_tensor_metadata`` checks, and ``sym_size`` reads
+nothing uses any more. torch.export's ``_guards_fn`` input guard stays: it holds the conditions
+the graph is right under (a branch on a size the model took at capture, a dimension fixed at
+the example's size), and a call that breaks one is an error, not a wrong answer. They go; what is left computes. A model
 converted in training mode keeps them (dropout follows ``.train()``/``.eval()`` there), and so does
 ``mode="train"``, which does not run this pass.
 """
@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import EXPORT_GUARD
-from mpgraph.ir.meta import STATIC_SHAPES
 from mpgraph.ir.modules import DropoutRate
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -29,7 +27,7 @@ def _dropout(module) -> bool:
 
 
 class PruneForInference(Pass):
-    """Rewrite: eval-mode dropout, export's asserts and guards, unused shape reads removed."""
+    """Rewrite: eval-mode dropout, export's dtype asserts, unused shape reads removed."""
 
     stage = "prepare"
     rewrites = True
@@ -38,7 +36,6 @@ class PruneForInference(Pass):
         if gm.training:
             return PassResult(gm, False)  # captured in training mode: the flag still matters
         graph, removed = gm.graph, 0
-        keep_guard = gm.meta.get(STATIC_SHAPES)  # what rejects another shape there
         for node in list(graph.nodes):
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
             if module is not None and _dropout(module) and len(node.args) == 1:
@@ -46,8 +43,7 @@ class PruneForInference(Pass):
             elif isinstance(module, DropoutRate):
                 for user in list(node.users):  # attention's dropout_p in eval mode
                     user.replace_input_with(node, 0.0)
-            elif not (node.op == "call_module" and node.target == EXPORT_GUARD and not keep_guard
-                      or node.op == "call_function"
+            elif not (node.op == "call_function"
                       and getattr(node.target, "overloadpacket", None) in _ASSERTS):
                 continue
             if not node.users:

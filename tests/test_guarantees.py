@@ -222,3 +222,115 @@ def test_one_batch_warns_for_fp16_and_real_batches_do_not_warn():
     assert fast.plan.node("matmul").dtype == "float32"  # the scores overflow fp16 at x300
     with torch.no_grad():
         assert relative_l2(fast(batches[2]), model(batches[2])) < 4e-3
+
+
+# -- optional arguments (issue 25.4) --------------------------------------------------------
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, mask=None, scale: float = 1.0):
+        y = self.fc(x) * scale
+        if mask is not None:
+            y = y.masked_fill(mask, 0.0)
+        return y
+
+
+def test_an_argument_that_was_none_at_conversion_is_refused_when_given_later_not_ignored():
+    torch.manual_seed(0)
+    model, x = Masked().eval(), torch.randn(4, 16)
+    mask = torch.rand(4, 16) > 0.5
+    for kwargs in (None, {"mask": None}):
+        fast = mpgraph.convert(model, x, dtype="fp16", target=GPU, example_kwargs=kwargs)
+        for call in (lambda: fast(x, mask), lambda: fast(x, mask=mask)):
+            with pytest.raises(TypeError, match=r"argument 'mask' was (not )?given \(None\) when "
+                               r"Masked was converted.* a tensor of shape \(4, 16\) would be "
+                               r"ignored\. Convert with it: mpgraph\.convert\(model, \.\.\., "
+                               r"example_kwargs=\{'mask': "):
+                call()
+        with torch.no_grad():  # what it was converted with is accepted
+            assert relative_l2(fast(x, mask=None), model(x)) < 4e-3
+            assert relative_l2(fast(x, None, 1.0), model(x)) < 4e-3
+        with pytest.raises(TypeError, match=r"argument 'scale' was not given \(1\.0\).* 2\.0 "
+                                            r"would be ignored"):
+            fast(x, scale=2.0)
+        with pytest.raises(TypeError, match=r"the converted Masked has no argument 'bias': it "
+                                            r"was not given when the model was converted"):
+            fast(x, bias=torch.ones(16))
+        with pytest.raises(TypeError, match=r"takes 3 positional arguments \(x, mask, scale\), "
+                                            r"4 were given"):
+            fast(x, None, 1.0, 2)
+    with_mask = mpgraph.convert(model, x, dtype="fp16", target=GPU, example_kwargs={"mask": mask})
+    other = torch.rand(4, 16) > 0.5
+    with torch.no_grad():  # converted with a mask: each call's mask is honoured
+        assert relative_l2(with_mask(x, mask=other), model(x, mask=other)) < 4e-3
+    with pytest.raises(TypeError, match="argument 'mask' was a tensor when Masked was converted"):
+        with_mask(x, mask=None)
+    assert copy.deepcopy(with_mask).call_signature.tensors == {"x", "mask"}
+
+
+def test_hf_attention_mask_not_given_at_conversion_is_a_clear_error(bert):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[:, 10:] = 0
+    fast = mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
+    with pytest.raises(TypeError, match=r"argument 'attention_mask' was not given \(None\) when "
+                                        r"BertModel was converted"):
+        fast(ids, attention_mask=mask)
+    masked = mpgraph.convert(bert, ids, dtype="fp16", target=GPU,
+                             example_kwargs={"attention_mask": mask})
+    with torch.no_grad():
+        got, want = masked(ids, attention_mask=mask), bert(ids, attention_mask=mask)
+    assert relative_l2(got.last_hidden_state, want.last_hidden_state) < 4e-3
+
+
+# -- shape-dependent Python branches (issue 25.5) -------------------------------------------
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if x.shape[0] == 1:  # what a user writes for a single example
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+def test_a_branch_on_a_size_is_a_guard_kept_with_a_clear_error_not_a_wrong_answer(capfd):
+    torch.manual_seed(0)
+    model = Branches().eval()
+    one, three = torch.randn(1, 16), torch.randn(3, 16)
+    at2 = mpgraph.convert(model, torch.randn(2, 16), dtype="fp16", target=GPU, strategy="rules")
+    assert at2.plan.capture == "torch.export"
+    with torch.no_grad():
+        assert relative_l2(at2(three), model(three)) < 4e-3
+        with pytest.raises(mpgraph.InputMismatchError, match=r"captured under: x\.size\(\)\[0\] "
+                           r"!= 1\. The model's Python code branches on this size .* convert "
+                           r"with an example on the side of the branch you call"):
+            at2(one)
+        at1 = mpgraph.convert(model, one, dtype="fp16", target=GPU, strategy="rules")
+        assert relative_l2(at1(one), model(one)) < 4e-3
+        with pytest.raises(mpgraph.InputMismatchError, match=r"x\.size\(\)\[0\] == 1\. torch\."
+                           r"export keeps a dimension that is 1 in the example fixed \(dimension "
+                           r"0 of x\): convert with an example larger than 1 there"):
+            at1(three)
+        static = mpgraph.convert(model, torch.randn(2, 16), dtype="fp16", target=GPU,
+                                 strategy="rules", dynamic=False)
+        with pytest.raises(mpgraph.InputMismatchError, match=r"x\.size\(\)\[0\] == 2\. It was "
+                                                             r"converted with dynamic=False"):
+            static(three)
+    capfd.readouterr()
+    with pytest.raises(mpgraph.InputMismatchError):
+        at2(one)
+    assert "generated forward" not in capfd.readouterr().err  # torch's code dump stays off
+
+
+def test_a_model_without_branches_converted_at_batch_2_runs_at_batch_1(bert):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast = mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
+    one = ids[:1, :9]
+    with torch.no_grad():
+        assert relative_l2(fast(one).last_hidden_state, bert(one).last_hidden_state) < 4e-3

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import CaptureError
 from mpgraph.ir.graph import as_call, fresh, seeded, state_kept
 from mpgraph.ir.meta import CAPTURE, OBSERVED, STATIC_SHAPES
-from mpgraph.ir.modules import ConvertedModule
+from mpgraph.ir.modules import CallSignature, ConvertedModule
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,11 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict,
         log.warning("torch.export fixes Python scalar arguments in the graph (%s): the converted "
                     "module accepts only these values (another one fails its guard); pass a "
                     "tensor to vary one", ", ".join(frozen))
-    with _EXPORT_LOCK, _quiet():
+    # size-oblivious: a symbolic size is not assumed to differ from 0 and 1, so the graph holds
+    # for any size, and a branch of the model on one (if x.shape[0] == 1) is an explicit guard
+    # (torch.export otherwise takes a size > 1 as given and checks nothing: a module converted
+    # at batch 2 ran the batch-2 branch at batch 1, silently)
+    with _EXPORT_LOCK, _quiet(), _size_oblivious():
         ep = torch.export.export(model, args, kwargs, strict=False,
                                  dynamic_shapes=dynamic_spec(model, args, kwargs) if dynamic else None)
     unlifted = ep.module()
@@ -102,6 +106,11 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict,
     # .train() and .eval(), which users call on what convert returns (FollowTrainingFlag gives
     # the flag its meaning back). Its generated code reads the pytree specs from the module.
     return ConvertedModule.wrap(unlifted)
+
+
+def _size_oblivious():
+    from torch.fx.experimental import _config
+    return _config.patch(backed_size_oblivious=True)
 
 
 def dynamic_spec(model, args, kwargs):
@@ -253,6 +262,10 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
                 log.info("%s", reports[name])
                 continue
         gm.meta[CAPTURE] = name
+        if has_inputs:  # every call is checked against the arguments the graph was made with
+            gm.call_signature = CallSignature(model, args, kwargs, gm)
+            gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \
+                gm.call_signature
         if name == EXPORT and not dynamic:
             gm.meta[STATIC_SHAPES] = True  # its input guard is then what rejects another shape
         gm.training = model.training  # a fresh GraphModule says "training"; keep the model's flag

@@ -6,6 +6,7 @@ torch.export bakes the training flag into the graph (``aten.dropout(x, p, True)`
 """
 from __future__ import annotations
 
+import re
 import warnings
 
 import torch
@@ -56,6 +57,102 @@ class DropoutRate(torch.nn.Module):
         return self.p if self.training else 0.0
 
 
+_NOT_GIVEN = object()
+
+
+class CallSignature:
+    """The arguments the converted graph was captured with, checked on every call (about a
+    microsecond): the graph takes the tensors it was captured with, and computes with the other
+    arguments' values at capture (None, a bool, an int: torch.export and symbolic_trace fix them
+    in the graph). An argument given at call time that the graph has no input for, or a fixed
+    one given another value (a mask that was None at conversion), would be silently ignored:
+    it is a TypeError that names the argument and the way out instead."""
+
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict,
+                 graph: torch.fx.GraphModule):
+        import inspect
+        self.model = type(model).__name__
+        # what the graph's own forward takes (torch.export's: the tensors only)
+        self.graph_args = tuple(inspect.signature(graph.forward).parameters)
+        try:
+            params = list(inspect.signature(model.forward).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        kinds = inspect.Parameter
+        self.names = tuple(p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY,
+                                                                 kinds.POSITIONAL_OR_KEYWORD))
+        self.varargs = any(p.kind == kinds.VAR_POSITIONAL for p in params)
+        given = dict(zip(self.names, args), **kwargs)
+        self.tensors = frozenset(n for n, v in given.items() if not _fixed(v))
+        # the values the graph computes with: given non-tensor values, and absent defaults
+        self.fixed = {n: v for n, v in given.items() if _fixed(v)}
+        for p in params:
+            if p.name not in given and p.default is not kinds.empty \
+                    and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD):
+                self.fixed[p.name] = p.default
+        self.absent = frozenset(p.name for p in params if p.name not in given)
+
+    def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Raise TypeError for a call the graph cannot honour; else the (args, kwargs) to call
+        the graph's forward with (the fixed values it does not take left out)."""
+        names = self.names
+        if self.varargs:
+            return args, kwargs
+        if len(args) > len(names):
+            raise TypeError(f"the converted {self.model} takes {len(names)} positional "
+                            f"arguments ({', '.join(names)}), {len(args)} were given")
+        for name, value in zip(names, args):
+            self._one(name, value)
+        for name, value in kwargs.items():
+            self._one(name, value)
+        if not kwargs and names[:len(args)] == self.graph_args:
+            return args, kwargs
+        given = dict(zip(names, args), **kwargs)
+        return (), {n: given[n] for n in self.graph_args if n in given}
+
+    def _one(self, name: str, value) -> None:
+        if name in self.tensors:
+            if value is None:
+                raise TypeError(f"argument {name!r} was a tensor when {self.model} was converted "
+                                "and the converted graph computes with it: pass a tensor")
+            return
+        want = self.fixed.get(name, _NOT_GIVEN)
+        if want is _NOT_GIVEN:
+            raise TypeError(f"the converted {self.model} has no argument {name!r}: it was not "
+                            "given when the model was converted, so the graph has no input for "
+                            f"it. Convert with it: mpgraph.convert(model, ..., "
+                            f"example_kwargs={{{name!r}: <a value like the ones you pass>}})")
+        if not _same(value, want):
+            was = "not given" if name in self.absent else "given"
+            raise TypeError(
+                f"argument {name!r} was {was} ({want!r}) when {self.model} was converted, and the "
+                f"converted graph computes with that value: {_shown(value)} would be ignored. "
+                f"Convert with it: mpgraph.convert(model, ..., example_kwargs={{{name!r}: <a "
+                "value like the ones you pass>}) (one converted module per set of arguments)")
+
+
+def _fixed(value) -> bool:
+    """A value the graph fixes at capture (no tensor in it)."""
+    from torch.utils import _pytree as pytree
+    return not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a plain equality
+        return False
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
 class ConvertedModule(torch.fx.GraphModule):
     """The class of what capture and convert return: a GraphModule whose parameters carry the
     plan's dtypes (low ones for low nodes, float32 for the rest, read through the graph's
@@ -70,7 +167,20 @@ class ConvertedModule(torch.fx.GraphModule):
             if hasattr(gm, key):
                 setattr(new, key, getattr(gm, key))
         new.meta = gm.meta
+        if "call_signature" in gm.__dict__:
+            new.call_signature = gm.call_signature
         return new
+
+    def __call__(self, *args, **kwargs):
+        signature = self.__dict__.get("call_signature")
+        if signature is not None:
+            args, kwargs = signature.check(args, kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        except AssertionError as e:  # torch.export's input guard (_guards_fn)
+            if not str(e).startswith("Guard failed"):
+                raise
+            raise guard_error(self, str(e)) from None
 
     def __deepcopy__(self, memo):
         # torch 2.13's pytree warns from copyreg while copying the in/out specs (its own
@@ -89,7 +199,11 @@ class ConvertedModule(torch.fx.GraphModule):
         126 weights, 2.75 -> 2.21 ms per call on a CPU). Reads that are neither (a submodule, a
         plain attribute) keep fx's own code."""
         with self.graph.on_generate_code(lambda previous: _direct_reads(self, previous)):
-            return super().recompile()
+            code = super().recompile()
+        # GraphModule's own __call__ wrapper prints the generated code around any error raised
+        # inside it to stderr, then raises it: this class's __call__ says what went wrong instead
+        type(self).__call__ = ConvertedModule.__call__
+        return code
 
     def _refuse(self, call: str):
         plan = getattr(self, "plan", None)
@@ -120,6 +234,35 @@ class ConvertedModule(torch.fx.GraphModule):
         if dtype is not None:
             raise self._refuse(f".to({dtype})")
         return super().to(*args, **kwargs)
+
+
+_STATIC_DIM = re.compile(r"Guard failed: (\w+)\.size\(\)\[(\d+)\] == (\d+)$")
+
+
+def guard_error(module: torch.nn.Module, message: str) -> "InputMismatchError":
+    """torch.export's "Guard failed: <condition>" as an error that says why the graph holds
+    only under that condition and what to do."""
+    from mpgraph.errors import InputMismatchError
+    from mpgraph.ir.meta import STATIC_SHAPES
+    condition = message.removeprefix("Guard failed: ")
+    head = (f"this call's inputs break a condition the converted graph was captured under: "
+            f"{condition}. ")
+    static = _STATIC_DIM.match(message)
+    if module.meta.get(STATIC_SHAPES):
+        why = ("It was converted with dynamic=False, for the example's shapes only: convert "
+               "with dynamic=True (the default) to run other shapes, or at the shapes you run")
+    elif static and int(static.group(3)) in (0, 1):
+        why = (f"torch.export keeps a dimension that is {static.group(3)} in the example fixed "
+               f"(dimension {static.group(2)} of {static.group(1)}): convert with an example "
+               "larger than 1 there (converted at batch 2, the module runs at any batch size)")
+    elif static:
+        why = (f"the model fixes dimension {static.group(2)} of {static.group(1)} at "
+               f"{static.group(3)} (a reshape or a layer's size), as it does itself")
+    else:
+        why = ("The model's Python code branches on this size (if x.shape[0] == 1: ...), so "
+               "the graph computes the branch the example took: convert with an example on "
+               "the side of the branch you call (one converted module per branch)")
+    return InputMismatchError(head + why)
 
 
 def _direct_reads(root: torch.fx.GraphModule, previous):
