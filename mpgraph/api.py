@@ -19,7 +19,7 @@ from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import deferred_recompile, run_passes, stage
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
-from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm
+from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm, WeightCopies
 from mpgraph.ir.meta import (CONSTANT_INPUTS, REFERENCE, TENSOR, dtype_name, is_float32_tensor,
                              shape_of)
 from mpgraph.plans.plan import MODES, Plan
@@ -189,6 +189,10 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     gm.plan = record
     # copy.deepcopy of a GraphModule keeps only what its meta lists here: the plan goes along
     gm.meta.setdefault("_user_preserved_attributes", {})["plan"] = gm.plan
+    shared = [(w.source, w.name) for w in record.weights if w.shared]
+    if shared and abstract is None:  # low copies beside their originals, kept in step
+        gm.weight_copies = WeightCopies(gm, shared)
+        gm.meta["_user_preserved_attributes"]["weight_copies"] = gm.weight_copies
     if plan is not None:
         # a node the plan puts low against a numeric-safety finding stays float32 (AssignPrecision
         # warned): that is the plan applied, not a mismatch

@@ -25,15 +25,12 @@ def _converted(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return with_data(value, value.detach().to(dtype))
 
 
-def _add_attr(root: torch.nn.Module, target: str, value, like: str) -> None:
+def _add_copy(root: torch.nn.Module, target: str, value: torch.Tensor) -> None:
+    """A low-precision copy beside its original: a buffer that moves with ``.to()`` but is not
+    in the state dict (the model's keys are; ConvertedModule refreshes the copy from its
+    original when that is written)."""
     owner, leaf = owner_of(root, target)
-    _, old_leaf = owner_of(root, like)
-    if isinstance(value, torch.nn.Parameter):
-        owner.register_parameter(leaf, value)
-    elif old_leaf in owner._buffers:
-        owner.register_buffer(leaf, value, persistent=old_leaf not in owner._non_persistent_buffers_set)
-    else:
-        setattr(owner, leaf, value)
+    owner.register_buffer(leaf, value.detach(), persistent=False)
 
 
 def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
@@ -91,7 +88,7 @@ class StoreWeights(Pass):
                 edits += 1
                 continue
             new_target = _free_name(gm, target, self.low)
-            _add_attr(gm, new_target, low_value, like=target)
+            _add_copy(gm, new_target, low_value)
             records.append(WeightRecord(new_target, target, self.low, original.numel(), True))
             for node in nodes:
                 node.meta[PRECISION] = Decision(torch.float32, "parameter read in float32 "
@@ -156,7 +153,13 @@ class StoreWeights(Pass):
                     n.target = new_target
                 target = new_target
             for name, t in tensors:
-                set_attr(module, name, _converted(t, self.low))
+                if shared:  # the copy's tensors are copies too: out of the state dict
+                    owner, leaf = owner_of(module, name)
+                    owner._parameters.pop(leaf, None)
+                    owner._buffers.pop(leaf, None)
+                    _add_copy(module, name, t.detach().to(self.low))
+                else:
+                    set_attr(module, name, _converted(t, self.low))
                 records.append(WeightRecord(f"{target}.{name}", f"{source}.{name}", self.low,
                                             t.numel(), shared))
             edits += 1

@@ -334,3 +334,38 @@ def test_a_model_without_branches_converted_at_batch_2_runs_at_batch_1(bert):
     one = ids[:1, :9]
     with torch.no_grad():
         assert relative_l2(fast(one).last_hidden_state, bert(one).last_hidden_state) < 4e-3
+
+
+# -- weights after conversion (issue 25.6) --------------------------------------------------
+
+def test_state_dict_has_the_model_s_keys_and_loading_new_weights_updates_every_copy():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100,
+                                    n_positions=32, use_cache=False, bos_token_id=0,
+                                    eos_token_id=0)).eval()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast = mpgraph.convert(lm, ids, dtype="fp16", target=GPU, strategy="rules")
+    # the tied embedding is read in float32 (lookup) and float16 (the head): a copy beside it
+    assert [w.shared for w in fast.plan.weights if w.source == "lm_head.weight"] == [True]
+    assert set(fast.state_dict()) == set(lm.state_dict())
+    tuned = copy.deepcopy(lm)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.mul_(1.1)
+    fast.load_state_dict(tuned.state_dict())  # strict: the model's own keys
+    with torch.no_grad():
+        assert relative_l2(fast(ids).logits, tuned(ids).logits) < 4e-3
+        tuned.lm_head.weight.mul_(0.5)
+        fast.lm_head.weight.copy_(tuned.lm_head.weight)  # the float32 original, written in place
+        assert relative_l2(fast(ids).logits, tuned(ids).logits) < 4e-3
+        again = copy.deepcopy(fast)
+        assert relative_l2(again(ids).logits, tuned(ids).logits) < 4e-3
+    fast.load_state_dict(fast.state_dict())  # round-trips
+
+
+def test_non_persistent_buffers_stay_out_of_the_state_dict(bert):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast = mpgraph.convert(bert, ids, dtype="bf16", target=GPU)
+    assert set(fast.state_dict()) == set(bert.state_dict())  # no embeddings.position_ids
+    fast.load_state_dict(bert.state_dict())

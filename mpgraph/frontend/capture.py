@@ -225,6 +225,17 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _keep_persistence(gm: torch.nn.Module, model: torch.nn.Module) -> None:
+    """The model's non-persistent buffers (HF's position_ids) stay out of the graph module's
+    state dict (torch.export registers every buffer as persistent): its keys are the model's."""
+    gone = {f"{prefix}{'.' if prefix else ''}{name}" for prefix, m in model.named_modules()
+            for name in m._non_persistent_buffers_set}
+    for path, _ in list(gm.named_buffers()):
+        if path in gone:
+            owner_path, _, leaf = path.rpartition(".")
+            gm.get_submodule(owner_path)._non_persistent_buffers_set.add(leaf)
+
+
 def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic):
     from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
     reports: dict[str, str] = {}
@@ -262,6 +273,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
                 log.info("%s", reports[name])
                 continue
         gm.meta[CAPTURE] = name
+        _keep_persistence(gm, model)
         if has_inputs:  # every call is checked against the arguments the graph was made with
             gm.call_signature = CallSignature(model, args, kwargs, gm)
             gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \

@@ -153,6 +153,41 @@ def _shown(value) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
+class WeightCopies:
+    """The low-precision copies a plan keeps beside their float32 originals (a weight read in
+    both precisions: a tied embedding and output layer), kept in step with them: a copy is
+    refreshed on the next call after its original is written (``load_state_dict``,
+    ``param.copy_()``, a new tensor set in its place), so it never serves stale values. The
+    copies are not in the state dict; the originals are, under the model's keys."""
+
+    def __init__(self, root: torch.nn.Module, pairs):
+        self.pairs = tuple(pairs)  # (original's path, copy's path)
+        self.seen = {copy: _stamp(_tensor_at(root, source)) for source, copy in self.pairs}
+
+    def refresh(self, root: torch.nn.Module) -> None:
+        for source, copy in self.pairs:
+            original = _tensor_at(root, source)
+            stamp = _stamp(original)
+            if self.seen.get(copy) != stamp:
+                with torch.no_grad():
+                    _tensor_at(root, copy).copy_(original)
+                self.seen[copy] = stamp
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    """What changes when a tensor is written in place or replaced."""
+    return id(t), t._version, t.data_ptr(), t.device
+
+
+def _tensor_at(root: torch.nn.Module, path: str) -> torch.Tensor:
+    *modules, leaf = path.split(".")
+    owner = root
+    for part in modules:
+        owner = owner._modules[part]
+    found = owner._parameters.get(leaf)
+    return found if found is not None else owner._buffers[leaf]
+
+
 class ConvertedModule(torch.fx.GraphModule):
     """The class of what capture and convert return: a GraphModule whose parameters carry the
     plan's dtypes (low ones for low nodes, float32 for the rest, read through the graph's
@@ -175,6 +210,9 @@ class ConvertedModule(torch.fx.GraphModule):
         signature = self.__dict__.get("call_signature")
         if signature is not None:
             args, kwargs = signature.check(args, kwargs)
+        copies = self.__dict__.get("weight_copies")
+        if copies is not None:
+            copies.refresh(self)
         try:
             return super().__call__(*args, **kwargs)
         except AssertionError as e:  # torch.export's input guard (_guards_fn)
