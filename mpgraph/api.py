@@ -19,7 +19,7 @@ from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import deferred_recompile, run_passes, stage
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
-from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm, WeightCopies
+from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm, WeightCopies, refuse_hooks
 from mpgraph.ir.meta import (CONSTANT_INPUTS, REFERENCE, TENSOR, dtype_name, is_float32_tensor,
                              shape_of)
 from mpgraph.plans.plan import MODES, Plan
@@ -187,6 +187,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     if record.calibration_warning:
         warnings.warn(record.calibration_warning, UserWarning, stacklevel=2)
     gm.plan = record
+    refuse_hooks(gm)
     # copy.deepcopy of a GraphModule keeps only what its meta lists here: the plan goes along
     gm.meta.setdefault("_user_preserved_attributes", {})["plan"] = gm.plan
     shared = [(w.source, w.name) for w in record.weights if w.shared]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from mpgraph.ir.meta import EVAL_ONLY
 from mpgraph.ir.modules import DropoutRate
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -31,18 +32,21 @@ class PruneForInference(Pass):
 
     stage = "prepare"
     rewrites = True
+    writes = (EVAL_ONLY,)  # on gm.meta
 
     def call(self, gm):
         if gm.training:
             return PassResult(gm, False)  # captured in training mode: the flag still matters
-        graph, removed = gm.graph, 0
+        graph, removed, dropouts = gm.graph, 0, 0
         for node in list(graph.nodes):
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
             if module is not None and _dropout(module) and len(node.args) == 1:
                 node.replace_all_uses_with(node.args[0])  # the identity in eval mode
+                dropouts += 1
             elif isinstance(module, DropoutRate):
                 for user in list(node.users):  # attention's dropout_p in eval mode
                     user.replace_input_with(node, 0.0)
+                dropouts += 1
             elif not (node.op == "call_function"
                       and getattr(node.target, "overloadpacket", None) in _ASSERTS):
                 continue
@@ -53,6 +57,8 @@ class PruneForInference(Pass):
             if node.op == "call_function" and node.target in _SIZES and not node.users:
                 graph.erase_node(node)
                 removed += 1
+        if dropouts:  # what .train() on the converted module cannot bring back: it says so
+            gm.meta[EVAL_ONLY] = f"{dropouts} dropout op{'s' if dropouts > 1 else ''} removed"
         if removed:
             gm.delete_all_unused_submodules()
         return PassResult(gm, removed > 0)

@@ -18,6 +18,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CaptureError
+from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import as_call, fresh, seeded, state_kept
 from mpgraph.ir.meta import CAPTURE, OBSERVED, STATIC_SHAPES
 from mpgraph.ir.modules import CallSignature, ConvertedModule
@@ -86,8 +87,8 @@ def _quiet():
             lg.setLevel(level)
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict,
-            dynamic: bool = True) -> torch.fx.GraphModule:
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = True,
+            train: bool = False) -> torch.fx.GraphModule:
     frozen = [f"{k}={v!r}" for k, v in list(enumerate(args)) + list(kwargs.items())
               if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor)]
     if frozen:
@@ -98,7 +99,9 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict,
     # for any size, and a branch of the model on one (if x.shape[0] == 1) is an explicit guard
     # (torch.export otherwise takes a size > 1 as given and checks nothing: a module converted
     # at batch 2 ran the batch-2 branch at batch 1, silently)
-    with _EXPORT_LOCK, _quiet(), _size_oblivious():
+    # training: a custom autograd.Function is one op that keeps its backward (frontend.functions)
+    opaque = opaque_functions() if train else contextlib.nullcontext()
+    with _EXPORT_LOCK, _quiet(), _size_oblivious(), opaque:
         ep = torch.export.export(model, args, kwargs, strict=False,
                                  dynamic_shapes=dynamic_spec(model, args, kwargs) if dynamic else None)
     unlifted = ep.module()
@@ -244,7 +247,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     hf = type(model).__module__.startswith("transformers.") and has_inputs
     attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work))]
     if has_inputs:
-        attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic)))
+        attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only)))
     for name, trace in attempts:
         try:
             gm = trace()

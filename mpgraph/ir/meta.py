@@ -27,6 +27,9 @@ REFERENCE = "mpgraph.reference"
 # on gm.meta: names of the graph inputs that were constant (all zeros, one value) in every
 # calibration batch, written by Calibrate: ranges from such data do not represent real inputs
 CONSTANT_INPUTS = "mpgraph.constant_inputs"
+# on gm.meta: what an inference conversion of a model in eval mode removed that training would
+# need (PruneForInference: "3 dropout ops"); .train() on the converted module warns with it
+EVAL_ONLY = "mpgraph.eval_only"
 CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckDtypes' value check
 # node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that
 # run (passes.calibrate.Observation). Calibrate takes the example batch from it, then drops it

@@ -188,6 +188,36 @@ def _tensor_at(root: torch.nn.Module, path: str) -> torch.Tensor:
     return found if found is not None else owner._buffers[leaf]
 
 
+_HOOKS = ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+          "register_full_backward_pre_hook", "register_backward_hook")
+
+
+class _NoHooks:
+    """In place of a hook registration method on a submodule the graph never calls."""
+
+    def __init__(self, path: str, method: str):
+        self.path, self.method = path, method
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{self.method} on {self.path!r} of a converted module: the hook would never run. "
+            "The converted graph computes this module's ops itself and never calls it (torch.export "
+            "inlines modules into ATen ops). Register the hook on the model before converting "
+            "(what it computes is traced into the graph), or on the converted module itself")
+
+
+def refuse_hooks(gm: torch.fx.GraphModule) -> None:
+    """Hook registration on a submodule the graph never calls is a clear error, not a hook that
+    silently never fires; submodules the graph calls (symbolic_trace's leaf modules) keep
+    theirs."""
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    for path, module in gm.named_modules():
+        if not path or any(path == c or path.startswith(c + ".") for c in called):
+            continue
+        for method in _HOOKS:
+            module.__dict__[method] = _NoHooks(path, method)
+
+
 class ConvertedModule(torch.fx.GraphModule):
     """The class of what capture and convert return: a GraphModule whose parameters carry the
     plan's dtypes (low ones for low nodes, float32 for the rest, read through the graph's
@@ -251,6 +281,17 @@ class ConvertedModule(torch.fx.GraphModule):
                          "elsewhere) under the graph's casts. Convert the model again with the "
                          "dtype you want: mpgraph.convert(model, ..., dtype=...); .to(device) "
                          "moves it")
+
+    def train(self, mode: bool = True):
+        from mpgraph.ir.meta import EVAL_ONLY
+        removed = self.meta.get(EVAL_ONLY) if hasattr(self, "meta") else None
+        if mode and removed:
+            warnings.warn(f"{type(self).__name__}.train(): this module was converted for "
+                          f"inference from a model in eval mode ({removed}, other reads of "
+                          "self.training fixed at trace time): it keeps computing as in eval "
+                          "mode. To train, convert with mpgraph.convert(model, ..., "
+                          "mode='train')", UserWarning, stacklevel=2)
+        return super().train(mode)
 
     def half(self):
         raise self._refuse(".half()")
