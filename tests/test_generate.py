@@ -322,3 +322,29 @@ def test_misuse_is_refused_with_the_reason():
         mpgraph.convert_decoder(model, prompt(length=1), max_cache_len=SLOTS)
     with pytest.raises(TypeError, match="HuggingFace causal LM"):
         mpgraph.convert_decoder(nn.Linear(4, 4), prompt(), max_cache_len=SLOTS)
+
+
+def test_generate_follows_the_model_s_generation_config_eos_as_hf_does():
+    """No eos_token_id given: the model's generation config's EOS stops each row (issue 25.9:
+    12 tokens past EOS were emitted where HF's generate stops)."""
+    import copy
+    model, decoder = built("llama", "fp16")
+    ids = prompt(rows=1)
+    free = mpgraph.generate(decoder, ids, NEW, eos_token_id=[])[:, PROMPT:]
+    eos = int(free[0, 3])                    # a token the decoder emits at step 3
+    first = free[0].tolist().index(eos)
+    saved = decoder.generation_config
+    decoder.generation_config = copy.deepcopy(saved)
+    decoder.generation_config.eos_token_id = eos
+    try:
+        got = mpgraph.generate(decoder, ids, NEW)
+    finally:
+        decoder.generation_config = saved
+    assert got.shape == (1, PROMPT + first + 1) and int(got[0, -1]) == eos
+    tuned = copy.deepcopy(model)
+    tuned.generation_config.eos_token_id = eos
+    with torch.no_grad():
+        hf = tuned.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                            do_sample=False)
+    new = hf[0, PROMPT:].tolist()  # HF's own rule, the same: stop right after the first EOS
+    assert eos not in new[:-1] and (new[-1] == eos or len(new) == NEW)

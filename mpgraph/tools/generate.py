@@ -201,10 +201,12 @@ class ConvertedDecoder:
     each with its ``.plan``) sharing weights and one static KV cache. See ``convert_decoder``."""
 
     def __init__(self, prefill, decode, *, batch_size: int, max_cache_len: int,
-                 sharing: Sharing, cache_plan: list, config=None):
+                 sharing: Sharing, cache_plan: list, config=None, generation_config=None):
         self.prefill, self.decode = prefill, decode
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
         self.sharing, self.cache_plan, self.config = sharing, cache_plan, config
+        # the model's own generation config (eos, pad, ...): what generate follows by default
+        self.generation_config = generation_config
         self._graphed = None
 
     @property
@@ -353,7 +355,8 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
         log.warning("convert_decoder: the two graphs keep separate copies of %d tensors: %s",
                     len(sharing.unshared), "; ".join(f"{n} ({w})" for n, w in sharing.unshared))
     out = ConvertedDecoder(prefill, decode, batch_size=batch, max_cache_len=max_cache_len,
-                           sharing=sharing, cache_plan=plan, config=getattr(model, "config", None))
+                           sharing=sharing, cache_plan=plan, config=getattr(model, "config", None),
+                           generation_config=getattr(model, "generation_config", None))
     out.reset_cache()
     log.info("%s", out.summary())
     return out
@@ -399,9 +402,10 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor, max_new_tokens:
     decoder-only prompts for generation); positions count real tokens only, as HF's generate
     does. Greedy by default; ``do_sample=True`` samples from ``softmax(logits / temperature)``,
     optionally restricted to the ``top_k`` tokens and the ``top_p`` nucleus, drawing from
-    ``generator`` (seed it for reproducible samples). ``eos_token_id`` (an int or a list): a row
-    that produced it is finished and gets ``pad_token_id`` (default: the first EOS id) from then
-    on; generation stops when every row is finished. ``cuda_graph`` (default: on CUDA):
+    ``generator`` (seed it for reproducible samples). ``eos_token_id`` (an int or a list; by
+    default the model's generation config's, as HuggingFace's generate): a row that produced it
+    is finished and gets ``pad_token_id`` (the config's, else the first EOS id) from then on;
+    generation stops when every row is finished. ``cuda_graph`` (default: on CUDA):
     replay the decode step from a CUDA graph (or a ``CudaGraphBackend`` to replay with).
     ``forced_tokens`` (B, N): feed these tokens instead of the chosen ones (teacher forcing;
     with ``output_logits`` it scores a given continuation). Returns the sequences
@@ -429,6 +433,11 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor, max_new_tokens:
         raise ValueError(f"forced_tokens must be (batch, max_new_tokens) = "
                          f"{(rows, max_new_tokens)}, got {tuple(forced_tokens.shape)}")
     device = decoder.device
+    defaults = decoder.generation_config or decoder.config
+    if eos_token_id is None:  # the model's own, as HuggingFace's generate takes it
+        eos_token_id = getattr(defaults, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(defaults, "pad_token_id", None)
     eos = [] if eos_token_id is None else \
         ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
