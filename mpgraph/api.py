@@ -143,6 +143,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
                          "arguments) to learn which values are float32 and their shapes")
     args, kwargs = as_call(example_inputs, example_kwargs)
+    kwargs = without_cache(model, args, kwargs)
     if tolerance is not None:
         tolerance = check_tolerance(tolerance)
         if calibration is not None:
@@ -207,6 +208,23 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             raise PlanMismatchError(differ)
     log.info("%s", gm.plan.summary())
     return gm
+
+
+def without_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The example's keyword arguments with ``use_cache=False`` added for a HuggingFace model
+    that would return a KV cache (its config's ``use_cache``, on by default in every decoder):
+    the forward is converted without it (mpgraph.convert_decoder converts for generation)."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return kwargs
+    config = getattr(model, "config", None)
+    if "use_cache" not in names or "use_cache" in kwargs or names.index("use_cache") < len(args) \
+            or not getattr(config, "use_cache", False):
+        return kwargs
+    log.info("%s: converted with use_cache=False (the forward without its KV cache output); "
+             "for generation with a KV cache, mpgraph.convert_decoder", type(model).__name__)
+    return {**kwargs, "use_cache": False}
 
 
 LITTLE = 0.5  # below this share of the matmul/conv FLOPs in the low dtype, convert says why
@@ -407,5 +425,10 @@ def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
             problems.append(f"node {node.name}: shape {shape}, the plan has {tuple(record.shape)}")
     problems += [f"node {name} of the plan is not in the model's graph"
                  for name in records if name not in seen]
+    if problems and all(": shape " in p for p in problems):
+        problems.insert(0, "a plan is made for the shapes of the inputs it was made with, and "
+                           "these inputs give other shapes: apply it with inputs of those "
+                           "shapes, or make a plan at these (mpgraph.convert(model, inputs, "
+                           "...), with overrides= for your edits)")
     if problems:
         raise PlanMismatchError(problems)

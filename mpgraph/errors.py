@@ -15,9 +15,10 @@ CAPTURE_FIXES = (
      "submodule out of the graph: convert the parts before and after it and call them from "
      "your own forward"),
     (("DynamicCache", "Cache in output", "past_key_values"),
-     "the model returns a KV cache object (a HuggingFace model with use_cache=True): convert "
-     "with use_cache=False (model.config.use_cache = False, or use_cache=False in "
-     "example_kwargs)"),
+     "the model returns a KV cache object (a HuggingFace model with use_cache=True): for "
+     "generation with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "
+     "max_cache_len=...); to convert the forward alone, pass use_cache=False (in "
+     "example_kwargs, or model.config.use_cache = False)"),
 )
 
 

@@ -10,6 +10,7 @@ is finite makes the error inf.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -42,13 +43,23 @@ def _tensor(value) -> torch.Tensor:
     return value.detach().to("cpu", torch.float64)
 
 
-def float_leaves(value: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of an output structure (tensors, tuples, lists, dicts,
-    HuggingFace ModelOutputs, dataclasses), in order."""
+def leaves(value: Any) -> list:
+    """The leaves of an output structure: tensors, tuples, lists, dicts, HuggingFace
+    ModelOutputs and dataclasses (field by field), in order."""
     if hasattr(value, "to_tuple"):
         value = value.to_tuple()
-    return [t for t in pytree.tree_leaves(value)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    out = []
+    for leaf in pytree.tree_leaves(value):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += leaves([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+        else:
+            out.append(leaf)
+    return out
+
+
+def float_leaves(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of an output structure (``leaves``), in order."""
+    return [t for t in leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def output_errors(outputs: Any, references: Any) -> list[float]:

@@ -132,6 +132,15 @@ class StoreWeights(Pass):
         for node in gm.graph.nodes:
             if node.op == "call_module":
                 calls[node.target].append(node)
+        # tensors held in more than one place (tied weights) or also read by get_attr nodes:
+        # converting them inside a module in place would change them for those other readers
+        places = defaultdict(int)
+        for _, t in list(gm.named_parameters(remove_duplicate=False)) + \
+                list(gm.named_buffers(remove_duplicate=False)):
+            places[id(t)] += 1
+        elsewhere = {id(t) for t in (fetch_attr(gm, n.target) for n in gm.graph.nodes
+                                     if n.op == "get_attr") if isinstance(t, torch.Tensor)}
+        elsewhere |= {i for i, n in places.items() if n > 1}
         edits = 0
         for target, nodes in calls.items():
             low = [n for n in nodes if n.meta[PRECISION].dtype == self.low
@@ -143,9 +152,9 @@ class StoreWeights(Pass):
                        if t.dtype == torch.float32]
             if not tensors:
                 continue
-            shared = len(low) < len(nodes)
+            shared = len(low) < len(nodes) or any(id(t) in elsewhere for _, t in tensors)
             source = target
-            if shared:  # some calls stay float32: a converted copy serves the low ones
+            if shared:  # float32 readers elsewhere: a converted copy serves the low calls
                 new_target = _free_name(gm, target, self.low)
                 module = copy.deepcopy(module)
                 gm.add_submodule(new_target, module)

@@ -55,10 +55,13 @@ def test_capture_error_names_what_each_tracer_said_and_the_fix_without_torch_noi
     assert err == "" and out == ""
 
 
-def test_capture_error_for_a_kv_cache_output_says_use_cache_false(gpt2):
+def test_capture_error_for_a_kv_cache_output_names_convert_decoder(gpt2):
+    """capture() on its own captures what the model returns; a KV cache object it cannot
+    (convert itself passes use_cache=False: tests/test_guarantees.py)."""
     gpt2.config.use_cache = True
-    with pytest.raises(mpgraph.CaptureError, match=r"(?s)DynamicCache.*fix: .*use_cache=False"):
-        mpgraph.convert(gpt2, torch.randint(0, 100, (2, 8)), dtype="fp16", target=GPU)
+    with pytest.raises(mpgraph.CaptureError, match=r"(?s)DynamicCache.*fix: .*for generation "
+                       r"with a KV cache use mpgraph\.convert_decoder.*use_cache=False"):
+        mpgraph.capture(gpt2, torch.randint(0, 100, (2, 8)))
 
 
 def test_capture_error_without_inputs_suggests_them():

@@ -4,6 +4,7 @@ cannot convert right raises an error that names the construct and the way out.""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 
@@ -462,3 +463,145 @@ def test_hooks_on_submodules_the_graph_never_calls_are_refused_and_called_ones_f
     x = torch.randn(4, 16)
     with torch.no_grad():
         assert relative_l2(traced(x), mlp(x)) < 2e-2
+
+
+# -- constructs that used to fail inside mpgraph (issue 25.10) ------------------------------
+
+class CondBranch(nn.Module):
+    """torch.cond: what CaptureError recommends for a branch on values."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda x: self.fc(x), lambda x: -self.fc(x), (x,))
+
+
+class NoGradInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.g = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.g(x)
+        return self.fc(x) + t
+
+
+class ItemScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * x.abs().max().item()
+
+
+@dataclasses.dataclass
+class Pair:
+    y: torch.Tensor
+    z: torch.Tensor
+
+
+class DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return Pair(y, y.sum(-1))
+
+
+class WeightTwice(nn.Module):
+    """A weight read by its Linear (low) and by .norm() (float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * self.fc.weight.norm()
+
+
+class TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.h = nn.Embedding(50, 16), nn.Linear(16, 16)
+        self.out = nn.Linear(16, 50, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.h(self.emb(ids))))
+
+
+@pytest.mark.parametrize("make, x", [
+    (CondBranch, torch.randn(4, 8)), (ItemScale, torch.randn(4, 8)),
+    (DataclassOut, torch.randn(4, 8)), (WeightTwice, torch.randn(4, 8)),
+    (TiedHead, torch.randint(0, 50, (2, 6)))], ids=lambda v: getattr(v, "__name__", ""))
+def test_constructs_that_failed_inside_mpgraph_now_convert_right(make, x):
+    torch.manual_seed(0)
+    model = make().eval()
+    fast = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
+    others = [x, -x] if make is CondBranch else [x]  # both sides of the branch
+    for batch in others:
+        with torch.no_grad():
+            got, want = fast(batch), model(batch)
+        assert type(got) is type(want)
+        assert max(output_errors(got, want)) < 4e-3
+    assert set(fast.state_dict()) == set(model.state_dict())
+    fast.load_state_dict(model.state_dict())
+
+
+def test_no_grad_inside_forward_converts_for_training_with_the_model_s_gradients():
+    torch.manual_seed(0)
+    model, x = NoGradInside().train(), torch.randn(4, 8)
+    fast = mpgraph.convert(model, x, dtype="bf16", target=GPU, strategy="rules", mode="train")
+    fast(x).sum().backward()
+    model(x).sum().backward()
+    got = dict(fast.named_parameters())
+    assert got["g.weight"].grad is None  # under no_grad in the model too
+    assert relative_l2(got["fc.weight"].grad, model.fc.weight.grad) < 1e-2
+
+
+def test_gpt2_lm_with_labels_converts_for_training():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+                                    n_positions=32, bos_token_id=0, eos_token_id=0)).train()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    for dtype in ("fp16", "bf16"):
+        fast = mpgraph.convert(lm, example_kwargs={"input_ids": ids, "labels": ids}, dtype=dtype,
+                               target=GPU, strategy="rules", mode="train")
+        fast.eval()
+        lm.eval()
+        with torch.no_grad():
+            assert relative_l2(fast(input_ids=ids, labels=ids).loss,
+                               lm(input_ids=ids, labels=ids).loss) < 1e-3
+        lm.train()
+
+
+@pytest.mark.parametrize("name", ["GPT2Model", "LlamaModel"])
+def test_a_default_config_hf_decoder_converts_without_its_cache(name, caplog):
+    import transformers
+    torch.manual_seed(0)
+    if name == "GPT2Model":
+        model = transformers.GPT2Model(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4,
+                                                               vocab_size=100, n_positions=32))
+    else:
+        model = transformers.LlamaModel(transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100))
+    model.eval()
+    assert model.config.use_cache  # the default of every HF decoder
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("INFO", logger="mpgraph.api"):
+        fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU)
+    assert f"{name}: converted with use_cache=False" in caplog.text
+    assert "mpgraph.convert_decoder" in caplog.text
+    with torch.no_grad():
+        got, want = fast(ids), model(ids, use_cache=False)
+    assert relative_l2(got.last_hidden_state, want.last_hidden_state) < 2e-2
+    with pytest.raises(TypeError, match="convert with mpgraph.convert_decoder"):
+        fast(ids, use_cache=True)

@@ -105,6 +105,7 @@ def test_a_plan_for_another_model_is_a_clear_error():
     with pytest.raises(mpgraph.PlanMismatchError) as err:
         mpgraph.convert(model, torch.randn(4, 64), plan=plan)  # other shapes
     assert "shape (4, 64), the plan has (16, 64)" in str(err.value)
+    assert "a plan is made for the shapes of the inputs it was made with" in str(err.value)
     bert, ids = _small_bert()
     with pytest.raises(mpgraph.PlanMismatchError, match="is not in the plan"):
         mpgraph.convert(bert, ids, plan=plan)

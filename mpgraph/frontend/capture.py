@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import io
 import logging
@@ -18,6 +19,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CaptureError
+from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import as_call, fresh, seeded, state_kept
 from mpgraph.ir.meta import CAPTURE, OBSERVED, STATIC_SHAPES
@@ -91,10 +93,9 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
             train: bool = False) -> torch.fx.GraphModule:
     frozen = [f"{k}={v!r}" for k, v in list(enumerate(args)) + list(kwargs.items())
               if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor)]
-    if frozen:
-        log.warning("torch.export fixes Python scalar arguments in the graph (%s): the converted "
-                    "module accepts only these values (another one fails its guard); pass a "
-                    "tensor to vary one", ", ".join(frozen))
+    if frozen:  # (a call with another value is a TypeError naming it: CallSignature)
+        log.info("torch.export fixes Python scalar arguments in the graph (%s): the converted "
+                 "module computes with these values", ", ".join(frozen))
     # size-oblivious: a symbolic size is not assumed to differ from 0 and 1, so the graph holds
     # for any size, and a branch of the model on one (if x.shape[0] == 1) is an explicit guard
     # (torch.export otherwise takes a size > 1 as given and checks nothing: a module converted
@@ -225,7 +226,14 @@ def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype and \
             torch.allclose(a, b, rtol=1e-4, atol=1e-6, equal_nan=True)
-    return type(a) is type(b) and a == b
+    if type(a) is not type(b):
+        return False
+    if dataclasses.is_dataclass(a):  # (its == compares tensors as tuples: ambiguous)
+        return all(_same(x, y) for x, y in zip(leaves(a), leaves(b)))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - no plain equality: not the same as far as we can tell
+        return False
 
 
 def _keep_persistence(gm: torch.nn.Module, model: torch.nn.Module) -> None:

@@ -159,6 +159,9 @@ def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.
 
 def flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
     """The values of gm's placeholders, in order, for a call ``gm(*args, **kwargs)``."""
+    signature = gm.__dict__.get("call_signature")
+    if signature is not None:  # as the call itself: the values fixed at capture filled in
+        args, kwargs = signature.complete(tuple(args), dict(kwargs))
     codegen = gm.graph._codegen
     if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info is not None \
             and codegen.pytree_info.in_spec is not None:

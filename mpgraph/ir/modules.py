@@ -108,7 +108,15 @@ class CallSignature:
         if not kwargs and names[:len(args)] == self.graph_args:
             return args, kwargs
         given = dict(zip(names, args), **kwargs)
-        return (), {n: given[n] for n in self.graph_args if n in given}
+        return (), {n: given[n] if n in given else self.fixed[n] for n in self.graph_args
+                    if n in given or n in self.fixed}
+
+    def complete(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """(args, kwargs) with the values fixed at capture that the graph takes as inputs and
+        the call leaves out added as keywords (torch.export keeps ``use_cache=False`` an input)."""
+        given = set(self.names[:len(args)]) | set(kwargs)
+        extra = {n: self.fixed[n] for n in self.graph_args if n not in given and n in self.fixed}
+        return args, {**kwargs, **extra} if extra else kwargs
 
     def _one(self, name: str, value) -> None:
         if name in self.tensors:
@@ -124,11 +132,14 @@ class CallSignature:
                             f"example_kwargs={{{name!r}: <a value like the ones you pass>}})")
         if not _same(value, want):
             was = "not given" if name in self.absent else "given"
+            way = ("for generation with a KV cache, convert with mpgraph.convert_decoder"
+                   if name == "use_cache" else
+                   f"convert with it: mpgraph.convert(model, ..., example_kwargs={{{name!r}: <a "
+                   "value like the ones you pass>}) (one converted module per set of arguments)")
             raise TypeError(
                 f"argument {name!r} was {was} ({want!r}) when {self.model} was converted, and the "
                 f"converted graph computes with that value: {_shown(value)} would be ignored. "
-                f"Convert with it: mpgraph.convert(model, ..., example_kwargs={{{name!r}: <a "
-                "value like the ones you pass>}) (one converted module per set of arguments)")
+                f"{way[0].upper()}{way[1:]}")
 
 
 def _fixed(value) -> bool:

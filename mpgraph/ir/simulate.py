@@ -60,15 +60,16 @@ class SimulatingInterpreter(RecordingInterpreter):
         self.rounding = rounding
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        if n.op == "call_function" and n.target in _CHECKS:
+        if n.op == "call_function" and getattr(n.target, "overloadpacket", n.target) in _CHECKS:
             return None  # export's dtype asserts: the values are float32 here by design
         if n.op in ("output", "placeholder"):
             return super().run_node(n)
         if n.op == "get_attr":  # one copy per attribute: every read sees what was written into it
             if n.target not in self.copies:
                 value = self.fetch_attr(n.target)
-                self.copies[n.target] = value.float() if value.dtype in _LOW else value.clone() \
-                    if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value = value.float() if value.dtype in _LOW else value.clone()
+                self.copies[n.target] = value  # (a submodule of torch.cond: as it is)
             result = self.copies[n.target]
         else:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -117,14 +118,20 @@ def fake_dtypes(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict:
 
     # a model without values (mpgraph.frontend.fake) already runs under a fake mode, its weights
     # fakes of it: that mode, so that they are not converted again on every op
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     flat = flat_inputs(gm, args, kwargs)
-    mode = detect_fake_mode(flat) or FakeTensorMode(allow_non_fake_inputs=True)
+    # (a shape environment gives a value read from a tensor, ``.item()``, a symbol: the dtypes
+    # after it are still known)
+    mode = detect_fake_mode(flat) or FakeTensorMode(allow_non_fake_inputs=True,
+                                                    shape_env=ShapeEnv())
     dtypes = {}
 
     def record(node, value):
         dtypes[node] = _dtypes(value)
 
     with mode, torch.no_grad():
-        fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in flat]
+        fakes = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v
+                 for v in flat]
         RecordingInterpreter(gm, record).run(*fakes, enable_io_processing=False)
     return dtypes

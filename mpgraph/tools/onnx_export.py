@@ -157,6 +157,9 @@ def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
 def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     """(ir.Model, exporter description, the exporter's ExportedProgram or None)."""
     ir = _onnx_modules()
+    signature = converted.__dict__.get("call_signature")
+    if signature is not None:  # the exporter traces forward itself: the fixed values given
+        args, kwargs = signature.complete(args, kwargs)
     tiny = near_identity_constants(converted)
     if tiny:
         log.warning("exporting without the ONNX optimiser: it would drop %s", ", ".join(tiny[:4]))
