@@ -605,3 +605,64 @@ def test_a_default_config_hf_decoder_converts_without_its_cache(name, caplog):
     assert relative_l2(got.last_hidden_state, want.last_hidden_state) < 2e-2
     with pytest.raises(TypeError, match="convert with mpgraph.convert_decoder"):
         fast(ids, use_cache=True)
+
+
+# -- threads (issue 25.12) ------------------------------------------------------------------
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_threads_convert_at_once_under_a_short_switch_interval_and_others_keep_running():
+    """torch.fx patches nn.Module for the whole process while it traces: four threads
+    converting (symbolic_trace, torch.export, a training capture) with the interpreter switching
+    threads every 10 us, and a fifth running a plain model meanwhile, all get right answers, and
+    the process converts afterwards."""
+    import sys
+    import threading
+    errors, wrong, stop = [], [], threading.Event()
+
+    def convert(i):
+        try:
+            torch.manual_seed(i)
+            model = (TwoLayers if i % 2 else Branches)().eval()
+            x = torch.randn(2, model.fc.in_features if i % 2 == 0 else 8)
+            fast = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
+            with torch.no_grad():
+                if relative_l2(fast(x), model(x)) > 4e-3:
+                    wrong.append(i)
+            mpgraph.convert(TwoLayers().train(), torch.randn(2, 8), dtype="bf16", target=GPU,
+                            mode="train")
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(f"{type(e).__name__}: {e}")
+
+    def infer():
+        model, x = TwoLayers().eval(), torch.randn(2, 8)
+        with torch.no_grad():
+            want = model(x)
+            while not stop.is_set():
+                if not torch.equal(model(x), want):
+                    wrong.append("plain model")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        runner = threading.Thread(target=infer)
+        runner.start()
+        threads = [threading.Thread(target=convert, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
+        runner.join()
+        sys.setswitchinterval(interval)
+    assert not errors and not wrong, (errors, wrong)
+    after = mpgraph.convert(TwoLayers().eval(), torch.randn(2, 8), dtype="fp16", target=GPU)
+    assert after.plan.capture == "torch.fx.symbolic_trace"

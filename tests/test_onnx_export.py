@@ -1,6 +1,7 @@
 """ONNX export: the file's types are the plan, it validates, and failures are clean ExportErrors."""
 import functools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from mpgraph.numerics import relative_l2  # noqa: E402
 from mpgraph.cost.specs import DeviceSpec  # noqa: E402
 from mpgraph.tools.onnx_check import inspect_model, load_with_types, validate_onnx  # noqa: E402
 
-from conftest import convert_rules, MLP, ConvBnReluPool, ConvNextish, SoftmaxAttention  # noqa: E402
+from conftest import GPU, convert_rules, MLP, ConvBnReluPool, ConvNextish, SoftmaxAttention  # noqa: E402
 
 convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 export_onnx = functools.partial(mpgraph.export_onnx, strategy="rules")
@@ -395,3 +396,71 @@ def test_onnx_ir_passes_alone_on_a_hand_made_graph():
     assert soft.inputs[0].dtype == ir.DataType.FLOAT and soft.outputs[0].dtype == ir.DataType.FLOAT
     assert model.graph.outputs[0].dtype == ir.DataType.FLOAT16
     assert not AttentionSoftmaxFp32()(model).modified  # no Attention op: nothing to do
+
+
+def _runs_in_a_default_session(path, feeds) -> int:
+    """onnxruntime's exit status running ``path`` with every default (ORT_ENABLE_ALL), in a
+    process of its own (a crash is a negative status)."""
+    import subprocess
+    import sys
+    np.savez(str(path) + ".feeds.npz", **feeds)
+    code = ("import numpy as np, onnxruntime as ort, sys\n"
+            f"s = ort.InferenceSession({str(path)!r}, providers=['CPUExecutionProvider'])\n"
+            f"f = dict(np.load({str(path) + '.feeds.npz'!r}))\n"
+            "s.run(None, f)\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode
+
+
+class _RecurrentHead(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn, self.fc = kind(16, 32, batch_first=True), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+def test_a_file_onnxruntime_crashes_on_keeps_the_op_float32_and_says_why(kind, tmp_path):
+    """onnxruntime 1.31 segfaults running an fp16 GRU/LSTM followed by a Linear at its default
+    optimisation level (issue 25.11): validation runs the file as users do, in a process of its
+    own, and the file written keeps the recurrent layer float32, saying why."""
+    torch.manual_seed(0)
+    model, x = _RecurrentHead(kind).eval(), torch.randn(2, 5, 16)
+    path = tmp_path / "rnn.onnx"
+    result = export_onnx(model, x, path, dtype="fp16", target=GPU, strategy="rules")
+    assert len(result.fallbacks) == 1
+    assert re.match(r"kept float32: rnn \(onnxruntime could not run them in low precision: .*"
+                    r"onnxruntime [\d.]+, in a default session \(ORT_ENABLE_ALL, as users run "
+                    r"it\), crashed \(SIGSEGV\)", result.fallbacks[0]), result.fallbacks[0]
+    assert result.plan.node("rnn").dtype == "float32" and result.plan.node("fc").dtype == "float16"
+    assert _runs_in_a_default_session(path, {"x": x.numpy()}) == 0
+    converted = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
+    with pytest.raises(mpgraph.ExportError, match=r"crashed \(SIGSEGV\).*nothing is written; "
+                                                  r"convert it with overrides=\{'rnn': 'fp32'\}"):
+        export_onnx(converted, x, tmp_path / "given.onnx")
+    assert not (tmp_path / "given.onnx").exists()
+
+
+def test_a_rotary_decoder_exports_with_the_optimiser_and_runs_at_other_batch_sizes(tmp_path):
+    """A Llama-family decoder takes the optimiser's path (no near-identity constants) and its
+    opset-23 RotaryEmbedding fusion, which onnxruntime 1.31 rejects with a dynamic batch (issue
+    25.13: nothing was written); the file is the unfused graph, and says so."""
+    from transformers import LlamaConfig, LlamaModel
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=1000)).eval()
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "llama.onnx"
+    result = mpgraph.export_onnx(model, (ids,), path, dtype="fp16", target=GPU)  # the defaults
+    assert "optimize=False" not in result.exporter  # the path real models take
+    assert len(result.fallbacks) == 1 and "RotaryEmbedding" in result.fallbacks[0]
+    assert result.exporter.endswith("without onnxscript's ONNX fusions")
+    other = torch.randint(0, 1000, (3, 9), generator=torch.Generator().manual_seed(1))
+    assert _runs_in_a_default_session(path, {"input_ids": other.numpy()}) == 0
+    sess = mpgraph.ort_session(path, device="cpu")
+    out = sess.run(None, {"input_ids": other.numpy()})[0]
+    with torch.no_grad():
+        want = model(other, use_cache=False).last_hidden_state
+    assert relative_l2(out, want) < 1e-2

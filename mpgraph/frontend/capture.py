@@ -60,9 +60,13 @@ def _dynamic_shapes(args: tuple, kwargs: dict):
     return pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
 
 
-# torch.export keeps its state in module globals (_EXPORT_MODULE_HIERARCHY): two exports at once
-# in one process fail inside torch. Captures take turns.
-_EXPORT_LOCK = threading.Lock()
+# Tracing changes process-wide state: torch.fx patches nn.Module.__call__ and __getattr__ for
+# the whole process while it traces (its CURRENT_PATCHER is a module global), torch.export keeps
+# module globals (_EXPORT_MODULE_HIERARCHY) and a config flag, and the quiet context swaps
+# sys.stderr. Two at once corrupt each other and leave the process broken. Captures take turns
+# (reentrant: a capture may run a nested one), and the fx patch lets other threads' module calls
+# through as they are (_Tracer).
+_CAPTURE_LOCK = threading.RLock()
 # torch's own loggers that narrate a failed trace (fake-tensor errors, unbacked-symbol warnings);
 # CaptureError says what failed, and why, in a few lines
 _NARRATORS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
@@ -102,7 +106,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     # at batch 2 ran the batch-2 branch at batch 1, silently)
     # training: a custom autograd.Function is one op that keeps its backward (frontend.functions)
     opaque = opaque_functions() if train else contextlib.nullcontext()
-    with _EXPORT_LOCK, _quiet(), _size_oblivious(), opaque:
+    with _quiet(), _size_oblivious(), opaque:
         ep = torch.export.export(model, args, kwargs, strict=False,
                                  dynamic_shapes=dynamic_spec(model, args, kwargs) if dynamic else None)
     unlifted = ep.module()
@@ -159,7 +163,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
     from mpgraph.frontend.fake import fake_mode
-    with fake_mode(abstract):
+    with _CAPTURE_LOCK, fake_mode(abstract):
         return _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
 
 
@@ -171,6 +175,22 @@ class _Tracer(torch.fx.Tracer):
     (``self.acc.mul_(0.9)``) runs once on the trace's copy and is missing from the graph."""
 
     proxy_buffer_attributes = True
+
+    def trace(self, root, concrete_args=None):
+        self._thread = threading.get_ident()
+        return super().trace(root, concrete_args)
+
+    # torch.fx patches nn.Module for the whole process while it traces: a module another thread
+    # runs meanwhile goes through these; it runs as it always does
+    def call_module(self, m, forward, args, kwargs):
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
 def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -366,18 +367,18 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         feeds = {v.name: t.detach().cpu().numpy() for v, t in zip(graph_inputs, inputs)}
         emulated = False
         run_path = path
-        try:
-            session = ort_session(run_path, device=device, **options)
-        except Exception as e:
+        try:  # as users run it: a default session (ORT_ENABLE_ALL), in a process of its own
+            outs, provider = run_isolated(run_path, feeds, workdir, device)
+        except OrtLoadError as e:
             has_bf16 = any(v.dtype == ir.DataType.BFLOAT16 for v in model.graph.initializers.values())
             if not has_bf16 and "NOT_IMPLEMENTED" not in str(e):
-                raise ExportError(f"onnxruntime cannot load {shown}: {e}") from e
+                raise OrtRunError(f"onnxruntime cannot load {shown}: {e}") from e
             log.info("onnxruntime cannot run the bf16 file natively (%s); using the emulation", e)
             run_path = _bf16_emulation(path, os.path.join(workdir, "emulated.onnx"))
-            session = ort_session(run_path, device="cpu", **options)
+            outs, provider = run_isolated(run_path, feeds, workdir, "cpu")
             emulated = True
-        provider = session.get_providers()[0]
-        outs = session.run(None, feeds)
+        except OrtRunError as e:
+            raise OrtRunError(f"{shown}: {e}") from None
         err_conv = [relative_l2(o.astype(np.float32), t.detach().float().numpy()) for o, t in zip(outs, torch_out)]
         err_ref = None
         if ref_out is not None:
@@ -411,10 +412,80 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+class OrtRunError(ExportError):
+    """onnxruntime failed running the file: an error while running it, or a crash of its
+    process. ``export_onnx`` answers some of these with a file it can run (and says so)."""
+
+
+class OrtLoadError(OrtRunError):
+    """onnxruntime refused to create a session for the file (an op or type it lacks)."""
+
+
+# what the validating process runs: onnxruntime and numpy only (no torch: ~0.3 s to start), a
+# default session (graph optimisation ORT_ENABLE_ALL, what users' sessions use)
+_RUNNER = r"""
+import json, sys
+import numpy as np
+import onnxruntime as ort
+path, feeds, out, providers = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+names = json.loads(sys.argv[5])
+options = ort.SessionOptions()
+options.log_severity_level = 3
+ort.set_default_logger_severity(3)
+try:
+    session = ort.InferenceSession(path, options, providers=providers)
+except Exception as e:
+    print("LOAD:" + str(e), file=sys.stderr)
+    sys.exit(3)
+data = np.load(feeds)
+outs = session.run(None, {name: data[f"arr_{i}"] for i, name in enumerate(names)})
+np.savez(out, *outs)
+print(session.get_providers()[0])
+"""
+
+
+def run_isolated(path: str, feeds: dict, workdir: str, device: Optional[str] = None):
+    """(outputs, provider) of ``path`` run on ``feeds`` by onnxruntime in a child process with a
+    default session: a crash of onnxruntime (a segfault in a kernel) is an OrtRunError naming the
+    signal, not the end of this process."""
+    import json
+    import subprocess
+    import sys
+    import onnxruntime as ort
+    want_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    providers = ["CPUExecutionProvider"]
+    if want_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    names = list(feeds)
+    given, got = os.path.join(workdir, "feeds.npz"), os.path.join(workdir, "outputs.npz")
+    np.savez(given, *[feeds[n] for n in names])
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, path, given, got, ",".join(providers),
+                           json.dumps(names)], capture_output=True, text=True)
+    if proc.returncode == 3:
+        raise OrtLoadError(proc.stderr.rpartition("LOAD:")[2].strip())
+    if proc.returncode != 0:
+        import signal
+        if proc.returncode < 0:
+            try:
+                how = f"crashed ({signal.Signals(-proc.returncode).name})"
+            except ValueError:
+                how = f"crashed (signal {-proc.returncode})"
+        else:
+            lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+            last = re.sub(r"^onnxruntime\.capi\.\w+\.\w+: (\[ONNXRuntimeError\] : \d+ : \w+ : )?",
+                          "", lines[-1]) if lines else f"exit status {proc.returncode}"
+            how = f"failed: {last}"
+        raise OrtRunError(f"onnxruntime {ort.__version__}, in a default session (ORT_ENABLE_ALL, "
+                          f"as users run it), {how}")
+    with np.load(got) as data:
+        outs = [data[f"arr_{i}"] for i in range(len(data.files))]
+    return outs, proc.stdout.strip().splitlines()[-1]
+
+
 def _validation_options() -> dict:
-    """Sessions that validate a file: the provider-independent graph optimisations only. The
-    extended ones are the CPU provider's own layouts and fusions (prepacking a GB of fp16
-    weights took 6.3 s of 6.4 s here), not what a GPU runs, and they add nothing to the proof."""
+    """The in-process session that locates a mismatch node by node (the file validated already
+    ran in a default session, ``run_isolated``): the provider-independent graph optimisations
+    only, which keep every node's output a value of its own."""
     import onnxruntime as ort
     return {"graph_optimization_level": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}
 

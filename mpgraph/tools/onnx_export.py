@@ -28,6 +28,7 @@ from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
 from mpgraph.ir.meta import dtype_name
 from mpgraph.plans.plan import Plan
+from mpgraph.tools.onnx_check import OrtRunError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class ExportResult:
     cast_differences: list[str] = field(default_factory=list)
     edits: dict = field(default_factory=dict)
     validation: Any = None  # onnx_check.ValidationResult when validated
+    # what was changed so that onnxruntime runs the file (no fusions, ops kept float32), and why
+    fallbacks: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         lines = [f"wrote {self.path} ({self.exporter}, opset {self.opset}"
@@ -58,6 +61,7 @@ class ExportResult:
                  self.plan.summary(),
                  f"Cast nodes in the file: {self.casts_in_file} (plan: {self.casts_expected})"]
         lines += [f"  difference: {d}" for d in self.cast_differences]
+        lines += [f"fallback: {f}" for f in self.fallbacks]
         if self.validation is not None:
             lines.append(self.validation.summary())
         return "\n".join(lines)
@@ -167,13 +171,24 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
         dynamic_shapes = auto_dynamic_shapes(converted, args, kwargs)
     names = output_names(converted)
     try:
+        # optimised here, as torch.onnx does with optimize=True: onnxscript's optimizer, then
+        # its ONNX fusions (RMSNormalization, RotaryEmbedding, GQA at opset 23), keeping the
+        # unfused graph (a clone sharing the weights) for a runtime that fails on a fused op
         program = torch.onnx.export(converted, args, kwargs=kwargs or None, dynamo=True,
                                     opset_version=opset, dynamic_shapes=dynamic_shapes,
-                                    output_names=names, optimize=not tiny, verbose=False)
+                                    output_names=names, optimize=False, verbose=False)
+        model, unfused, fused = program.model, None, {}
+        if not tiny:
+            import onnxscript.optimizer
+            import onnxscript.rewriter.onnx_fusions
+            onnxscript.optimizer.optimize_ir(model)
+            unfused = model.clone()
+            fused = {k: v for k, v in onnxscript.rewriter.onnx_fusions.fuse(model).items() if v}
         how = "torch.onnx.export(dynamo=True)" if not tiny else (
             f"torch.onnx.export(dynamo=True, optimize=False: its optimiser would drop "
             f"{', '.join(tiny[:2])})")
-        return program.model, how, getattr(program, "exported_program", None)
+        return Exported(model, how, getattr(program, "exported_program", None),
+                        unfused if fused else None, fused)
     except Exception as dynamo_error:
         reason = _brief(dynamo_error)
         log.warning("dynamo ONNX export failed (%s); trying the TorchScript exporter", reason)
@@ -187,7 +202,19 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
         raise ExportError("the model could not be exported to ONNX:\n"
                           f"  torch.onnx.export(dynamo=True): {reason}\n"
                           f"  torch.onnx.export(dynamo=False): {_brief(ts_error)}") from ts_error
-    return model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: {reason}]", None
+    return Exported(model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: {reason}]")
+
+
+@dataclass
+class Exported:
+    """What the exporter gave: the IR, how it was made, torch.export's program (dynamo), and the
+    graph before onnxscript's fusions with what they fused, where they fused anything."""
+
+    model: Any
+    how: str
+    program: Any = None
+    unfused: Any = None
+    fused: dict = field(default_factory=dict)
 
 
 def _provenance(plan: Plan, exporter: str) -> dict[str, str]:
@@ -283,33 +310,93 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                           "dtype='fp16' or 'bf16'")
     opset = opset or DEFAULT_OPSET
     workdir = tempfile.mkdtemp(prefix=".mpgraph-export-", dir=os.path.dirname(path))
-    try:
+    name = os.path.basename(path)
+    fallbacks: list[str] = []
+
+    def write(exported: Exported, converted) -> ExportResult:
+        """The IR edited, saved in the work directory and validated; the result."""
+        model = exported.model
         with stage("export"):
-            model, exporter, program = _export_ir(converted, args, kwargs, opset, dynamic_shapes,
-                                                  workdir)
-            edits, (in_file, expected, differences) = _postprocess(model, converted.plan, exporter, ir)
+            edits, (in_file, expected, differences) = _postprocess(model, converted.plan,
+                                                                   exported.how, ir)
             if differences:
                 log.warning("Cast nodes in the file differ from the plan:\n  %s",
                             "\n  ".join(differences))
-            name = os.path.basename(path)
             data = None
             if _initializer_bytes(model) > min(external_data_threshold, _PROTOBUF_LIMIT):
                 data = name + ".data"
-            tmp_path = os.path.join(workdir, name)
-            ir.save(model, tmp_path, external_data=data)
+            ir.save(model, os.path.join(workdir, name), external_data=data)
         result = ExportResult(path=path, exporter=exporter, opset=model.opset_imports.get("", opset),
                               plan=converted.plan, external_data=data, casts_in_file=in_file,
-                              casts_expected=expected, cast_differences=differences, edits=edits)
+                              casts_expected=expected, cast_differences=differences, edits=edits,
+                              fallbacks=fallbacks)
         if validate:
             from mpgraph.tools.onnx_check import validate_onnx
             with stage("validate"):
-                result.validation = validate_onnx(tmp_path, converted, args, kwargs,
-                                                  reference=reference, exported_program=program,
+                result.validation = validate_onnx(os.path.join(workdir, name), converted, args,
+                                                  kwargs, reference=reference,
+                                                  exported_program=exported.program,
                                                   device=device, display_name=path)
-        for produced in (name, data):
+        return result
+
+    try:
+        while True:
+            with stage("export"):
+                exported = _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir)
+            exporter = exported.how
+            try:
+                result = write(exported, converted)
+                break
+            except OrtRunError as failed:
+                # a runtime that fails on the file as fused, or crashes on some ops in the low
+                # dtype: the same plan without onnxscript's fusions, then those ops kept float32
+                if exported.unfused is not None:
+                    fused = ", ".join(f"{op} x{n}" for op, n in exported.fused.items())
+                    log.info("retrying without onnxscript's ONNX fusions (%s): %s", fused, failed)
+                    try:
+                        exported.model, exporter = exported.unfused, exported.how + \
+                            " without onnxscript's ONNX fusions"
+                        fallbacks.append(f"exported without onnxscript's ONNX fusions ({fused}): "
+                                         f"{failed}")
+                        result = write(exported, converted)
+                        break
+                    except OrtRunError as again:
+                        fallbacks.pop()
+                        failed = again
+                pins = _runtime_pins(converted.plan)
+                if not pins or reference is None:
+                    way = (f"; convert it with overrides={{{', '.join(repr(p) + ': ' + repr('fp32') for p in pins)}}} "
+                           "and export that" if pins else "")
+                    raise ExportError(f"{failed}; nothing is written{way}") from None
+                fallbacks.append(f"kept float32: {', '.join(pins)} ({_RUNTIME_PIN_WHY}: {failed})")
+                log.warning("%s", fallbacks[-1])
+                try:
+                    converted = convert(reference, args, example_kwargs=kwargs, dtype=low,
+                                        keep_io_types=keep_io_types, target=target,
+                                        strategy=strategy, dynamic=dynamic_shapes is not None,
+                                        overrides={p: "fp32" for p in pins})
+                except MpgraphError as e:
+                    raise ExportError(f"could not convert the model again with {pins} in "
+                                      f"float32: {e}") from e
+        for produced in (name, result.external_data):
             if produced:
                 os.replace(os.path.join(workdir, produced), os.path.join(os.path.dirname(path), produced))
         log.info("%s", result.summary())
         return result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ops whose low-precision form onnxruntime's CPU provider has been seen to crash on at its
+# default optimisation level (1.31: an fp16 GRU or LSTM followed by another op, SIGSEGV), and
+# which a file falls back to float32 for when its run crashes
+RUNTIME_FP32_OPS = ("nn.GRU", "nn.LSTM", "nn.RNN", "aten.gru", "aten.lstm", "aten.rnn_tanh",
+                    "aten.rnn_relu")
+_RUNTIME_PIN_WHY = "onnxruntime could not run them in low precision"
+
+
+def _runtime_pins(plan: Plan) -> list[str]:
+    """The low nodes of ``RUNTIME_FP32_OPS`` in a plan: what a crashing file is re-planned
+    without."""
+    return [r.name for r in plan.compute_nodes if r.dtype != "float32"
+            and any(r.kind == op or r.kind.startswith(op + ".") for op in RUNTIME_FP32_OPS)]
