@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm
+from mpgraph.ir.modules import CountBatches, DropoutRate, InputGuard, TrainingBatchNorm
 
 TENSOR_CORE = "tensor_core"
 FOLLOW = "follow"
@@ -241,11 +241,11 @@ def _numbered(*stems: str) -> tuple:
     return _nn(*(f"{stem}{d}d" for stem in stems for d in (1, 2, 3)))
 
 
-try:  # torch.export wraps its input guards in a submodule of this type
+try:  # torch.export wraps its input guards in a submodule of this type (capture: InputGuard)
     from torch.export._unlift import GuardsFn as _GuardsFn  # type: ignore[attr-defined]
-    _GUARDS: tuple = (_GuardsFn,)
+    _GUARDS: tuple = (_GuardsFn, InputGuard)
 except ImportError:  # pragma: no cover - older torch
-    _GUARDS = ()
+    _GUARDS = (InputGuard,)
 
 # Spellings no name derives, by op: nn module types, Python's operators (the operator module's
 # functions, and the Tensor methods, as strings, that ``x + y`` and ``x[i]`` call), functions

@@ -12,6 +12,7 @@ import inspect
 import io
 import logging
 import threading
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -21,9 +22,9 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import CaptureError
 from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
-from mpgraph.ir.graph import as_call, fresh, seeded, state_kept
+from mpgraph.ir.graph import EXPORT_GUARD, as_call, fresh, seeded, state_kept
 from mpgraph.ir.meta import CAPTURE, OBSERVED, STATIC_SHAPES
-from mpgraph.ir.modules import CallSignature, ConvertedModule
+from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +107,45 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     # at batch 2 ran the batch-2 branch at batch 1, silently)
     # training: a custom autograd.Function is one op that keeps its backward (frontend.functions)
     opaque = opaque_functions() if train else contextlib.nullcontext()
-    with _quiet(), _size_oblivious(), opaque:
+    with _quiet(), _size_oblivious(), opaque, _explicit_keywords(model, args, kwargs):
         ep = torch.export.export(model, args, kwargs, strict=False,
                                  dynamic_shapes=dynamic_spec(model, args, kwargs) if dynamic else None)
     unlifted = ep.module()
+    guards = getattr(unlifted, EXPORT_GUARD, None)
+    if guards is not None and InputGuard.of(guards) is not None:  # one that pickles
+        setattr(unlifted, EXPORT_GUARD, InputGuard.of(guards))
     # A GraphModule of our own on the same graph and attributes: the unlifted module refuses
     # .train() and .eval(), which users call on what convert returns (FollowTrainingFlag gives
     # the flag its meaning back). Its generated code reads the pytree specs from the module.
     return ConvertedModule.wrap(unlifted)
+
+
+@contextlib.contextmanager
+def _explicit_keywords(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """While exporting, a forward that takes each given keyword as a parameter of its own, where
+    the model's takes some through ``**kwargs`` (HF's output_hidden_states=True): torch.export
+    cannot match its dynamic-shapes spec to a non-tensor value nested there."""
+    params = inspect.signature(model.forward).parameters
+    rest = [n for n in kwargs if n not in params]
+    if not rest or not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        yield
+        return
+    original = model.forward
+    named = [n for n in params if params[n].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                      inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    names = list(dict.fromkeys(named[:len(args)] + list(kwargs)))  # what the call gives
+    if not all(n.isidentifier() for n in names):
+        yield
+        return
+    source = (f"def forward({', '.join(names)}):\n"
+              f"    return call({', '.join(f'{n}={n}' for n in names)})\n")
+    space = {"call": original}
+    exec(source, space)  # noqa: S102 - a signature built from the model's own parameter names
+    model.forward = space["forward"]
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def _size_oblivious():
@@ -122,13 +154,20 @@ def _size_oblivious():
 
 
 def dynamic_spec(model, args, kwargs):
-    """torch.export wants one spec per forward parameter; with kwargs, a dict by name."""
+    """torch.export wants one spec per forward parameter; with kwargs, a dict by name, where the
+    keywords a ``**kwargs`` parameter takes (HF's output_hidden_states) sit under its name."""
     dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
     if not kwargs:
         return dyn_args
-    names = list(inspect.signature(model.forward).parameters)
+    params = inspect.signature(model.forward).parameters
+    names = list(params)
     spec = {names[i]: d for i, d in enumerate(dyn_args)}
-    spec.update(dyn_kwargs)
+    rest = next((p.name for p in params.values() if p.kind == p.VAR_KEYWORD), None)
+    for name, d in dyn_kwargs.items():
+        if name in params or rest is None:
+            spec[name] = d
+        else:
+            spec.setdefault(rest, {})[name] = d
     return spec
 
 
@@ -256,6 +295,23 @@ def _same(a, b) -> bool:
         return False
 
 
+def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """Hooks on modules the graph does not call ran while the model was traced: what they
+    compute is in the graph, but they do not run again (a hook that appends to a list, counts
+    calls or prints did so at conversion only). That is said, once."""
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    hooked = [path or type(model).__name__ for path, m in model.named_modules()
+              if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                  or m._backward_pre_hooks)
+              and not any(path == c or path.startswith(c + ".") for c in called)]
+    if hooked:
+        warnings.warn(f"hooks on {', '.join(hooked[:5])}{' ...' if len(hooked) > 5 else ''} of "
+                      f"{type(model).__name__} ran while it was traced: what they compute is in "
+                      "the converted graph, but they do not run on its calls (their Python side "
+                      "effects, such as appending to a list, happened at conversion only)",
+                      UserWarning, stacklevel=4)
+
+
 def _keep_persistence(gm: torch.nn.Module, model: torch.nn.Module) -> None:
     """The model's non-persistent buffers (HF's position_ids) stay out of the graph module's
     state dict (torch.export registers every buffer as persistent): its keys are the model's."""
@@ -305,6 +361,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
                 continue
         gm.meta[CAPTURE] = name
         _keep_persistence(gm, model)
+        _say_what_hooks_do(gm, work)
         if has_inputs:  # every call is checked against the arguments the graph was made with
             gm.call_signature = CallSignature(model, args, kwargs, gm)
             gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \

@@ -6,8 +6,10 @@ torch.export bakes the training flag into the graph (``aten.dropout(x, p, True)`
 """
 from __future__ import annotations
 
+import marshal
 import re
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,51 @@ class DropoutRate(torch.nn.Module):
 
     def forward(self) -> float:
         return self.p if self.training else 0.0
+
+
+class InputGuard(torch.nn.Module):
+    """torch.export's input guard (its ``_guards_fn``: the asserts on input shapes the graph was
+    captured under), as a module that pickles (``torch.save`` of a converted module) and calls
+    the assert function directly: export's own holds a closure made for dynamo, which cannot be
+    pickled. The function is kept as its marshalled code and rebuilt in the namespace torch.export
+    builds it in."""
+
+    _is_impure = True  # a call with no users that must stay (fx's dead-code elimination)
+
+    def __init__(self, fn):
+        super().__init__()
+        self.code = marshal.dumps(fn.__code__)
+        self.check = _guard_function(self.code)
+
+    def forward(self, *args):
+        return self.check(*args)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("check", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.check = _guard_function(self.code)
+
+    @classmethod
+    def of(cls, guards: torch.nn.Module) -> Optional["InputGuard"]:
+        """An InputGuard doing what torch.export's guard module does, or None when its assert
+        function cannot be found (its forward wraps it in a closure)."""
+        for cell in getattr(guards.forward, "__closure__", None) or ():
+            fn = cell.cell_contents
+            if callable(fn) and getattr(fn, "__name__", "") == "_" and hasattr(fn, "__code__"):
+                return cls(fn)
+        return None
+
+
+def _guard_function(code: bytes):
+    import math
+    import types
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+    namespace = {**SYMPY_INTERP, "math": math, "inf": float("inf")}
+    return types.FunctionType(marshal.loads(code), namespace, "_")
 
 
 _NOT_GIVEN = object()
@@ -245,6 +292,7 @@ class ConvertedModule(torch.fx.GraphModule):
         new.meta = gm.meta
         if "call_signature" in gm.__dict__:
             new.call_signature = gm.call_signature
+        new._tracer_cls = None  # torch.export's own tracer cannot re-trace a pickled module
         return new
 
     def __call__(self, *args, **kwargs):
@@ -260,6 +308,23 @@ class ConvertedModule(torch.fx.GraphModule):
             if not str(e).startswith("Guard failed"):
                 raise
             raise guard_error(self, str(e)) from None
+
+    def __copy__(self):
+        new = type(self).wrap(self)
+        for name, value in self.meta.get("_user_preserved_attributes", {}).items():
+            setattr(new, name, value)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        # GraphModule pickles its code and re-traces it on loading, with fx's plain tracer:
+        # torch.export's graphs do not re-trace, and what the converted module checks on each
+        # call would be lost
+        raise TypeError(
+            "a converted module does not pickle (torch.save(module), multiprocessing): save its "
+            "plan and its weights instead, fast.plan.save('plan.json') and "
+            "torch.save(fast.state_dict(), 'weights.pt'), and make it again with "
+            "mpgraph.convert(model, inputs, plan=mpgraph.Plan.load('plan.json')) and "
+            "load_state_dict(torch.load('weights.pt')); copy.deepcopy works")
 
     def __deepcopy__(self, memo):
         # torch 2.13's pytree warns from copyreg while copying the in/out specs (its own
