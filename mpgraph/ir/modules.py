@@ -411,8 +411,9 @@ def guard_error(module: torch.nn.Module, message: str) -> "InputMismatchError":
                f"(dimension {static.group(2)} of {static.group(1)}): convert with an example "
                "larger than 1 there (converted at batch 2, the module runs at any batch size)")
     elif static:
-        why = (f"the model fixes dimension {static.group(2)} of {static.group(1)} at "
-               f"{static.group(3)} (a reshape or a layer's size), as it does itself")
+        why = (f"The model's code fixed dimension {static.group(2)} of {static.group(1)} at the "
+               f"example's {static.group(3)} (a layer's size, a reshape, a check of its own): "
+               "convert with an example of the size you call it with")
     else:
         why = ("The model's Python code branches on this size (if x.shape[0] == 1: ...), so "
                "the graph computes the branch the example took: convert with an example on "
