@@ -191,6 +191,13 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     refuse_hooks(gm)
     # copy.deepcopy of a GraphModule keeps only what its meta lists here: the plan goes along
     gm.meta.setdefault("_user_preserved_attributes", {})["plan"] = gm.plan
+    if abstract is None:  # the dtype and layout of every tensor as planned: kept on assignment
+        gm.planned_tensors = {
+            path: (t.dtype, t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+                   and not t.is_contiguous())
+            for path, t in list(gm.named_parameters(remove_duplicate=False))
+            + list(gm.named_buffers(remove_duplicate=False))}
+        gm.meta["_user_preserved_attributes"]["planned_tensors"] = gm.planned_tensors
     shared = [(w.source, w.name) for w in record.weights if w.shared]
     if shared and abstract is None:  # low copies beside their originals, kept in step
         gm.weight_copies = WeightCopies(gm, shared)

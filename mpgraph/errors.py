@@ -8,7 +8,7 @@ class MpgraphError(Exception):
 
 # What a tracer's report says -> what to do about it (the causes users meet most)
 CAPTURE_FIXES = (
-    (("control flow", "data-dependent", "DataDependent"),
+    (("cannot be used as inputs to control flow", "data-dependent", "DataDependent"),
      "the forward branches on a tensor's values (`if x.sum() > 0:`), which no tracer captures as "
      "one graph. Write the branch with torch.cond(pred, true_fn, false_fn, (x,)), make the "
      "condition static (a Python bool argument, a shape, a module attribute), or keep that "
@@ -19,7 +19,15 @@ CAPTURE_FIXES = (
      "generation with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "
      "max_cache_len=...); to convert the forward alone, pass use_cache=False (in "
      "example_kwargs, or model.config.use_cache = False)"),
+    (("missing a required argument", "missing 1 required positional argument",
+      "got an unexpected keyword argument"),
+     "the example inputs do not bind to the forward's parameters: a tuple is taken as positional "
+     "arguments and a dict as keyword arguments, so a forward that takes one dict (a batch) is "
+     "given it as (batch,)"),
 )
+# when no known cause matches: what always works
+GENERAL_FIX = ("keep the construct out of the converted graph: convert the submodules before and "
+               "after it (mpgraph.convert(model.encoder, ...)) and call them from your own forward")
 
 
 class CaptureError(MpgraphError):
@@ -37,7 +45,8 @@ class CaptureError(MpgraphError):
         if "torch.export" not in self.reports:
             lines.append("  (pass example_inputs so that torch.export can be tried)")
         text = " ".join(self.reports.values())
-        self.fixes = [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)]
+        self.fixes = [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
+            or [GENERAL_FIX]
         lines += [f"fix: {fix}" for fix in self.fixes]
         super().__init__("\n".join(lines))
 

@@ -309,8 +309,8 @@ def test_a_branch_on_a_size_is_a_guard_kept_with_a_clear_error_not_a_wrong_answe
     with torch.no_grad():
         assert relative_l2(at2(three), model(three)) < 4e-3
         with pytest.raises(mpgraph.InputMismatchError, match=r"captured under: x\.size\(\)\[0\] "
-                           r"!= 1\. The model's Python code branches on this size .* convert "
-                           r"with an example on the side of the branch you call"):
+                           r"!= 1\. The code the graph was traced through branches on this "
+                           r"size .* convert with an example of the size you call it with"):
             at2(one)
         at1 = mpgraph.convert(model, one, dtype="fp16", target=GPU, strategy="rules")
         assert relative_l2(at1(one), model(one)) < 4e-3

@@ -23,7 +23,7 @@ from mpgraph.errors import CaptureError
 from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, fresh, seeded, state_kept
-from mpgraph.ir.meta import CAPTURE, OBSERVED, STATIC_SHAPES
+from mpgraph.ir.meta import CAPTURE, OBSERVED, READS_TRAINING, STATIC_SHAPES
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 
 log = logging.getLogger(__name__)
@@ -105,9 +105,9 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     # for any size, and a branch of the model on one (if x.shape[0] == 1) is an explicit guard
     # (torch.export otherwise takes a size > 1 as given and checks nothing: a module converted
     # at batch 2 ran the batch-2 branch at batch 1, silently)
-    # training: a custom autograd.Function is one op that keeps its backward (frontend.functions)
-    opaque = opaque_functions() if train else contextlib.nullcontext()
-    with _quiet(), _size_oblivious(), opaque, _explicit_keywords(model, args, kwargs):
+    # a custom autograd.Function is one op that keeps its backward (frontend.functions)
+    with _quiet(), _size_oblivious(), opaque_functions("train" if train else "inference"), \
+            _explicit_keywords(model, args, kwargs):
         ep = torch.export.export(model, args, kwargs, strict=False,
                                  dynamic_shapes=dynamic_spec(model, args, kwargs) if dynamic else None)
     unlifted = ep.module()
@@ -157,10 +157,13 @@ def dynamic_spec(model, args, kwargs):
     """torch.export wants one spec per forward parameter; with kwargs, a dict by name, where the
     keywords a ``**kwargs`` parameter takes (HF's output_hidden_states) sit under its name."""
     dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
-    if not kwargs:
-        return dyn_args
     params = inspect.signature(model.forward).parameters
     names = list(params)
+    star = next((i for i, p in enumerate(params.values()) if p.kind == p.VAR_POSITIONAL), None)
+    if star is not None and len(dyn_args) > star:  # *args: one spec, a tuple of them
+        dyn_args = (*dyn_args[:star], tuple(dyn_args[star:]))
+    if not kwargs:
+        return dyn_args
     spec = {names[i]: d for i, d in enumerate(dyn_args)}
     rest = next((p.name for p in params.values() if p.kind == p.VAR_KEYWORD), None)
     for name, d in dyn_kwargs.items():
@@ -215,6 +218,14 @@ class _Tracer(torch.fx.Tracer):
 
     proxy_buffer_attributes = True
 
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        # nn.MultiheadAttention as one opaque call would run its softmax in whatever the plan
+        # gives the call, and export to ONNX as ops the plan never decided: traced into
+        # (torch.export takes it where fx cannot, with the softmax its own float32 op)
+        if isinstance(m, torch.nn.MultiheadAttention):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
     def trace(self, root, concrete_args=None):
         self._thread = threading.get_ident()
         return super().trace(root, concrete_args)
@@ -236,7 +247,7 @@ def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
     # a forward that assigns to a buffer (self.n += 1) leaves the traced value (a Proxy) there:
     # the buffers are put back before the graph module takes its attributes from the model
     buffers = [(m, dict(m._buffers)) for m in model.modules()]
-    with _quiet():
+    with _quiet(), opaque_functions("inference"):
         tracer = _Tracer()
         try:
             graph = tracer.trace(model)
@@ -295,6 +306,29 @@ def _same(a, b) -> bool:
         return False
 
 
+def _names(code) -> set:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):  # nested functions and comprehensions
+            names |= _names(const)
+    return names
+
+
+def reads_training(model: torch.nn.Module) -> list[str]:
+    """Paths of the modules whose own forward (user code: not torch's or transformers', whose
+    dropout and batch norm the converted module follows) reads ``self.training``: a Python
+    branch on it is fixed in any captured graph."""
+    out = []
+    for path, m in model.named_modules():
+        forward = getattr(type(m), "forward", None)
+        code = getattr(forward, "__code__", None)
+        if code is None or type(m).__module__.startswith(("torch.", "transformers.")):
+            continue
+        if "training" in _names(code):
+            out.append(path or type(model).__name__)
+    return out
+
+
 def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     """Hooks on modules the graph does not call ran while the model was traced: what they
     compute is in the graph, but they do not run again (a hook that appends to a list, counts
@@ -304,12 +338,22 @@ def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None
               if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
                   or m._backward_pre_hooks)
               and not any(path == c or path.startswith(c + ".") for c in called)]
+    fast_path = [path for path, m in model.named_modules()
+                 if isinstance(m, torch.nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False)
+                 and not any(path == c or path.startswith(c + ".") for c in called)]
+    if fast_path:
+        warnings.warn(f"{', '.join(p or type(model).__name__ for p in fast_path[:3])} "
+                      "(nn.TransformerEncoder, enable_nested_tensor) runs PyTorch's nested-tensor "
+                      "fast path in eval under no_grad, which gives 0 at padded positions; the "
+                      "converted graph computes the standard path, whose values there are not 0 "
+                      "(real positions agree). Build it with enable_nested_tensor=False to compare "
+                      "outputs whole", UserWarning, stacklevel=5)
     if hooked:
         warnings.warn(f"hooks on {', '.join(hooked[:5])}{' ...' if len(hooked) > 5 else ''} of "
                       f"{type(model).__name__} ran while it was traced: what they compute is in "
                       "the converted graph, but they do not run on its calls (their Python side "
                       "effects, such as appending to a list, happened at conversion only)",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=5)
 
 
 def _keep_persistence(gm: torch.nn.Module, model: torch.nn.Module) -> None:
@@ -362,6 +406,9 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         gm.meta[CAPTURE] = name
         _keep_persistence(gm, model)
         _say_what_hooks_do(gm, work)
+        readers = reads_training(work)
+        if readers:
+            gm.meta[READS_TRAINING] = (tuple(readers), bool(work.training))
         if has_inputs:  # every call is checked against the arguments the graph was made with
             gm.call_signature = CallSignature(model, args, kwargs, gm)
             gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \

@@ -2,25 +2,30 @@
 
 torch.export (either mode) traces a custom Function's ``forward`` into ATen ops and drops its
 ``backward``: a straight-through estimator (round forward, identity backward) captured that way
-trains with zero gradients. While a training graph is captured, ``Function.apply`` of a user's
+trains with zero gradients. While a graph is captured (either tracer, any mode: an inference module still
+gives gradients to its inputs, for saliency maps and attacks), ``Function.apply`` of a user's
 Function (one not defined in torch) becomes a call of an op registered for it here
 (``mpgraph_fn::<name>_<n>``): its forward runs the Function's own forward, and its backward
 reruns the Function on the saved inputs and asks autograd for the gradients, so the Function's
 own ``backward`` is what computes them (one forward recomputed per backward, as activation
 checkpointing does). A Function whose call this cannot express (keyword arguments, arguments
 other than tensors and Python scalars, outputs other than one tensor) is a CaptureError naming
-it, never a silent loss of its backward.
+it in training, never a silent loss of its backward; in an inference capture its forward is
+traced as before, and a warning says the backward is not kept.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 
 import torch
 from torch.autograd.function import Function
 
 from mpgraph.errors import CaptureError
+
+log = logging.getLogger(__name__)
 
 _NAMESPACE = "mpgraph_fn"
 _LIB = None
@@ -33,6 +38,8 @@ _KINDS = {torch.Tensor: "Tensor", bool: "bool", int: "int", float: "float"}
 
 
 def _kind(value) -> str | None:
+    if isinstance(value, torch.fx.Proxy):  # symbolic_trace's stand-in for a tensor
+        return "Tensor"
     for t, name in _KINDS.items():
         if isinstance(value, t) and not (t is int and isinstance(value, bool)):
             return name
@@ -45,19 +52,28 @@ def _is_users(cls) -> bool:
 
 
 def _patched_apply(cls, *args, **kwargs):
-    if getattr(_capturing, "on", False) and _is_users(cls):
-        return _op_for(cls, args, kwargs)(*args)
+    mode = getattr(_capturing, "mode", None)
+    if mode is not None and _is_users(cls):
+        op = _op_for(cls, args, kwargs, strict=mode == "train")
+        if op is not None:
+            return op(*args)
     return _original_apply(cls, *args, **kwargs)
 
 
-def _op_for(cls, args: tuple, kwargs: dict):
+def _op_for(cls, args: tuple, kwargs: dict, strict: bool):
+    """The op standing for ``cls``'s calls with arguments of these kinds; None (an inference
+    capture) or a CaptureError (training) where the call is not one mpgraph can express."""
     kinds = tuple(_kind(a) for a in args)
     if kwargs or None in kinds or "Tensor" not in kinds:
+        why = (f"{cls.__qualname__}.apply is called with arguments mpgraph cannot keep as one op "
+               "(keyword arguments, or values other than tensors and Python scalars)")
+        if not strict:  # the forward's values are right either way; gradients through it are not
+            log.warning("%s: its forward is traced into the graph and its backward is lost "
+                        "(gradients taken through the converted module differ there)", why)
+            return None
         raise CaptureError({"custom autograd.Function": (
-            f"{cls.__qualname__}.apply is called with arguments mpgraph cannot keep as one op "
-            "(keyword arguments, or values other than tensors and Python scalars): its backward "
-            "would be lost in training. Call it with positional tensors and scalars, or keep it "
-            "out of the converted graph (convert the parts around it)")})
+            f"{why}: its backward would be lost in training. Call it with positional tensors "
+            "and scalars, or keep it out of the converted graph (convert the parts around it)")})
     key = (cls, kinds)
     with _REGISTRY_LOCK:
         if key not in _OPS:
@@ -119,20 +135,21 @@ _patches = 0  # captures inside opaque_functions, in any thread (Function.apply 
 
 
 @contextlib.contextmanager
-def opaque_functions():
+def opaque_functions(mode: str = "train"):
     """Inside it, a user's autograd.Function called in this thread is one op (see above); in
-    other threads, meanwhile, Function.apply does what it always does."""
+    other threads, meanwhile, Function.apply does what it always does. ``mode``: "train" (a
+    call that cannot be one op is a CaptureError) or "inference" (it is traced as before, said)."""
     global _patches
-    before = getattr(_capturing, "on", False)
+    before = getattr(_capturing, "mode", None)
     with _REGISTRY_LOCK:
         if _patches == 0:
             Function.apply = classmethod(_patched_apply)
         _patches += 1
-    _capturing.on = True
+    _capturing.mode = mode
     try:
         yield
     finally:
-        _capturing.on = before
+        _capturing.mode = before
         with _REGISTRY_LOCK:
             _patches -= 1
             if _patches == 0:

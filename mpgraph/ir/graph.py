@@ -230,12 +230,21 @@ def seeded():
         yield
 
 
+def written_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters a forward writes in place: an embedding with ``max_norm`` renormalises the
+    rows it looks up, on every call."""
+    return [m.weight for m in module.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            and m.max_norm is not None and isinstance(m.weight, torch.Tensor)]
+
+
 @contextlib.contextmanager
 def state_kept(module: torch.nn.Module):
-    """Buffers the run writes into (running statistics, counters) are put back afterwards: every
-    run conversion makes starts from the model's state, as the reference run did."""
-    saved = [(b, b.clone()) for b in module.buffers()]  # (kernels that update running
-    try:                                                 # statistics do not bump _version)
+    """Buffers the run writes into (running statistics, counters), and parameters a forward
+    writes (``written_parameters``), are put back afterwards: every run conversion makes starts
+    from the model's state, as the reference run did, and leaves it so."""
+    saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)]
+    try:  # (kernels that update running statistics do not bump _version)
         yield
     finally:
         with torch.no_grad():

@@ -30,6 +30,9 @@ CONSTANT_INPUTS = "mpgraph.constant_inputs"
 # on gm.meta: what an inference conversion of a model in eval mode removed that training would
 # need (PruneForInference: "3 dropout ops"); .train() on the converted module warns with it
 EVAL_ONLY = "mpgraph.eval_only"
+# on gm.meta: (module paths whose own forward reads self.training, the flag at capture), written
+# by capture: a Python branch on it is fixed in the graph, and .train()/.eval() say so
+READS_TRAINING = "mpgraph.reads_training"
 CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckDtypes' value check
 # node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that
 # run (passes.calibrate.Observation). Calibrate takes the example batch from it, then drops it

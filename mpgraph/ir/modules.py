@@ -6,6 +6,7 @@ torch.export bakes the training flag into the graph (``aten.dropout(x, p, True)`
 """
 from __future__ import annotations
 
+import contextlib
 import marshal
 import re
 import warnings
@@ -13,6 +14,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 
 
 class TrainingBatchNorm(torch.nn.Module):
@@ -100,7 +102,9 @@ def _guard_function(code: bytes):
     import math
     import types
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-    namespace = {**SYMPY_INTERP, "math": math, "inf": float("inf")}
+    import builtins
+    # (dynamo, under torch.compile, reads the function's builtins from its globals)
+    namespace = {"__builtins__": builtins, **SYMPY_INTERP, "math": math, "inf": float("inf")}
     return types.FunctionType(marshal.loads(code), namespace, "_")
 
 
@@ -131,6 +135,11 @@ class CallSignature:
         self.varargs = any(p.kind == kinds.VAR_POSITIONAL for p in params)
         given = dict(zip(self.names, args), **kwargs)
         self.tensors = frozenset(n for n, v in given.items() if not _fixed(v))
+        # the structure of each argument that holds tensors in a container (a list of tensors,
+        # a dict batch): the graph takes exactly these items (torch.export flattens them)
+        # (as text: a TreeSpec object warns when copied, and a converted module is deepcopied)
+        self.structures = {n: _structure(v) for n, v in given.items()
+                           if n in self.tensors and not isinstance(v, torch.Tensor)}
         # the values the graph computes with: given non-tensor values, and absent defaults
         self.fixed = {n: v for n, v in given.items() if _fixed(v)}
         for p in params:
@@ -138,6 +147,9 @@ class CallSignature:
                     and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD):
                 self.fixed[p.name] = p.default
         self.absent = frozenset(p.name for p in params if p.name not in given)
+        # the model's own plain Python attributes (a temperature, a flag): traced as constants
+        self.attributes = {k: v for k, v in vars(model).items() if not k.startswith("_")
+                           and k != "training" and not isinstance(v, (torch.Tensor, torch.nn.Module))}
 
     def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Raise TypeError for a call the graph cannot honour; else the (args, kwargs) to call
@@ -152,6 +164,14 @@ class CallSignature:
             self._one(name, value)
         for name, value in kwargs.items():
             self._one(name, value)
+        if len(args) < len(self.tensors) or kwargs:
+            given = set(names[:len(args)]) | set(kwargs)
+            missing = sorted(self.tensors - given)
+            if missing:
+                raise TypeError(f"argument {missing[0]!r} was a tensor when {self.model} was "
+                                "converted and the converted graph computes with it: pass it "
+                                f"(or convert without it: one converted module per set of "
+                                "arguments)")
         if not kwargs and names[:len(args)] == self.graph_args:
             return args, kwargs
         given = dict(zip(names, args), **kwargs)
@@ -170,6 +190,14 @@ class CallSignature:
             if value is None:
                 raise TypeError(f"argument {name!r} was a tensor when {self.model} was converted "
                                 "and the converted graph computes with it: pass a tensor")
+            want = self.structures.get(name)
+            if want is not None and not isinstance(value, torch.Tensor) \
+                    and _structure(value) != want:
+                raise TypeError(
+                    f"argument {name!r} holds other items than when {self.model} was converted "
+                    f"(then: {want[1]}; now: {_structure(value)[1]}): the graph computes with "
+                    "the items it was captured with. Convert with an example of this structure "
+                    "(one converted module per structure)")
             return
         want = self.fixed.get(name, _NOT_GIVEN)
         if want is _NOT_GIVEN:
@@ -189,9 +217,20 @@ class CallSignature:
                 f"{way[0].upper()}{way[1:]}")
 
 
+def _structure(value) -> tuple[str, str]:
+    """(a container's pytree structure as text, the same in a few words: 'a list of 3',
+    "a dict with keys ['x', 'mask']")."""
+    spec = pytree.tree_structure(value)
+    kind = getattr(spec.type, "__name__", str(spec.type))
+    if spec.type is dict or kind in ("OrderedDict", "defaultdict"):
+        words = f"a {kind} with keys {list(spec.context)}"
+    else:
+        words = f"a {kind} of {spec.num_children}"
+    return str(spec), words
+
+
 def _fixed(value) -> bool:
     """A value the graph fixes at capture (no tensor in it)."""
-    from torch.utils import _pytree as pytree
     return not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
 
 
@@ -276,6 +315,17 @@ def refuse_hooks(gm: torch.fx.GraphModule) -> None:
             module.__dict__[method] = _NoHooks(path, method)
 
 
+@contextlib.contextmanager
+def pytree_copies_quiet():
+    """torch 2.13's pytree warns from copyreg whenever a TreeSpec is deep-copied (its own
+    deprecated LeafSpec check, nothing the caller did; torch.export and torch.onnx copy them):
+    kept off the user's screen."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
+                                category=FutureWarning)
+        yield
+
+
 class ConvertedModule(torch.fx.GraphModule):
     """The class of what capture and convert return: a GraphModule whose parameters carry the
     plan's dtypes (low ones for low nodes, float32 for the rest, read through the graph's
@@ -295,6 +345,55 @@ class ConvertedModule(torch.fx.GraphModule):
         new._tracer_cls = None  # torch.export's own tracer cannot re-trace a pickled module
         return new
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:  # the tensors assigned as they came: back to the dtypes the plan stored
+            self.restore_planned_dtypes()
+        return result
+
+    def restore_planned_dtypes(self, prefix: str = "") -> list[str]:
+        """Tensors (under ``prefix``) that were replaced by ones of another dtype or layout than
+        the plan stored (``load_state_dict(assign=True)``, a submodule swapped in) converted back
+        to the plan's; returns their paths."""
+        planned = self.__dict__.get("planned_tensors") or {}
+        fixed = []
+        for path, (dtype, channels_last) in planned.items():
+            if not path.startswith(prefix):
+                continue
+            owner_path, _, leaf = path.rpartition(".")
+            try:
+                owner = self.get_submodule(owner_path)
+            except AttributeError:
+                continue
+            t = owner._parameters.get(leaf, owner._buffers.get(leaf))
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            layout = torch.channels_last if channels_last and t.dim() == 4 else torch.preserve_format
+            if t.dtype != dtype or (channels_last and t.dim() == 4
+                                    and not t.is_contiguous(memory_format=torch.channels_last)):
+                data = t.detach().to(dtype=dtype, memory_format=layout)
+                if leaf in owner._parameters:
+                    owner._parameters[leaf] = torch.nn.Parameter(data, t.requires_grad)
+                else:
+                    owner._buffers[leaf] = data
+                fixed.append(path)
+        return fixed
+
+    def __setattr__(self, name, value):
+        if isinstance(value, torch.nn.Module) and name in self.__dict__.get("_modules", {}):
+            super().__setattr__(name, value)  # a submodule swapped in: in the plan's dtypes
+            self.restore_planned_dtypes(prefix=name + ".")
+            return
+        signature = self.__dict__.get("call_signature")
+        if signature is not None and name in signature.attributes \
+                and not _same(value, signature.attributes[name]):
+            warnings.warn(f"{signature.model}.{name} was {_shown(signature.attributes[name])} when "
+                          f"the model was converted, and the converted graph computes with that "
+                          f"value: setting it to {_shown(value)} here changes nothing. Set it on "
+                          "the model and convert again (or make it a tensor: register_buffer, "
+                          "read at run time)", UserWarning, stacklevel=2)
+        super().__setattr__(name, value)
+
     def __call__(self, *args, **kwargs):
         signature = self.__dict__.get("call_signature")
         if signature is not None:
@@ -308,6 +407,22 @@ class ConvertedModule(torch.fx.GraphModule):
             if not str(e).startswith("Guard failed"):
                 raise
             raise guard_error(self, str(e)) from None
+        except RuntimeError as e:  # a tensor put in place of a planned one, in another dtype?
+            changed = self.unplanned_tensors() if "dtype" in str(e) else []
+            if not changed:
+                raise
+            raise TypeError(
+                f"{', '.join(changed[:3])} {'is' if len(changed) == 1 else 'are'} not in the "
+                "dtype the plan stored (a tensor assigned after conversion?): load weights with "
+                "load_state_dict (which casts), or call module.restore_planned_dtypes() after "
+                f"assigning ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+    def unplanned_tensors(self) -> list[str]:
+        """Paths of parameters and buffers whose dtype is not the one the plan stored."""
+        planned = self.__dict__.get("planned_tensors") or {}
+        found = dict(self.named_parameters(remove_duplicate=False))
+        found.update(self.named_buffers(remove_duplicate=False))
+        return [p for p, (dtype, _) in planned.items() if p in found and found[p].dtype != dtype]
 
     def __copy__(self):
         new = type(self).wrap(self)
@@ -327,11 +442,7 @@ class ConvertedModule(torch.fx.GraphModule):
             "load_state_dict(torch.load('weights.pt')); copy.deepcopy works")
 
     def __deepcopy__(self, memo):
-        # torch 2.13's pytree warns from copyreg while copying the in/out specs (its own
-        # deprecated LeafSpec check, nothing the caller did): kept off the user's screen
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
-                                    category=FutureWarning)
+        with pytree_copies_quiet():
             return super().__deepcopy__(memo)
 
     def recompile(self):
@@ -359,14 +470,24 @@ class ConvertedModule(torch.fx.GraphModule):
                          "moves it")
 
     def train(self, mode: bool = True):
-        from mpgraph.ir.meta import EVAL_ONLY
-        removed = self.meta.get(EVAL_ONLY) if hasattr(self, "meta") else None
+        from mpgraph.ir.meta import EVAL_ONLY, READS_TRAINING
+        meta = self.__dict__.get("meta", {})
+        removed = meta.get(EVAL_ONLY)
+        readers, captured = meta.get(READS_TRAINING, ((), mode))
+        signature = self.__dict__.get("call_signature")
+        name = signature.model if signature is not None else type(self).__name__
         if mode and removed:
-            warnings.warn(f"{type(self).__name__}.train(): this module was converted for "
+            warnings.warn(f"{name}.train(): this module was converted for "
                           f"inference from a model in eval mode ({removed}, other reads of "
                           "self.training fixed at trace time): it keeps computing as in eval "
                           "mode. To train, convert with mpgraph.convert(model, ..., "
                           "mode='train')", UserWarning, stacklevel=2)
+        elif readers and mode != captured:
+            warnings.warn(f"{name}.{'train' if mode else 'eval'}(): the forward of "
+                          f"{', '.join(readers[:3])} reads self.training, and the graph keeps the "
+                          f"branch it took when captured in {'training' if captured else 'eval'} "
+                          "mode (dropout and batch norm do switch). Convert the model in the mode "
+                          "you run it in", UserWarning, stacklevel=2)
         return super().train(mode)
 
     def half(self):
@@ -409,15 +530,16 @@ def guard_error(module: torch.nn.Module, message: str) -> "InputMismatchError":
     elif static and int(static.group(3)) in (0, 1):
         why = (f"torch.export keeps a dimension that is {static.group(3)} in the example fixed "
                f"(dimension {static.group(2)} of {static.group(1)}): convert with an example "
-               "larger than 1 there (converted at batch 2, the module runs at any batch size)")
+               "larger than 1 there to run other sizes")
     elif static:
         why = (f"The model's code fixed dimension {static.group(2)} of {static.group(1)} at the "
                f"example's {static.group(3)} (a layer's size, a reshape, a check of its own): "
                "convert with an example of the size you call it with")
     else:
-        why = ("The model's Python code branches on this size (if x.shape[0] == 1: ...), so "
-               "the graph computes the branch the example took: convert with an example on "
-               "the side of the branch you call (one converted module per branch)")
+        why = ("The code the graph was traced through branches on this size (the model's own, "
+               "or a library's it calls: if x.shape[0] == 1: ...), and the graph holds the "
+               "branch the example took: convert with an example of the size you call it with "
+               "(one converted module per branch)")
     return InputMismatchError(head + why)
 
 

@@ -10,6 +10,7 @@ the weights are large, and every check reads the file by path.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from mpgraph.ir.graph import as_call, target_name
 from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
 from mpgraph.ir.meta import dtype_name
+from mpgraph.ir.modules import pytree_copies_quiet
 from mpgraph.plans.plan import Plan
 from mpgraph.tools.onnx_check import OrtRunError
 
@@ -174,9 +176,10 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
         # optimised here, as torch.onnx does with optimize=True: onnxscript's optimizer, then
         # its ONNX fusions (RMSNormalization, RotaryEmbedding, GQA at opset 23), keeping the
         # unfused graph (a clone sharing the weights) for a runtime that fails on a fused op
-        program = torch.onnx.export(converted, args, kwargs=kwargs or None, dynamo=True,
-                                    opset_version=opset, dynamic_shapes=dynamic_shapes,
-                                    output_names=names, optimize=False, verbose=False)
+        with pytree_copies_quiet(), _exporter_quiet():
+            program = torch.onnx.export(converted, args, kwargs=kwargs or None, dynamo=True,
+                                        opset_version=opset, dynamic_shapes=dynamic_shapes,
+                                        output_names=names, optimize=False, verbose=False)
         model, unfused, fused = program.model, None, {}
         if not tiny:
             import onnxscript.optimizer
@@ -203,6 +206,22 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
                           f"  torch.onnx.export(dynamo=True): {reason}\n"
                           f"  torch.onnx.export(dynamo=False): {_brief(ts_error)}") from ts_error
     return Exported(model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: {reason}]")
+
+
+@contextlib.contextmanager
+def _exporter_quiet():
+    """torch.onnx's exporter logs a warning per op library it does not find (torchvision) and
+    per fallback it considers: kept off the screen unless mpgraph's debug logging is on."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @dataclass
