@@ -564,3 +564,251 @@ def test_the_guard_returns_outputs_float32_would_give_as_inf():
         warnings.simplefilter("error")
         with torch.no_grad():
             assert torch.isinf(fast(huge)).any()
+
+
+# -- a second battery's findings (an adversarial probe of this module's first version) ------
+
+class HalfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class Saliency(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(HalfGrad.apply(self.a(x)))
+
+
+def test_input_gradients_through_an_inference_conversion_keep_a_custom_backward():
+    torch.manual_seed(0)
+    model = Saliency().eval()
+    fast = mpgraph.convert(model, _x(4, 16), dtype="fp16", target=GPU, strategy="rules")
+    ours, theirs = _x(6, 16, seed=1).requires_grad_(), _x(6, 16, seed=1).requires_grad_()
+    fast(ours).sum().backward()
+    model(theirs).sum().backward()
+    assert relative_l2(ours.grad, theirs.grad) < 1e-2  # 3.0: the backward lost
+
+
+class SeqThreshold(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if x.shape[1] > 8:
+            x = x[:, -8:]
+        return self.fc(x).mean(1)
+
+
+def test_torch_compile_of_an_export_route_module():
+    torch.manual_seed(0)
+    model, x = SeqThreshold().eval(), _x(2, 16, 16)
+    fast = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
+    assert fast.plan.capture == "torch.export"
+    compiled = torch.compile(fast, backend="eager")  # dynamo through the module and its guard
+    with torch.no_grad():
+        assert relative_l2(compiled(_x(3, 20, 16, seed=1)), model(_x(3, 20, 16, seed=1))) < 5e-3
+
+
+class ListArg(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, xs):
+        return sum(self.fc(x) for x in xs)
+
+
+class DictBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, batch):
+        y = self.fc(batch["x"])
+        return y * batch["mask"][:, None] if "mask" in batch else y
+
+
+def test_containers_with_other_items_than_at_conversion_are_refused():
+    torch.manual_seed(0)
+    fast = mpgraph.convert(ListArg().eval(), ([_x(2, 16, seed=i) for i in range(3)],),
+                           dtype="fp16", target=GPU, strategy="rules")
+    with pytest.raises(TypeError, match=r"argument 'xs' holds other items than when ListArg was "
+                                        r"converted \(then: a list of 3; now: a list of 5\)"):
+        fast([_x(2, 16, seed=i) for i in range(5)])
+    batch = {"x": _x(4, 16)}
+    fast = mpgraph.convert(DictBatch().eval(), (batch,), dtype="fp16", target=GPU, strategy="rules")
+    with pytest.raises(TypeError, match=r"then: a dict with keys \['x'\]; now: a dict with keys "
+                                        r"\['x', 'mask'\]"):
+        fast({"x": _x(4, 16), "mask": torch.ones(4)})
+    with pytest.raises(mpgraph.CaptureError, match=r"a forward that takes one dict \(a batch\) "
+                                                   r"is given it as \(batch,\)"):
+        mpgraph.convert(DictBatch().eval(), batch, dtype="fp16", target=GPU)
+
+
+def test_a_captured_tensor_argument_left_out_and_an_attribute_set_later_are_said():
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(hidden_size=64, num_hidden_layers=1,
+                                                     num_attention_heads=4, intermediate_size=128,
+                                                     vocab_size=100)).eval()
+    ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    fast = mpgraph.convert(model, example_kwargs={"input_ids": ids, "labels": torch.tensor([0, 1, 0, 1])},
+                           dtype="fp16", target=GPU)
+    with pytest.raises(TypeError, match=r"argument 'labels' was a tensor when "
+                                        r"BertForSequenceClassification was converted"):
+        fast(input_ids=ids)
+
+    class Temperature(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.temperature = nn.Linear(16, 10), 1.0
+
+        def forward(self, x):
+            return self.fc(x) / self.temperature
+
+    scaled = mpgraph.convert(Temperature().eval(), _x(4, 16), dtype="fp16", target=GPU)
+    with pytest.warns(UserWarning, match=r"Temperature\.temperature was 1\.0 when the model was "
+                                         r"converted.*setting it to 2\.0 here changes nothing"):
+        scaled.temperature = 2.0
+
+
+class TrainBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y if self.training else y.softmax(-1)
+
+
+def test_a_python_branch_on_self_training_warns_when_the_mode_changes():
+    torch.manual_seed(0)
+    fast = mpgraph.convert(TrainBranch().train(), _x(4, 16), dtype="bf16", target=GPU,
+                           strategy="rules", mode="train")
+    with pytest.warns(UserWarning, match=r"TrainBranch\.eval\(\): the forward of TrainBranch reads "
+                                         r"self\.training.*captured in training mode"):
+        fast.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast.train()  # back to the mode it was captured in: nothing to say
+
+
+def test_conversion_leaves_parameters_a_forward_writes_as_they_were():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16, max_norm=1.0), nn.Linear(16, 8)).eval()
+    before = model[0].weight.detach().clone()
+    fast = mpgraph.convert(model, torch.randint(0, 50, (2, 6)), dtype="fp16", target=GPU,
+                           strategy="rules")
+    assert torch.equal(model[0].weight, before)
+    assert torch.equal(fast.get_submodule("0").weight, before)  # conversion's runs put back
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_weights_assigned_after_conversion_take_the_plan_s_dtypes_or_are_named():
+    torch.manual_seed(0)
+    x = _x(4, 32)
+    fast = mpgraph.convert(TwoLayer().eval(), x, dtype="fp16", target=GPU, strategy="rules")
+    other = TwoLayer().eval()
+    fast.load_state_dict(other.state_dict(), assign=True)
+    with torch.no_grad():
+        assert relative_l2(fast(x), other(x)) < 5e-3
+        head = nn.Linear(64, 32)
+        other.fc2 = copy.deepcopy(head)
+        fast.fc2 = head  # a submodule swapped in
+        assert fast.fc2.weight.dtype == torch.float16
+        assert relative_l2(fast(x), other(x)) < 5e-3
+        fast.fc2.weight = nn.Parameter(torch.randn(32, 64))
+        with pytest.raises(TypeError, match=r"fc2\.weight is not in the dtype the plan stored .*"
+                                            r"restore_planned_dtypes\(\)"):
+            fast(x)
+        assert fast.restore_planned_dtypes() == ["fc2.weight"]
+        fast(x)
+
+
+def test_a_tied_weight_written_through_data_is_refreshed_by_reloading_the_state_dict():
+    """Writes through .data bypass autograd's version counter, which the low copy of a tied
+    weight is refreshed by: reloading the converted module's own state dict refreshes it."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.h = nn.Embedding(50, 16), nn.Linear(16, 16)
+            self.out = nn.Linear(16, 50, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, i):
+            return self.out(torch.relu(self.h(self.emb(i))))
+
+    model = Tied().eval()
+    fast = mpgraph.convert(model, ids, dtype="fp16", target=GPU, strategy="rules")
+    with torch.no_grad():
+        model.emb.weight.data.mul_(2.0)
+        fast.emb.weight.data.mul_(2.0)
+        fast.load_state_dict(fast.state_dict())
+        assert relative_l2(fast(ids), model(ids)) < 5e-3
+
+
+def test_transformer_encoder_s_nested_tensor_fast_path_is_said():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    encoder = nn.TransformerEncoder(layer, 2).eval()
+    padding = torch.zeros(2, 10, dtype=torch.bool)
+    padding[1, 6:] = True
+    with pytest.warns(UserWarning, match=r"nested-tensor fast path .* gives 0 at padded positions"):
+        mpgraph.convert(encoder, (_x(2, 10, 32),), example_kwargs={"src_key_padding_mask": padding},
+                        dtype="fp16", target=GPU, strategy="rules")
+
+
+class VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, *xs):
+        return torch.stack([self.fc(x) for x in xs]).sum(0)
+
+
+def test_a_star_args_forward_converts():
+    torch.manual_seed(0)
+    xs = tuple(_x(2, 16, seed=i) for i in range(3))
+    assert_right(VarArgs().eval(), xs, [(tuple(_x(5, 16, seed=i) for i in range(3)), {})])
+
+
+def test_multihead_attention_exports_to_onnx_with_its_softmax_float32(tmp_path):
+    pytest.importorskip("onnxruntime")
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(64, 4, batch_first=True)
+
+        def forward(self, x, padding):
+            return self.mha(x, x, x, key_padding_mask=padding, need_weights=True)
+
+    torch.manual_seed(0)
+    padding = torch.zeros(2, 10, dtype=torch.bool)
+    padding[1, 7:] = True
+    result = mpgraph.export_onnx(Attend().eval(), (_x(2, 10, 64), padding), tmp_path / "m.onnx",
+                                 dtype="fp16", target=GPU, strategy="rules")
+    assert max(result.validation.err_vs_fp32) < 5e-3
+    assert not result.validation.stats.low_fp32_ops
