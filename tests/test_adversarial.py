@@ -812,3 +812,38 @@ def test_multihead_attention_exports_to_onnx_with_its_softmax_float32(tmp_path):
                                  dtype="fp16", target=GPU, strategy="rules")
     assert max(result.validation.err_vs_fp32) < 5e-3
     assert not result.validation.stats.low_fp32_ops
+
+
+class FlipsLong(nn.Module):
+    """A branch on a size other than 1: its effect does not show at size 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if x.shape[1] > 8:
+            x = x.flip(1)
+        return self.fc(x)
+
+
+def test_guards_on_a_size_of_1_are_waived_only_where_the_model_agrees_at_size_1():
+    import transformers as t
+    torch.manual_seed(0)
+    gpt2 = t.GPT2Model(t.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+                                    n_positions=64)).eval()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast = mpgraph.convert(gpt2, ids, dtype="fp16", target=GPU)
+    convnext = t.ConvNextModel(t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
+                                                num_stages=2)).eval()
+    conv = mpgraph.convert(convnext, _x(2, 3, 32, 32), dtype="fp16", target=GPU)
+    with torch.no_grad():  # transformers' mask code and the conv's memory format: harmless at 1
+        for one in (ids[:1], ids[:1, :1], ids[1:, :5]):
+            want = gpt2(one, use_cache=False).last_hidden_state
+            assert relative_l2(fast(one).last_hidden_state, want) < 5e-3
+        image = _x(1, 3, 48, 48, seed=1)
+        assert relative_l2(conv(image).last_hidden_state, convnext(image).last_hidden_state) < 5e-3
+    flips = mpgraph.convert(FlipsLong().eval(), _x(2, 16, 16), dtype="fp16", target=GPU,
+                            strategy="rules")
+    with pytest.raises(mpgraph.InputMismatchError, match=r"x\.size\(\)\[1\] >= 9"):
+        flips(_x(2, 4, 16))  # a guard on > 8 is never waived: flipped at 16, not at 4

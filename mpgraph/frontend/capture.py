@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import io
 import logging
+import re
 import threading
 import warnings
 from typing import Any, Optional
@@ -22,7 +23,8 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import CaptureError
 from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
-from mpgraph.ir.graph import EXPORT_GUARD, as_call, fresh, seeded, state_kept
+from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, run_recording,
+                              seeded, state_kept)
 from mpgraph.ir.meta import CAPTURE, OBSERVED, READS_TRAINING, STATIC_SHAPES
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 
@@ -292,6 +294,68 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
     return None
 
 
+def _narrowed(args: tuple, kwargs: dict, dim: int):
+    """The inputs with dimension ``dim`` of every tensor that shares the first tensor's size
+    there (> 1: a batch, a sequence) cut to 1, or None where there is none."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    size = next((t.shape[dim] for t in tensors if t.dim() > dim), 1)
+    if size <= 1:
+        return None
+    return pytree.tree_map(lambda t: t.narrow(dim, 0, 1).clone() if isinstance(t, torch.Tensor)
+                           and t.dim() > dim and t.shape[dim] == size else t, (args, kwargs))
+
+
+# guards that exclude exactly a size of 1 (and 0): what a run at size 1 can show harmless
+_SIZE_ONE = re.compile(r"\.size\(\)\[\d+\] (!= 1|> 1|>= 2)$")
+
+
+def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
+                           kwargs: dict) -> None:
+    """A guard on a size of 1 (batch 1, sequence 1) that the graph computes right without is
+    waived: the model run eagerly at that size and the graph run past the guard agree. Such
+    guards come from library code that branches on a size of 1 to no effect (transformers'
+    mask expansion, the memory format PyTorch's convolution picks); one on a branch of the
+    model's that changes the answer stays (if x.shape[0] == 1: ...)."""
+    from mpgraph.frontend.fake import is_abstract
+    guard = getattr(gm, EXPORT_GUARD, None)
+    if not isinstance(guard, InputGuard) or any(
+            isinstance(t, torch.Tensor) and is_abstract(t) for t in pytree.tree_leaves((args, kwargs))):
+        return  # (a model without values cannot show what it computes: its guards stay)
+    for dim in (0, 1):
+        variant = _narrowed(args, kwargs, dim)
+        if variant is None:
+            continue
+        small_args, small_kwargs = variant
+        before = guard.waived
+        try:
+            failed = [m for m in guard.failures(*flat_inputs(gm, small_args, small_kwargs))
+                      if m not in before]
+            if not failed or not all(_SIZE_ONE.search(m) for m in failed):
+                continue  # (a guard that excludes other sizes than 1 is not tested here)
+            with torch.no_grad(), seeded(), state_kept(model):
+                want = model(*fresh(small_args), **fresh(small_kwargs))
+            guard.waive(failed)
+            got = gm.graph.process_outputs(run_recording(gm, small_args, small_kwargs,
+                                                         lambda node, value: None))
+        except Exception as e:  # noqa: BLE001 - the guards stay as they were
+            log.debug("guards at size 1 of dimension %d stay: %s", dim, _brief(e))
+            guard.waived = before
+            guard.waive(())
+            continue
+        agree = _same_leaves(want, got)
+        if not agree:
+            guard.waived = before
+            guard.waive(())
+        log.info("%s at size 1 of dimension %d: %s", "; ".join(failed), dim,
+                 "waived (the graph computes what the model does there)" if agree
+                 else "kept (the model computes something else there)")
+
+
+def _same_leaves(a, b) -> bool:
+    la, lb = leaves(a), leaves(b)
+    return len(la) == len(lb) and all(_same(x, y) for x, y in zip(la, lb))
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype and \
@@ -403,6 +467,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
                 reports[name] = f"traced, but the graph is not the model on the example inputs: {parted}"
                 log.info("%s", reports[name])
                 continue
+            if name == EXPORT and dynamic:
+                _waive_harmless_guards(gm, work, args, kwargs)
         gm.meta[CAPTURE] = name
         _keep_persistence(gm, model)
         _say_what_hooks_do(gm, work)

@@ -63,20 +63,33 @@ class DropoutRate(torch.nn.Module):
 
 class InputGuard(torch.nn.Module):
     """torch.export's input guard (its ``_guards_fn``: the asserts on input shapes the graph was
-    captured under), as a module that pickles (``torch.save`` of a converted module) and calls
-    the assert function directly: export's own holds a closure made for dynamo, which cannot be
-    pickled. The function is kept as its marshalled code and rebuilt in the namespace torch.export
-    builds it in."""
+    captured under), as a module that pickles and calls the assert function directly: export's
+    own holds a closure made for dynamo. The function is kept as its marshalled code and rebuilt
+    in the namespace torch.export builds it in, with a ``torch`` whose ``_assert`` passes the
+    ``waived`` conditions: the ones capture verified the graph computes right without (a branch
+    on a size of 1 in library code that changes nothing: transformers' mask expansion, the
+    memory format PyTorch's convolution picks)."""
 
     _is_impure = True  # a call with no users that must stay (fx's dead-code elimination)
 
-    def __init__(self, fn):
+    def __init__(self, fn, waived: frozenset = frozenset()):
         super().__init__()
         self.code = marshal.dumps(fn.__code__)
-        self.check = _guard_function(self.code)
+        self.waived = frozenset(waived)
+        self.check = _guard_function(self.code, _Asserts(self.waived))
 
     def forward(self, *args):
         return self.check(*args)
+
+    def failures(self, *args) -> list[str]:
+        """Every condition these inputs break (the messages, "Guard failed: ..."), waived or not."""
+        found = _Asserts(frozenset(), collect=[])
+        _guard_function(self.code, found)(*args)
+        return found.collect
+
+    def waive(self, messages) -> None:
+        self.waived = self.waived | frozenset(messages)
+        self.check = _guard_function(self.code, _Asserts(self.waived))
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -85,7 +98,7 @@ class InputGuard(torch.nn.Module):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.check = _guard_function(self.code)
+        self.check = _guard_function(self.code, _Asserts(self.waived))
 
     @classmethod
     def of(cls, guards: torch.nn.Module) -> Optional["InputGuard"]:
@@ -98,13 +111,33 @@ class InputGuard(torch.nn.Module):
         return None
 
 
-def _guard_function(code: bytes):
+class _Asserts:
+    """``torch`` as the guard code sees it: ``_assert`` raises for conditions not waived (or
+    collects them), every other name is torch's."""
+
+    def __init__(self, waived: frozenset, collect: Optional[list] = None):
+        self.waived, self.collect = waived, collect
+
+    def _assert(self, condition, message):
+        if condition or message in self.waived:
+            return
+        if self.collect is not None:
+            self.collect.append(message)
+            return
+        raise AssertionError(message)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _guard_function(code: bytes, asserts: _Asserts):
+    import builtins
     import math
     import types
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-    import builtins
     # (dynamo, under torch.compile, reads the function's builtins from its globals)
-    namespace = {"__builtins__": builtins, **SYMPY_INTERP, "math": math, "inf": float("inf")}
+    namespace = {"__builtins__": builtins, **SYMPY_INTERP, "math": math, "inf": float("inf"),
+                 "torch": asserts}
     return types.FunctionType(marshal.loads(code), namespace, "_")
 
 
