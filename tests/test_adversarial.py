@@ -847,3 +847,31 @@ def test_guards_on_a_size_of_1_are_waived_only_where_the_model_agrees_at_size_1(
                             strategy="rules")
     with pytest.raises(mpgraph.InputMismatchError, match=r"x\.size\(\)\[1\] >= 9"):
         flips(_x(2, 4, 16))  # a guard on > 8 is never waived: flipped at 16, not at 4
+
+
+def test_attention_onnxruntime_cannot_run_at_opset_23_exports_at_opset_18(tmp_path):
+    """onnxruntime 1.31 rejects opset 23's Attention with a key-padding mask broadcast over the
+    queries: the file is written at opset 18 (attention decomposed, softmax float32), and says so."""
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(64, 4, batch_first=True)
+
+        def forward(self, x, padding):
+            return self.mha(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model, padding = Attend().eval(), torch.zeros(2, 10, dtype=torch.bool)
+    padding[1, 7:] = True
+    result = mpgraph.export_onnx(model, (_x(2, 10, 64), padding), tmp_path / "m.onnx",
+                                 dtype="fp16", target=GPU, strategy="rules")
+    assert result.opset == 18 and any("opset 18" in f and "Attention" in f for f in result.fallbacks)
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    x = _x(2, 10, 64, seed=1)
+    out = session.run(None, {session.get_inputs()[0].name: x.numpy(),
+                             session.get_inputs()[1].name: padding.numpy()})[0]
+    with torch.no_grad():
+        assert relative_l2(out, model(x, padding)) < 5e-3

@@ -362,7 +362,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         while True:
             with stage("export"):
                 exported = _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir)
-            exporter = exported.how
+            exporter = exported.how + (f" at opset {opset}" if fallbacks and opset == 18 else "")
             try:
                 result = write(exported, converted)
                 break
@@ -382,6 +382,15 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                     except OrtRunError as again:
                         fallbacks.pop()
                         failed = again
+                if _failing_op(failed) == "Attention" and opset > 18:
+                    # opset 23's Attention op, which onnxruntime cannot run as exported (1.31:
+                    # a key-padding mask broadcast over the queries): opset 18's decomposed
+                    # attention, its softmax read in float32 (onnx_passes)
+                    fallbacks.append(f"exported at opset 18, attention as MatMul and Softmax: "
+                                     f"{failed}")
+                    log.warning("%s", fallbacks[-1])
+                    opset = 18
+                    continue
                 pins = _runtime_pins(converted.plan)
                 if not pins or reference is None:
                     way = (f"; convert it with overrides={{{', '.join(repr(p) + ': ' + repr('fp32') for p in pins)}}} "
@@ -412,6 +421,12 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
 RUNTIME_FP32_OPS = ("nn.GRU", "nn.LSTM", "nn.RNN", "aten.gru", "aten.lstm", "aten.rnn_tanh",
                     "aten.rnn_relu")
 _RUNTIME_PIN_WHY = "onnxruntime could not run them in low precision"
+
+
+def _failing_op(error: Exception) -> Optional[str]:
+    """The op type onnxruntime names in a failure ("... while running Attention node ...")."""
+    found = re.search(r"running (\w+) node", str(error))
+    return found.group(1) if found else None
 
 
 def _runtime_pins(plan: Plan) -> list[str]:
