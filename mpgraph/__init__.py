@@ -14,7 +14,7 @@ The package follows the data flow; no public name here is also the name of a mod
 - ``mpgraph.tools``: reports, ONNX export and validation, profiling, loading weights
 - ``mpgraph.api``: ``convert`` and ``plan``, which drive the stages; ``mpgraph.cli``: the command
 """
-from mpgraph.api import convert, plan, resolve_dtype
+from mpgraph.api import calibrate, convert, plan, resolve_dtype
 from mpgraph.errors import (CalibrationError, CaptureError, ConversionError, ExportError,
                             InputMismatchError, MpgraphError, PassError, PlanMismatchError,
                             ToleranceError)
@@ -51,7 +51,7 @@ def ort_session(*args, **kwargs):
 
 
 __version__ = "0.1.0"
-__all__ = ["convert", "plan", "load_weights", "capture", "resolve_dtype", "Plan", "NodeRecord",
+__all__ = ["convert", "plan", "calibrate", "load_weights", "capture", "resolve_dtype", "Plan", "NodeRecord",
            "CastRecord", "OpTable", "OpEntry", "Pass", "PassResult", "run_passes", "CaptureError",
            "ConversionError", "PassError", "MpgraphError", "ExportError", "CalibrationError",
            "ToleranceError", "PlanMismatchError", "InputMismatchError", "report", "diff", "PlanDiff", "export_onnx",

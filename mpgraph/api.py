@@ -13,15 +13,18 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mpgraph.frontend.capture import capture
-from mpgraph.cost.device import auto_dtype, range_dtype, resolve_target
+from mpgraph.cost.device import resolve_target
+from mpgraph.cost.measured import CostTable, Measured, emulated, measure
+from mpgraph.cost.model import CostModel
+from mpgraph.cost.roofline import RUNTIMES, Roofline, read_calibration
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import deferred_recompile, run_passes, stage
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
 from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm, WeightCopies, refuse_hooks
-from mpgraph.ir.meta import (CONSTANT_INPUTS, REFERENCE, TENSOR, dtype_name, is_float32_tensor,
-                             shape_of)
+from mpgraph.ir.meta import (CONSTANT_INPUTS, PRECISION, REFERENCE, TENSOR, dtype_name,
+                             is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
 from mpgraph.frontend.fake import (Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors,
@@ -62,14 +65,15 @@ def _needs_inputs(model: torch.nn.Module) -> bool:
 
 
 def convert(model: torch.nn.Module, example_inputs: Any = None, *,
-            dtype: Union[str, torch.dtype] = torch.float16,
+            dtype: Union[None, str, torch.dtype] = None,
             example_kwargs: Optional[dict] = None, keep_io_types: bool = True,
             target: Union[None, str, DeviceSpec] = None, strategy: str = "optimal",
             op_table: Optional[Union[OpTable, dict]] = None,
             overrides: Optional[dict] = None, check: Union[bool, str] = True,
             calibration: Optional[Iterable] = None, tolerance: Optional[float] = None,
             progress: Optional[bool] = None, plan: Optional[Plan] = None,
-            mode: str = "inference", dynamic: bool = True) -> torch.fx.GraphModule:
+            mode: str = "inference", dynamic: bool = True, costs: Optional[CostModel] = None,
+            runtime: str = "eager") -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
     The example inputs are run once to learn every value's shape and dtype (and once more to
@@ -78,9 +82,14 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     graphs up to 20 GFLOP per batch, ``check="values"`` always, ``check="dtypes"`` never). ``target`` is the device to plan for: None for this machine,
     or a name ("h100", "a100", "t4", "cpu", ...). ``strategy="optimal"`` minimises the estimated
     time on it exactly (min-cut over node and cast costs); ``"rules"`` is the list-based decision.
-    ``dtype="auto"`` picks the low dtype the target is fast at, or keeps float32 where low
-    precision is slower; on GPUs that run fp16 and bf16 alike it picks fp16 and computes the
-    nodes fp16's range keeps out of fp16 in bf16 instead of float32. ``op_table`` extends the built-in op classes (a dict from module type /
+    ``dtype`` None (the default, or "auto") picks, by the cost model, the low dtype the plan is
+    fastest in on the target among those it has (fp16, bf16), per node where it pays and float32
+    where it does not (bf16 matmuls on an AMX CPU; fp16 on a GPU, with bf16 for the nodes
+    fp16's range keeps out); a dtype named forces that one, still only where it pays, and the
+    plan says what stayed float32 and why. ``costs``: the cost model (``mpgraph.cost``): by
+    default this machine's measured op times when the target is this machine, else the
+    target's roofline (``runtime="eager"``, the default, charges each node the host time an
+    eager run costs; ``"graphs"``, for CUDA graphs and torch.compile, does not). ``op_table`` extends the built-in op classes (a dict from module type /
     function / method name / ATen op to a class name or OpEntry); ``overrides`` maps node names
     or module-path globs to "fp32" or the low dtype. The caller's model is never modified.
 
@@ -131,14 +140,14 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     if plan is not None:
         low, keep_fp32 = plan.dtype, plan.kept_fp32
         second = next((getattr(torch, r.dtype) for r in plan.range_nodes), None)
-    elif isinstance(dtype, str) and dtype.lower() == "auto":
-        low, why = auto_dtype(spec)
-        if low is None:
-            low, keep_fp32 = torch.bfloat16, why
-        second = range_dtype(spec, low)
-        log.info("dtype auto on %s: %s", spec.name, why)
+    elif dtype is None or isinstance(dtype, str) and dtype.lower() == "auto":
+        low = None  # the cost model picks it, once the graph is captured
     else:
         low = resolve_dtype(dtype)
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    if costs is not None and not isinstance(costs, CostModel):
+        raise TypeError(f"costs must be an mpgraph.cost CostModel, got {type(costs).__name__}")
     if example_inputs is None and example_kwargs is None and _needs_inputs(model):
         raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
                          "arguments) to learn which values are float32 and their shapes")
@@ -157,14 +166,16 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              "or convert the materialised model)")
         abstract = Abstract(trace_device(spec))
         args, kwargs = abstract.fake_inputs(args, kwargs)  # once: capture and the passes share them
+    here = target is None or isinstance(target, str) and target.lower() in ("cpu", "cuda")
     options = Options(low, second, keep_fp32, spec, strategy, keep_io_types, table,
-                      dict(overrides or {}), check, calibration, tolerance, progress, plan, train)
+                      dict(overrides or {}), check, calibration, tolerance, progress, plan, train,
+                      costs, runtime, here and abstract is None)
     with stage("capture"):
         gm = capture(model, args, kwargs, export_only=train, abstract=abstract, dynamic=dynamic,
                      observe=True)  # Calibrate takes the example batch from capture's run
     # the passes and the tolerance search read graphs, not code: regenerated once, at the end
     with fake_mode(abstract), deferred_recompile():
-        gm, report = _convert_captured(gm, model, args, kwargs, options)
+        gm, report, low, keep_fp32, chosen = _convert_captured(gm, model, args, kwargs, options)
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
     if not train and model.training and follows_training_flag(gm):
         warnings.warn(f"{type(model).__name__} is in training mode and is converted for inference: "
@@ -178,8 +189,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         if real:  # buffers built for real beside meta parameters: cast as the plan stored them
             load_weights(gm, real, device=abstract.device, strict=False)
     record = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
-                             kept_fp32=keep_fp32, mode=mode, tolerance=report)
-    if plan is None and keep_fp32 is None:  # an explicit dtype (auto says why in kept_fp32)
+                             kept_fp32=keep_fp32, mode=mode, tolerance=report, dtype_choice=chosen)
+    if plan is None and options.low is not None:  # a dtype the user named
         record = dataclasses.replace(record, warning=little_converted(record, spec))
         if record.warning:
             warnings.warn(record.warning, UserWarning, stacklevel=2)
@@ -262,7 +273,7 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
             key = {"float16": "fp16", "bfloat16": "bf16"}[low]
             rate = (f": this CPU runs {low} matmul at {spec.peak[key] / spec.peak['fp32']:.2f}x "
                     f"float32, {spec.source}")
-        why.append(f"{len(slower)} are slower in {low} there{rate}")
+        why.append(f"{len(slower)} are not faster in {low} there{rate}")
     if casts:
         why.append(f"{len(casts)} are too small to pay for their casts")
     if safety:
@@ -300,6 +311,32 @@ def calibration_warning(plan: Plan, constant: tuple) -> Optional[str]:
             "non-finite at run time")
 
 
+def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
+              example_kwargs: Optional[dict] = None, budget_s: float = 120.0) -> CostTable:
+    """Measure ``model``'s ops on this machine afresh (each distinct op, shape and dtype, and the
+    casts of its values; see ``mpgraph.cost.measured``), replacing what the cache held for
+    them; returns the machine's cost table (``.format()`` prints it). ``convert`` measures what
+    its cache lacks by itself: this is for re-measuring (a noisy run, new drivers)."""
+    from mpgraph.passes.pipeline import prepare_pipeline
+    args, kwargs = as_call(example_inputs, example_kwargs)
+    kwargs = without_cache(model, args, kwargs)
+    with stage("capture"):
+        gm = capture(model, args, kwargs)
+    gm = run_passes(prepare_pipeline(args, kwargs), gm)
+    device = _device_of(args, kwargs, model)
+    spec = resolve_target("cuda" if device.type == "cuda" else "cpu")
+    lows = tuple(d for d in LOW_DTYPES if (spec.kind == "gpu" and spec.matmul_peak(d))
+                 or (spec.kind == "cpu" and not emulated(d, spec)))
+    table = CostTable.for_device(device)
+    fresh = CostTable(device, path=table.path)
+    with stage("measure"):
+        measure(gm, args, kwargs, fresh, lows, budget_s=budget_s)
+    table.entries.update(fresh.entries)
+    table.measured_now = fresh.measured_now
+    table.save()
+    return table
+
+
 def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:
     """The plan ``convert`` makes for ``model``, without keeping the converted module: for a
     model on the meta device (too big to materialise) this is the whole point, and nothing of
@@ -312,9 +349,9 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:
 class Options:
     """What ``convert`` resolved from its arguments, for the driver and the pipelines."""
 
-    low: torch.dtype                     # the plan's low dtype
-    second: Optional[torch.dtype]        # bf16 beside fp16 (dtype="auto" on GPUs that run both)
-    keep_fp32: Optional[str]             # why every node stays float32 (auto on a slow target)
+    low: Optional[torch.dtype]           # the plan's low dtype; None: the cost model picks it
+    second: Optional[torch.dtype]        # bf16 beside fp16 (a saved plan's)
+    keep_fp32: Optional[str]             # why every node stays float32 (a saved plan's)
     spec: DeviceSpec                     # the target
     strategy: str
     keep_io_types: bool
@@ -326,11 +363,47 @@ class Options:
     progress: Optional[bool]
     plan: Optional[Plan]                 # a saved plan to apply
     train: bool
+    costs: Optional[CostModel]           # a cost model given; else measured here, or the roofline
+    runtime: str                         # "eager" or "graphs": what the roofline's host floor is for
+    here: bool                           # the target is this machine, and the model has values
+
+
+def cost_model(opts: Options, gm, args: tuple, kwargs: dict, model) -> CostModel:
+    """The plan's cost model: the one given; this machine's measured op times where the target
+    is this machine and the model runs on it (``mpgraph.cost.measured``); else the target's
+    roofline, calibrated where a GPU run left a calibration file."""
+    if opts.costs is not None:
+        return opts.costs
+    spec = opts.spec
+    calibration = read_calibration(spec) if spec.kind == "gpu" else None
+    roofline = Roofline(spec, calibration=calibration, runtime=opts.runtime)
+    device = _device_of(args, kwargs, model)
+    if not opts.here or (spec.kind == "gpu") != (device.type == "cuda"):
+        return roofline
+    table = CostTable.for_device(device)
+    lows = tuple(d for d in LOW_DTYPES if not emulated(d, spec)) if spec.kind == "cpu" \
+        else tuple(d for d in LOW_DTYPES if spec.matmul_peak(d) is not None)
+    with stage("measure"):
+        keys = measure(gm, args, kwargs, table, lows)
+    if table.measured_now:
+        log.info("measured %d op variants on %s", table.measured_now, table.name)
+    return Measured(table, roofline, lows, keys)
+
+
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _device_of(args: tuple, kwargs: dict, model) -> torch.device:
+    from torch.utils import _pytree as pytree
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors += list(itertools.islice(model.parameters(), 1))
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _convert_captured(gm, model, args, kwargs, opts: Options):
-    """The captured graph through the pipelines (and the tolerance search): (module, report)."""
-    from mpgraph.passes.pipeline import default_pipeline, prepare_pipeline
+    """The captured graph through the pipelines (and the tolerance search): (module, report,
+    the low dtype, why everything stayed float32 if it did, how the dtype was chosen)."""
+    from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train), gm)
     simulate = elsewhere(opts.spec, args, kwargs, model)
     base = copy.deepcopy(gm) if opts.tolerance is not None else None
@@ -338,13 +411,24 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
     if opts.plan is not None:
         check_plan_fits(opts.plan, gm)
         from_plan = {r.name: (r.dtype, r.reason) for r in opts.plan.compute_nodes}
+    costs = cost_model(opts, gm, args, kwargs, model)
+    low, second, keep_fp32, chosen = opts.low, opts.second, opts.keep_fp32, None
+    if low is None and not any(costs.supports(d) for d in LOW_DTYPES):
+        low, chosen = torch.bfloat16, {"candidates": [], "estimates_s": {}}
+        keep_fp32 = (f"no node is faster in float16 or bfloat16 than in float32 on {costs.name}: "
+                     f"it emulates both ({costs.source})")
+    elif low is None:
+        low, chosen = _choose_low(gm, costs, opts, args, kwargs)
+        if costs.kind == "gpu" and low == torch.float16 and costs.supports(torch.bfloat16):
+            second = torch.bfloat16  # bf16 where fp16's range keeps a node out of fp16
 
     def build(graph, pins: Optional[dict] = None):
-        passes = default_pipeline(opts.low, args, kwargs, spec=opts.spec, strategy=opts.strategy,
-                                  keep_io_types=opts.keep_io_types, op_table=opts.table,
+        passes = default_pipeline(low, args, kwargs, costs=costs, spec=opts.spec,
+                                  strategy=opts.strategy, keep_io_types=opts.keep_io_types,
+                                  op_table=opts.table,
                                   overrides={**opts.overrides, **(pins or {})},
-                                  keep_fp32=opts.keep_fp32, check=opts.check,
-                                  range_dtype=opts.second, from_plan=from_plan, train=opts.train,
+                                  keep_fp32=keep_fp32, check=opts.check,
+                                  range_dtype=second, from_plan=from_plan, train=opts.train,
                                   simulate=simulate)
         return run_passes(passes, graph)
 
@@ -355,14 +439,52 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
             else [(args, kwargs)]
         with stage("tolerance search"):
             gm, report = meet_tolerance(base, lambda pins: build(copy.deepcopy(base), pins), gm,
-                                        calls, opts.tolerance, opts.low, simulate)
+                                        calls, opts.tolerance, low, simulate)
     _restore_buffers(gm, model)
     if not opts.train:
         # inference: the low-precision parameters are rounded copies, not something to train (an
         # optimizer step on them would round away); frozen, a sharding wrapper such as FSDP2's
         # fully_shard accepts their mix of dtypes (it demands one dtype among trainable ones)
         gm.requires_grad_(False)
-    return gm, report
+    if chosen is not None and chosen["candidates"] and not any(
+            (d := n.meta.get(PRECISION)) is not None and d.dtype in LOW_DTYPES
+            and n.op.startswith("call_") for n in gm.graph.nodes):
+        keep_fp32 = (f"no node is faster in {' or '.join(chosen['candidates'])} "
+                     f"than in float32 on {costs.name} ({costs.source})")
+    return gm, report, low, keep_fp32, chosen
+
+
+def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torch.dtype, dict]:
+    """The low dtype whose cost-optimal plan the cost model estimates fastest, with the
+    estimates: each candidate's decisions run (analysis passes only: nothing is rewritten)."""
+    from mpgraph.passes.pipeline import decide_pipeline
+    candidates = [d for d in LOW_DTYPES if costs.supports(d)] or [torch.bfloat16]
+    estimates = {}
+    with stage("choose dtype"):
+        for dtype in candidates:
+            # fp16 on a GPU that has bf16 too: with bf16 where fp16's range keeps a node out
+            second = torch.bfloat16 if dtype == torch.float16 and costs.kind == "gpu" \
+                and costs.supports(torch.bfloat16) else None
+            for p in decide_pipeline(dtype, costs=costs, spec=opts.spec, strategy="optimal",
+                                     keep_io_types=opts.keep_io_types, op_table=opts.table,
+                                     overrides=opts.overrides, range_dtype=second,
+                                     train=opts.train):
+                p(gm)  # analysis passes: the node meta of this candidate, rewritten by the next
+            estimates[dtype] = gm.meta["mpgraph.estimate"]["plan_s"]
+    best = min(estimates.values())
+    if costs.kind == "gpu" and torch.float16 in estimates:
+        # every GPU with bf16 Tensor Cores runs fp16 at the same rate: fp16 (3 more mantissa
+        # bits), bf16 for the nodes fp16's range keeps out (priced as float32 in the cut, so
+        # its estimate may read higher than a pure-bf16 plan's)
+        low = torch.float16
+    else:  # within 2% of the best: bf16 on a CPU (its range), else the fastest
+        near = [d for d in candidates if estimates[d] <= 1.02 * best]
+        low = torch.bfloat16 if torch.bfloat16 in near else min(near, key=estimates.get)
+    log.info("dtype on %s: %s (estimated %s; %s)", costs.name, dtype_name(low),
+             ", ".join(f"{dtype_name(d)} {estimates[d] * 1e3:.3g} ms" for d in candidates),
+             costs.source)
+    return low, {"candidates": [dtype_name(d) for d in candidates],
+                 "estimates_s": {dtype_name(d): estimates[d] for d in candidates}}
 
 
 def elsewhere(spec: DeviceSpec, args: tuple, kwargs: dict, model: torch.nn.Module) -> bool:

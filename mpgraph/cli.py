@@ -22,12 +22,42 @@ def _demo(args) -> int:
         print(r.summary)
         print(r.casts)
         print(f"relative L2 error vs float32: {r.rel_err:.2e}")
+        estimate = f"{r.estimated:.2f}x estimated" if r.estimated else "no estimate"
         if r.speedup is None:
-            print(f"eager speed: not measured (a plan for {r.target} runs emulated here)")
+            print(f"eager speed: not measured (a plan for {r.target} runs emulated here; "
+                  f"{estimate} there)")
         else:
             print(f"eager median latency: float32 {r.fp32_ms:.1f} ms, mpgraph {r.mpgraph_ms:.1f} ms "
-                  f"-> {r.speedup:.2f}x")
+                  f"-> {r.speedup:.2f}x measured, {estimate}")
         print()
+    return 0
+
+
+def _calibrate(args) -> int:
+    import time
+    from mpgraph.api import calibrate
+    if args.gpu:
+        import torch
+        from mpgraph.cost.device import resolve_target
+        from mpgraph.cost.roofline import measure_calibration, write_calibration
+        if not torch.cuda.is_available():
+            print("mpgraph: calibrate --gpu needs a CUDA GPU here", file=sys.stderr)
+            return 2
+        spec = resolve_target(args.target or "cuda")
+        data = measure_calibration(spec)
+        path = write_calibration(spec, data)
+        print(f"wrote {path}: host {data['host_per_node_s'] * 1e6:.2f} us a node; efficiency "
+              + ", ".join(f"{k} {v:.2f}" for k, v in data["efficiency"].items()))
+        return 0
+    if not args.factory:
+        print("mpgraph: calibrate needs a factory (FILE.py:name), or --gpu", file=sys.stderr)
+        return 2
+    model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
+    start = time.perf_counter()
+    table = calibrate(model, inputs, example_kwargs=kwargs)
+    print(table.format(args.rows))
+    print(f"measured {table.measured_now} op variants in {time.perf_counter() - start:.1f} s; "
+          f"cached in {table.path}")
     return 0
 
 
@@ -101,7 +131,7 @@ def _inspect(args) -> int:
         check = {"auto": True, "off": False}.get(args.check, args.check)
         converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
                             target=args.target, strategy=args.strategy, dynamic=not args.static,
-                            check=check)
+                            check=check, runtime=args.runtime)
     except MpgraphError as e:
         print(f"mpgraph: inspect failed: {e}", file=sys.stderr)
         return 1
@@ -156,7 +186,8 @@ def _profile(args) -> int:
     from mpgraph.ir.graph import to_device as _to
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     model, inputs, kwargs = model.to(device), _to(inputs, device), _to(kwargs, device)
-    converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target)
+    converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target,
+                        runtime=args.runtime)
     if args.target is not None:
         from mpgraph.cost.device import resolve_target
         planned = resolve_target(args.target)
@@ -228,12 +259,25 @@ def main(argv=None) -> int:
     p.add_argument("--ncu-csv", help="read an ncu --csv report made elsewhere")
     p.add_argument("--nvprof-csv", help="read an nvprof --csv --metrics tensor_precision_fu_utilization report")
     p.set_defaults(func=_profile)
+    c = sub.add_parser("calibrate", parents=[common],
+                       help="measure a model's ops on this machine afresh (the cost table), or "
+                            "this GPU for the roofline (--gpu)")
+    c.add_argument("factory", nargs="?", help="FILE.py:name or module:name returning (model, inputs[, kwargs])")
+    c.add_argument("--gpu", action="store_true", help="write this GPU's calibration file instead")
+    c.add_argument("--target", default=None, help="with --gpu: the spec to calibrate (default: this GPU)")
+    c.add_argument("--rows", type=int, default=40, help="rows of the table to print")
+    c.set_defaults(func=_calibrate)
+    for command in (i, p):
+        command.add_argument("--runtime", choices=["eager", "graphs"], default="eager",
+                             help="what a GPU target's estimates are for: eager calls (each node "
+                                  "costs the host's time at least: the default) or replayed CUDA "
+                                  "graphs / torch.compile (kernel time only)")
     for command in (e, i):
         command.add_argument("--static", action="store_true",
                              help="torch.export at the example's shapes only: about half the "
                                   "capture time, and the result takes no other shape (a model "
                                   "that symbolic_trace captures is not tied to shapes anyway)")
-    for command in (e, i, p):
+    for command in (e, i, p, c):
         command.add_argument("--batch", type=int, default=None,
                              help="passed to the factory as batch= (default: the factory's)")
         command.add_argument("--seq", type=int, default=None,

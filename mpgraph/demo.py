@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from mpgraph.api import convert
 from mpgraph.numerics import relative_l2
-from mpgraph.cost.device import auto_dtype, resolve_target
 from mpgraph.cost.specs import GPU_SPECS
 
 # planned for when this machine is not faster in low precision: the demo still converts for real
@@ -109,6 +108,7 @@ class DemoResult:
     rel_err: float
     fp32_ms: Optional[float]           # None when the plan is for another device than this one
     mpgraph_ms: Optional[float]
+    estimated: Optional[float] = None  # the plan's estimated speed-up over float32
 
     @property
     def speedup(self) -> Optional[float]:
@@ -128,37 +128,47 @@ def _time(fn, x, rounds: int) -> list[float]:
 
 def run(name: str, dtype: Optional[torch.dtype] = None, rounds: int = 10,
         device: Optional[str] = None) -> DemoResult:
-    """Convert a demo model, check it against fp32 and time both, interleaved.
+    """Convert a demo model for this machine, check it against fp32 and time both, interleaved.
 
-    Where this machine is not faster in low precision (a CPU without fast bf16), the demo plans
-    for a GPU instead (fp16 on an A100), runs that plan here for its numbers (error, casts) on a
-    smaller batch, and times nothing: the speed of a GPU plan is a question for the GPU."""
+    The plan's dtype and its nodes' precisions come from this machine's measured op times (or
+    ``dtype``). Where no node is faster in low precision here (a CPU without fast bf16), the
+    demo plans for a GPU instead (fp16 on an A100, as replayed from CUDA graphs), runs that plan
+    here for its numbers (error, casts) on a smaller batch, and times nothing: the speed of a
+    GPU plan is a question for the GPU."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    here = resolve_target("cuda" if dev.type == "cuda" else "cpu")
-    fast, reason = auto_dtype(here)
-    target, batch = None, None
+    model, x = build(name)
+    model, x = model.to(dev), x.to(dev)
+    converted = convert(copy.deepcopy(model), x, dtype=dtype, target=None)
+    plan = converted.plan
     if dtype is not None:
         reason = "chosen on the command line"
-    elif fast is not None:
-        dtype = fast
+    elif plan.dtype_choice:
+        reason = "the fastest here by the cost model: " + ", ".join(
+            f"{k} {v * 1e3:.3g} ms" for k, v in plan.dtype_choice["estimates_s"].items())
     else:
-        target, dtype, batch = STAND_IN_GPU, torch.float16, 2
-        reason += (f"; planned for an {GPU_SPECS[target].name} instead (fp16) and run here for its "
-                   f"numbers, on batch {batch}")
-    model, x = build(name, batch)
-    model, x = model.to(dev), x.to(dev)
-    converted = convert(copy.deepcopy(model), x, dtype=dtype, target=target)
+        reason = ""
+    here = bool(plan.low_nodes) or dtype is not None
+    if not here:  # nothing pays here: the plan for a GPU, run here for its numbers
+        reason = (f"{plan.kept_fp32}; planned for an {GPU_SPECS[STAND_IN_GPU].name} instead "
+                  "(fp16, replayed from CUDA graphs) and run here for its numbers, on batch 2")
+        model, x = build(name, 2)
+        model, x = model.to(dev), x.to(dev)
+        converted = convert(copy.deepcopy(model), x, dtype=torch.float16, target=STAND_IN_GPU,
+                            runtime="graphs")
+        plan = converted.plan
     with torch.no_grad():
         ref = model(x)
         out = converted(x)
         rel = relative_l2(out, ref)
         t32, tlow = [], []
-        if target is None:
+        if here:
             model(x), converted(x)  # warm-up
             for _ in range(rounds):
                 t32 += _time(model, x, 1)
                 tlow += _time(converted, x, 1)
-    return DemoResult(name, dtype, reason, str(dev), converted.plan.target,
-                      converted.plan.summary(), converted.plan.format_casts(), rel,
+    estimated = plan.estimate["fp32_s"] / plan.estimate["plan_s"] \
+        if plan.estimate.get("plan_s") else None
+    return DemoResult(name, plan.dtype, reason, str(dev), plan.target, plan.summary(),
+                      plan.format_casts(), rel,
                       statistics.median(t32) * 1e3 if t32 else None,
-                      statistics.median(tlow) * 1e3 if tlow else None)
+                      statistics.median(tlow) * 1e3 if tlow else None, estimated)

@@ -1,7 +1,7 @@
 """Decide every node's dtype by exact cost minimisation (a minimum s-t cut).
 
 Objective: Σ node time in its dtype + Σ casts, one per (value, dtype) however many readers share
-it, with times from ``EstimateCost`` on the target device. The rule pass runs first and bounds the
+it, with times from the plan's cost model (``EstimateCost`` on each node; casts asked here). The rule pass runs first and bounds the
 search: what it keeps in float32 stays there (fp32-class ops, user overrides, overflowing
 constants and weights, explicit casts in the model, graph inputs and outputs, and follow ops that
 read a float32 value, which keeps transformers' residual stream in float32 as autocast does: the
@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from mpgraph.cost.specs import DeviceSpec
+from mpgraph.cost.model import CostModel
 from mpgraph.ir.edges import required_dtype
 from mpgraph.ir.graph import input_nodes, is_inplace
 from mpgraph.passes.op_table import CAST
@@ -28,7 +28,6 @@ from mpgraph.cost.mincut import FP32 as CUT_FP32, LOW as CUT_LOW, Problem, solve
 from mpgraph.passes.infra import PassResult
 
 from mpgraph.passes.assign_precision import AssignPrecision, explicit_dtype
-from mpgraph.passes.estimate_cost import EstimateCost
 
 FP32 = torch.float32
 _OUTPUT = "<graph output>"
@@ -41,14 +40,13 @@ def _us(seconds: float) -> str:
 class AssignPrecisionOptimal(AssignPrecision):
     writes = (PRECISION, ESTIMATE)  # ESTIMATE on gm.meta: the plan's time on the target
 
-    def __init__(self, low_dtype: torch.dtype, spec: DeviceSpec, keep_io_types: bool = True,
+    def __init__(self, low_dtype: torch.dtype, costs: CostModel, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
-                 tf32: Optional[bool] = None, range_dtype: Optional[torch.dtype] = None,
+                 range_dtype: Optional[torch.dtype] = None,
                  from_plan: Optional[dict] = None, train: bool = False):
         super().__init__(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype, from_plan, train,
-                         kernels=spec.kind)
-        self.spec = spec
-        self.costs = EstimateCost(spec, low_dtype, tf32)
+                         kernels=costs.kind)
+        self.costs = costs  # the node costs are EstimateCost's; the casts' are asked here
 
     def requires(self, gm):
         super().requires(gm)  # TENSOR and OP_CLASS on every node; and what it prices:
@@ -82,7 +80,8 @@ class AssignPrecisionOptimal(AssignPrecision):
             n.meta[PRECISION] = dec[n]
         baseline = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta)
         rest = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta and n not in problem.cost)
-        gm.meta[ESTIMATE] = {"target": self.spec.name, "fp32_s": baseline, "plan_s": total + rest}
+        gm.meta[ESTIMATE] = {"target": self.costs.name, "fp32_s": baseline, "plan_s": total + rest,
+                             "source": self.costs.source}
         return PassResult(gm, False)
 
     def _problem(self, order, gm, dec):
@@ -135,9 +134,8 @@ class AssignPrecisionOptimal(AssignPrecision):
                 if required_dtype(u, v, gm, self.keep_io_types, dec.get) is not None:
                     readers.append(u)
             if readers:
-                cast = self.costs.cast_cost(v.meta[TENSOR].numel)
                 problem.reads[v] = readers
-                problem.cast_cost[v] = (cast, cast)
+                problem.cast_cost[v] = self.costs.cast_cost(v, self.low)
         return problem, variables, tied
 
     def _tie(self, n, gm, dec, convertible):

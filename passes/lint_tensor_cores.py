@@ -4,9 +4,11 @@ fp16/bf16 Tensor Cores want GEMM dimensions M, N, K (and conv channels C, K) in 
 bytes: 8 elements; TF32 wants 4. cuBLAS >= 11 still runs misaligned shapes, but off the fast path
 (NVIDIA's "Matrix Multiplication Background", Table 1). For each matmul-class node this records
 its dimensions, which of them miss the multiple, the padded sizes, and the estimated gain of
-padding on the target: misaligned work at the CUDA-core rate against padded work at the Tensor
-Core rate. On a CPU target the finding is kept (it matters where the model is deployed) but no
-gain is estimated.
+padding on the target, in the plan's terms: the node's misaligned work at the CUDA-core rate
+against its padded work at the Tensor Core rate, each floored by the host time a node costs in
+eager mode, as a share of the whole plan's estimated time; a node the host bounds gains nothing,
+and the hint says so rather than promise a speed-up the plan would not see. A CPU plan gets no
+finding (Tensor Cores are a GPU's).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from typing import Optional
 import torch
 
 from mpgraph.cost.specs import DeviceSpec
-from mpgraph.ir.meta import OP_CLASS, PRECISION, TENSOR, TENSOR_CORES, TensorInfo, dtype_name
+from mpgraph.ir.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, TENSOR_CORES,
+                             TensorInfo, dtype_name)
 from mpgraph.passes.op_table import TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -62,9 +65,13 @@ class LintTensorCores(Pass):
     stage = "decide"
     reads, writes = (OP_CLASS, PRECISION), (TENSOR_CORES,)
 
-    def __init__(self, spec: DeviceSpec, tf32: Optional[bool] = None):
+    def __init__(self, spec: DeviceSpec, costs=None, tf32: Optional[bool] = None):
         self.spec = spec
         self.tf32 = tf32_enabled() if tf32 is None else tf32
+        # the host time a node costs in eager mode (the plan's cost model: 0 when it prices
+        # replayed or compiled runs)
+        self.host = getattr(costs, "host", 0.0) if getattr(costs, "runtime", "eager") == "eager" \
+            else 0.0
 
     def call(self, gm):
         if self.spec.kind != "gpu":
@@ -92,14 +99,22 @@ class LintTensorCores(Pass):
         padding = {k: math.ceil(v / multiple) * multiple for k, v in dims.items() if v % multiple}
         if not padding:
             return TensorCoreFinding(dims, multiple, {}, None, f"aligned ({how})")
-        gain = None
-        if self.spec.kind == "gpu":
-            work = math.prod(dims.values())
-            padded = math.prod(padding.get(k, v) for k, v in dims.items())
-            fast = self.spec.matmul_peak(dtype, tf32=self.tf32) or self.spec.peak["fp32"]
-            gain = (work / self.spec.peak["fp32"]) / (padded / fast)
+        work = math.prod(dims.values())
+        padded = math.prod(padding.get(k, v) for k, v in dims.items())
+        cost = node.meta.get(COST)
+        flops = cost.flops if cost is not None and cost.flops else 2.0 * work
+        fast = self.spec.matmul_peak(dtype, tf32=self.tf32) or self.spec.peak["fp32"]
+        now = max(self.host, flops / self.spec.peak["fp32"])
+        then = max(self.host, flops * padded / work / fast)
+        saving = max(0.0, now - then)
+        total = gm.meta.get(ESTIMATE, {}).get("plan_s")
+        gain = (total / (total - saving)) if total and saving < total else None
         pads = ", ".join(f"{k} {dims[k]}->{v}" for k, v in padding.items())
         text = f"eligible but misaligned: pad {pads} ({how})"
-        if gain is not None:
-            text += f"; est. {gain:.1f}x faster on {self.spec.name}"
+        if saving <= 0.0:
+            text += (f"; no time saved at this size on {self.spec.name} (the node costs the "
+                     f"host's {self.host * 1e6:.3g} us either way)")
+        elif gain is not None:
+            text += (f"; est. saves {saving * 1e6:.3g} us of the plan's {total * 1e6:.4g} us on "
+                     f"{self.spec.name} ({gain:.3g}x the whole plan)")
         return TensorCoreFinding(dims, multiple, padding, gain, text)

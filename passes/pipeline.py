@@ -5,6 +5,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from mpgraph.cost.model import CostModel
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import Pass
@@ -33,31 +34,46 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
     ]
 
 
+def decide_pipeline(low_dtype: torch.dtype, *, costs: CostModel, spec: DeviceSpec,
+                    strategy: str = "optimal", keep_io_types: bool = True,
+                    op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
+                    keep_fp32: Optional[str] = None, range_dtype: Optional[torch.dtype] = None,
+                    from_plan: Optional[dict] = None, train: bool = False) -> list[Pass]:
+    """The analysis and decision passes: op classes, safety findings, costs, a dtype per node.
+    They write node meta only, so a caller can run them once per candidate dtype."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "optimal":
+        decide: Pass = AssignPrecisionOptimal(low_dtype, costs, keep_io_types, overrides, keep_fp32,
+                                              range_dtype=range_dtype, from_plan=from_plan,
+                                              train=train)
+    else:
+        decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype,
+                                 from_plan, train, kernels=costs.kind)
+    return [
+        ClassifyOps(low_dtype, op_table),     # analysis: op class per node
+        NumericSafety(low_dtype, alt_dtype=range_dtype),  # analysis: fp32 findings, evidence
+        EstimateCost(costs, low_dtype),       # analysis: time per node, both dtypes (cost model)
+        decide,                               # decision: dtype per node (min-cut or rules)
+        LintTensorCores(spec, costs),         # analysis: Tensor Core alignment findings
+    ]
+
+
 def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs: dict, *,
-                     spec: DeviceSpec, strategy: str = "optimal", keep_io_types: bool = True,
-                     op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
-                     keep_fp32: Optional[str] = None, check: Union[bool, str] = True,
-                     range_dtype: Optional[torch.dtype] = None,
+                     costs: CostModel, spec: DeviceSpec, strategy: str = "optimal",
+                     keep_io_types: bool = True, op_table: Optional[OpTable] = None,
+                     overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
+                     check: Union[bool, str] = True, range_dtype: Optional[torch.dtype] = None,
                      from_plan: Optional[dict] = None, train: bool = False,
                      simulate: bool = False) -> list[Pass]:
     """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify.
     ``range_dtype`` (bf16 beside fp16) computes the nodes fp16's range keeps out of fp16;
     ``simulate``: the check computes as the target would (a GPU plan checked on a CPU)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "optimal":
-        decide: Pass = AssignPrecisionOptimal(low_dtype, spec, keep_io_types, overrides, keep_fp32,
-                                              range_dtype=range_dtype, from_plan=from_plan,
-                                              train=train)
-    else:
-        decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype,
-                                 from_plan, train, kernels=spec.kind)
-    passes: list[Pass] = [
-        ClassifyOps(low_dtype, op_table),     # analysis: op class per node
-        NumericSafety(low_dtype, alt_dtype=range_dtype),  # analysis: fp32 findings, evidence
-        EstimateCost(spec, low_dtype),        # analysis: roofline time per node, both dtypes
-        decide,                               # decision: dtype per node (min-cut or rules)
-        LintTensorCores(spec),                # analysis: Tensor Core alignment findings
+    passes = decide_pipeline(low_dtype, costs=costs, spec=spec, strategy=strategy,
+                             keep_io_types=keep_io_types, op_table=op_table, overrides=overrides,
+                             keep_fp32=keep_fp32, range_dtype=range_dtype, from_plan=from_plan,
+                             train=train)
+    passes += [
         *([] if train else [StoreWeights(low_dtype, keep_io_types)]),  # rewrite: weights stored once
         *([StoreWeights(range_dtype, keep_io_types)] if range_dtype and not train else []),  # bf16
         InsertCasts(keep_io_types),           # rewrite: shared casts

@@ -12,7 +12,7 @@ import mpgraph
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=100, use_cache=False)
-OPTIONS = dict(dtype="bf16", target="a100")
+OPTIONS = dict(dtype="bf16", target="a100", runtime="graphs")  # (eager: host-bound at this size)
 
 
 @pytest.fixture(scope="module")

@@ -150,12 +150,13 @@ def test_override_that_matches_nothing_is_a_warning_naming_it(caplog):
 
 def test_diff_of_two_targets_lists_every_changed_node():
     bert, ids = _small_bert()
+    # a T4 run eagerly (host-bound at this size: little pays for its casts) against an A100
+    # replayed from CUDA graphs (kernel time only: every matmul pays)
     t4 = mpgraph.convert(bert, ids, dtype="fp16", target="t4")
-    a100 = mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
+    a100 = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, runtime="graphs")
     d = mpgraph.diff(t4, a100)
-    # the pooler's 64x64 matmul and its tanh pay for their casts on an A100, not on a T4
-    assert {c.name for c in d.changed} == {"linear_12", "tanh"}, str(d)
     changed = {c.name for c in d.changed}
+    assert len(changed) > 10 and {"linear_12", "tanh"} <= changed, str(d)
     for r in t4.plan.compute_nodes:
         other = a100.plan.node(r.name).dtype
         assert (r.dtype != other) == (r.name in changed)
@@ -166,7 +167,7 @@ def test_diff_of_two_targets_lists_every_changed_node():
 def bert_a100():
     """The small BERT (captured with torch.export) planned in float16 for an A100."""
     bert, ids = _small_bert()
-    return mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
+    return mpgraph.convert(bert, ids, dtype="fp16", target=GPU, runtime="graphs")
 
 
 def _html_sections(page: str) -> list[tuple[str, int, bool]]:

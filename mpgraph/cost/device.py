@@ -52,7 +52,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_dir() -> str:
+def cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mpgraph")
 
@@ -99,14 +99,18 @@ def _measure_cpu() -> dict:
     return {"peak": peak, "bandwidth": bandwidth, "launch": launch}
 
 
+def isa_caps() -> str:
+    """The instruction-set caps in the environment (ONEDNN_MAX_CPU_ISA=AVX2 makes an
+    AVX512-BF16 machine run bf16 like an AVX2 one): a capped run is another CPU to measure."""
+    return ",".join(f"{k}={os.environ[k]}" for k in _ISA_CAPS if os.environ.get(k))
+
+
 def measure_cpu(cache: bool = True) -> DeviceSpec:
     """This CPU as a DeviceSpec, from a micro-benchmark (cached on disk)."""
     flags = sorted(cpu_flags() & set(_CPU_FLAGS))
-    # oneDNN and ATen can be capped below what the CPU has (ONEDNN_MAX_CPU_ISA=AVX2 makes an
-    # AVX512-BF16 machine run bf16 like an AVX2 one): a capped run is another CPU to measure
-    caps = ",".join(f"{k}={os.environ[k]}" for k in _ISA_CAPS if os.environ.get(k))
+    caps = isa_caps()
     key = f"v2|{cpu_name()}|{','.join(flags)}|{caps}|{torch.get_num_threads()}|{torch.__version__}"
-    path = os.path.join(_cache_dir(), f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
+    path = os.path.join(cache_dir(), f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
     data = None
     if cache and os.path.exists(path):
         try:

@@ -84,11 +84,15 @@ class Plan:
     # batch, "bound": what a plan in this dtype may have}; with "error" None and "skipped" (why)
     # when only dtypes were (a large plan for another device); None when not checked (check=False, meta)
     check: Optional[dict] = None
+    # how the low dtype was chosen when none was named: {"candidates": [...], "estimates_s":
+    # {dtype: the cost-optimal plan's estimated seconds}}; None where the dtype was named
+    dtype_choice: Optional[dict] = None
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
                    target: str = "", strategy: str = "", kept_fp32: Optional[str] = None,
-                   mode: str = "inference", tolerance: Optional[dict] = None) -> "Plan":
+                   mode: str = "inference", tolerance: Optional[dict] = None,
+                   dtype_choice: Optional[dict] = None) -> "Plan":
         capture = gm.meta.get(CAPTURE, "unknown")
         if gm.meta.get(STATIC_SHAPES):
             capture += " at the example's shapes"
@@ -96,7 +100,7 @@ class Plan:
                    weights=list(gm.meta.get(WEIGHTS, [])), target=target, strategy=strategy,
                    kept_fp32=kept_fp32, estimate=dict(gm.meta.get(ESTIMATE, {})),
                    check=dict(gm.meta[CHECK]) if gm.meta.get(CHECK) else None, mode=mode,
-                   tolerance=tolerance)
+                   tolerance=tolerance, dtype_choice=_jsonable(dtype_choice))
         plan.order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
@@ -191,7 +195,7 @@ class Plan:
                    order=list(data.get("order", [])),
                    calibration_batches=data.get("calibration_batches", 0),
                    tolerance=data.get("tolerance"), mode=data.get("mode", "inference"),
-                   check=data.get("check"))
+                   check=data.get("check"), dtype_choice=data.get("dtype_choice"))
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -264,8 +268,14 @@ class Plan:
             text += (f"; tolerance {t['tolerance']:g}: error {t['error']:.3g} with "
                      f"{len(t['pinned'])} nodes pinned to float32")
         if self.estimate.get("plan_s"):
+            source = self.estimate.get("source")
             text += (f"; estimated {self.estimate['fp32_s'] / self.estimate['plan_s']:.2f}x float32 "
-                     f"speed on {self.target} ({self.strategy})")
+                     f"speed on {self.target} ({self.strategy}"
+                     + (f"; {source}" if source else "") + ")")
+        if self.dtype_choice:
+            text += (f"; {dtype_name(self.dtype)} chosen by the cost model (estimated "
+                     + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in
+                                 self.dtype_choice.get("estimates_s", {}).items()) + ")")
         misaligned = [r for r in self.nodes if r.tensor_core.startswith("eligible but misaligned")]
         if misaligned:
             text += (f"; {len(misaligned)} matmul{'s' if len(misaligned) > 1 else ''} misaligned "
@@ -295,6 +305,7 @@ class Plan:
             "summary": self.summary(),
             "mode": self.mode,
             "calibration_batches": self.calibration_batches, "check": self.check,
+            "dtype_choice": self.dtype_choice,
             "tolerance": _jsonable(self.tolerance),
             "nodes": [_jsonable(asdict(r)) for r in self.nodes],
             "casts": [_jsonable(asdict(c)) for c in self.casts],

@@ -317,9 +317,11 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
             raise TypeError(f"export_onnx expects a torch.nn.Module, got {type(model_or_converted).__name__}")
         reference = model_or_converted
         try:
+            # a static file: a static capture; onnxruntime runs a graph, no Python per node:
+            # priced as replayed (kernel time), not as eager PyTorch calls
             converted = convert(model_or_converted, args, example_kwargs=kwargs, dtype=low,
                                 keep_io_types=keep_io_types, target=target, strategy=strategy,
-                                dynamic=dynamic_shapes is not None)  # a static file: a static capture
+                                dynamic=dynamic_shapes is not None, runtime="graphs")
         except MpgraphError as e:
             raise ExportError(f"could not convert the model before export: {e}") from e
     if converted.plan.range_nodes:
@@ -402,7 +404,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                     converted = convert(reference, args, example_kwargs=kwargs, dtype=low,
                                         keep_io_types=keep_io_types, target=target,
                                         strategy=strategy, dynamic=dynamic_shapes is not None,
-                                        overrides={p: "fp32" for p in pins})
+                                        overrides={p: "fp32" for p in pins}, runtime="graphs")
                 except MpgraphError as e:
                     raise ExportError(f"could not convert the model again with {pins} in "
                                       f"float32: {e}") from e

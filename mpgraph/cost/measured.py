@@ -1,0 +1,357 @@
+"""Measured costs: this machine's own kernels, each distinct op of the graph timed once.
+
+The captured float32 graph runs once on the example inputs; at each node whose op, shapes and
+arguments (its key) the table does not hold yet, the op is called again on those very values, in
+float32 and in each low dtype this machine runs natively (inputs and weights cast to it), and the
+cast of its output to each low dtype and back is timed too. Each variant is timed after a warm-up
+call, call by call, until the median of the calls settles (the last calls' median within
+``SETTLED`` of the one before) or its time budget is spent: a noisy machine costs more calls, not
+a wrong figure. On a GPU the calls are timed with CUDA events, and a node costs the longer of its
+kernel and the host time of the call (eager mode queues kernels). The host time of a call is
+part of every figure, so small shapes come out host-bound as they are.
+
+The table is cached on disk by machine: device, instruction set (and any ISA cap in the
+environment), thread count and torch version; a second conversion of the same model measures
+nothing. ``mpgraph calibrate`` (and ``measure(..., fresh=True)``) measures again. A dtype this
+machine emulates (bf16 and fp16 on an AVX2-only CPU run matmuls at ~1% of float32) is not
+measured op by op: the micro-benchmark's peaks say it loses everywhere, and the roofline prices it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
+from mpgraph.cost.model import CostModel, NodeCost
+from mpgraph.cost.roofline import Roofline, node_flops
+from mpgraph.ir.graph import RecordingInterpreter, flat_inputs, fresh, is_inplace, seeded, state_kept
+from mpgraph.ir.meta import TENSOR, TensorInfo, dtype_name, tensor_infos
+
+log = logging.getLogger(__name__)
+progress = logging.getLogger("mpgraph.progress")
+
+TABLE_FORMAT = "mpgraph-cost-table/1"
+SETTLED = 0.05          # relative change of the running median at which a timing stops
+VARIANT_BUDGET_S = 0.5  # seconds the variants of one op may take together to settle
+MIN_CALLS, MAX_CALLS = 5, 200
+SLOW_S = 0.05           # a call this long: a few calls say enough
+EMULATED = 0.5          # a low dtype below this share of float32's matmul rate is not measured
+_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def machine_key(device: torch.device) -> tuple[str, str]:
+    """(a name for the device, the key its measurements are cached under)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = f"{props.name} (CUDA {torch.version.cuda})"
+    else:
+        flags = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16", "amx_fp16", "avx512_fp16",
+                                      "avx512f", "avx2"})
+        caps = isa_caps()
+        name = (f"CPU {cpu_name()} ({torch.get_num_threads()} threads, "
+                f"{' '.join(flags) or 'no vector flags'}{', capped ' + caps if caps else ''})")
+    return name, f"{name}|torch {torch.__version__}"
+
+
+class CostTable:
+    """Seconds by key, for one machine; read from and written to a JSON file."""
+
+    def __init__(self, device: torch.device, entries: Optional[dict] = None,
+                 path: Optional[str] = None):
+        self.device = torch.device(device)
+        self.name, self.key = machine_key(self.device)
+        self.entries: dict[str, Optional[float]] = dict(entries or {})
+        self.path = path
+        self.measured_now = 0  # entries this process measured (not from the cache)
+
+    @classmethod
+    def for_device(cls, device: torch.device, fresh: bool = False) -> "CostTable":
+        """This machine's table from the cache (empty when ``fresh`` or none is there)."""
+        device = torch.device(device)
+        _, key = machine_key(device)
+        path = os.path.join(cache_dir(), f"costs-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
+        entries = {}
+        if not fresh and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+                if data.get("format") == TABLE_FORMAT and data.get("key") == key:
+                    entries = data["entries"]
+            except (OSError, ValueError, KeyError):
+                entries = {}
+        return cls(device, entries, path)
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"format": TABLE_FORMAT, "key": self.key, "device": self.name,
+                           "entries": self.entries}, f)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only home is no reason to fail
+            log.info("could not cache the measured costs: %s", e)
+
+    def format(self, limit: int = 40) -> str:
+        """The table as text: the slowest entries first (what ``mpgraph calibrate`` prints)."""
+        rows = sorted(((v, k) for k, v in self.entries.items() if v is not None), reverse=True)
+        lines = [f"measured costs on {self.name}: {len(self.entries)} entries"
+                 + (f" ({self.measured_now} measured now)" if self.measured_now else "")]
+        for seconds, key in rows[:limit]:
+            lines.append(f"  {seconds * 1e6:>12.1f} us  {key[:150]}")
+        if len(rows) > limit:
+            lines.append(f"  ... and {len(rows) - limit} more")
+        return "\n".join(lines)
+
+
+def _arg_key(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        infos = tensor_infos(a.meta.get(TENSOR))
+        return ",".join(f"{list(i.shape)}{_SHORT.get(i.dtype, dtype_name(i.dtype))}"
+                        for i in infos) or "value"
+    text = repr(a)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def op_key(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
+    """What decides an op's time: the op, its tensors' shapes and dtypes, its other arguments
+    (and a module's own description and parameter shapes)."""
+    from mpgraph.ir.graph import target_name
+    parts = [node.op, target_name(node)]
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        parts.append(repr(module).replace("\n", " "))
+        parts += [f"{n}{list(p.shape)}" for n, p in module.named_parameters()]
+    parts.append(str(pytree.tree_map(_arg_key, (list(node.args), dict(node.kwargs)))))
+    return " ".join(parts)
+
+
+def _clock(device: torch.device) -> Callable[[Callable], float]:
+    """A function timing one call: host seconds on a CPU; on a GPU the longer of the host time
+    and the kernel time between CUDA events (eager mode queues kernels behind the host)."""
+    if device.type != "cuda":
+        def one(fn):
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+        return one
+
+    def one_cuda(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host = time.perf_counter() - t
+        torch.cuda.synchronize(device)
+        return max(host, start.elapsed_time(end) / 1e3)
+    return one_cuda
+
+
+def time_calls(fns: list, device: torch.device, prepares: Optional[list] = None,
+               budget: float = VARIANT_BUDGET_S) -> list[Optional[float]]:
+    """Median seconds of each ``fns[i]()``, the calls interleaved (one of each in turn, after a
+    warm-up call of each) so that a machine that slows down or speeds up midway (a shared CPU:
+    2.2 and 5.5 ms for the same call a few calls apart) moves every variant alike; rounds are
+    added until every median settles (``SETTLED``) or ``budget`` seconds are spent.
+    ``prepares[i]()`` runs before each call of ``fns[i]``, untimed. A variant that raises is
+    None (an op that cannot run in that dtype here)."""
+    clock = _clock(device)
+    prepares = prepares or [None] * len(fns)
+    alive = []
+    spent = 0.0
+    for i, (fn, prepare) in enumerate(zip(fns, prepares)):
+        try:
+            if prepare:
+                prepare()
+            spent += clock(fn)  # warm-up (allocations, oneDNN primitive creation)
+            alive.append(i)
+        except Exception as e:  # noqa: BLE001 - reported as None
+            log.debug("variant %d cannot run: %s", i, e)
+    times: dict[int, list[float]] = {i: [] for i in alive}
+    previous: dict[int, float] = {}
+    rounds = 0
+    while alive and rounds < MAX_CALLS:
+        rounds += 1
+        for i in alive:
+            if prepares[i]:
+                prepares[i]()
+            t = clock(fns[i])
+            times[i].append(t)
+            spent += t
+        if rounds >= 2 and max(times[i][-1] for i in alive) > SLOW_S:
+            break
+        if rounds >= MIN_CALLS:
+            medians = {i: statistics.median(times[i]) for i in alive}
+            settled = all(i in previous and abs(medians[i] - previous[i]) <= SETTLED * previous[i]
+                          for i in alive)
+            if settled or spent > budget:
+                break
+            previous = medians
+    return [statistics.median(times[i]) if i in times and times[i] else None
+            for i in range(len(fns))]
+
+
+def _cast(value, dtype: torch.dtype):
+    """Floating-point float32 tensors in a nest cast to ``dtype``; everything else as it is."""
+    return pytree.tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor)
+                           and v.dtype == torch.float32 else v, value)
+
+
+class _Timer(RecordingInterpreter):
+    """Runs the float32 graph on real values and times each node's unmeasured variants."""
+
+    def __init__(self, gm, table: CostTable, lows: tuple, deadline: float):
+        super().__init__(gm, lambda node, value: None)
+        self.table, self.lows, self.deadline = table, lows, deadline
+        self.keys: dict[torch.fx.Node, str] = {}
+        self.done = 0
+
+    def _call(self, n, args, kwargs, dtype):
+        """(the op's call in ``dtype``, what to run before each call or None)."""
+        if dtype != torch.float32:
+            args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
+        if n.op == "call_module":
+            import copy
+            module = self.fetch_attr(n.target)
+            module = copy.deepcopy(module).to(dtype) if dtype != torch.float32 else module
+            call = [lambda: module(*args, **kwargs)]
+        elif n.op == "call_method":
+            call = [lambda: getattr(args[0], n.target)(*args[1:], **kwargs)]
+        else:
+            call = [lambda: n.target(*args, **kwargs)]
+        prepare = None
+        if is_inplace(n, self.module) and args and isinstance(args[0], torch.Tensor):
+            original, rest = args[0], args[1:]  # each call writes into a fresh copy
+
+            def prepare():
+                fresh_args = (original.clone(), *rest)
+                call[0] = (lambda: getattr(fresh_args[0], n.target)(*fresh_args[1:], **kwargs)
+                           if n.op == "call_method" else n.target(*fresh_args, **kwargs))
+        return (lambda: call[0]()), prepare
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        if not n.op.startswith("call_") or time.perf_counter() > self.deadline:
+            return result
+        key = op_key(n, self.module)
+        self.keys[n] = key
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        entries, fns, prepares = [], [], []
+        for dtype in (torch.float32,) + self.lows:
+            entry = f"{key}|{_SHORT[dtype]}"
+            if entry not in self.table.entries:
+                try:
+                    fn, prepare = self._call(n, args, kwargs, dtype)
+                except Exception as e:  # noqa: BLE001 - a module that cannot take the dtype
+                    log.debug("%s in %s: %s", n.name, dtype, e)
+                    self.table.entries[entry] = None
+                    continue
+                entries.append(entry)
+                fns.append(fn)
+                prepares.append(prepare)
+        if isinstance(result, torch.Tensor) and result.dtype == torch.float32 and result.numel():
+            for dtype in self.lows:
+                down = f"cast {list(result.shape)} fp32->{_SHORT[dtype]}"
+                if down not in self.table.entries and down not in entries:
+                    low = result.to(dtype)
+                    entries += [down, f"cast {list(result.shape)} {_SHORT[dtype]}->fp32"]
+                    fns += [lambda d=dtype: result.to(d), lambda v=low: v.to(torch.float32)]
+                    prepares += [None, None]
+        if fns:
+            for entry, seconds in zip(entries, time_calls(fns, self.table.device, prepares)):
+                self.table.entries[entry] = seconds
+            self.table.measured_now += len(fns)
+        self.done += 1
+        if self.done % 100 == 0:
+            progress.info("measure: %d nodes", self.done,
+                          extra={"mpgraph_stage": f"measure ({self.done} nodes)",
+                                 "mpgraph_seconds": None})
+        return result
+
+
+def emulated(dtype: torch.dtype, spec) -> bool:
+    """Whether this machine runs ``dtype``'s matmuls at a fraction of float32's (emulated)."""
+    rate = spec.matmul_peak(dtype)
+    return rate is None or rate < EMULATED * spec.peak["fp32"]
+
+
+def measure(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, table: CostTable,
+            lows: tuple, budget_s: float = 120.0) -> dict[torch.fx.Node, str]:
+    """Time every distinct op of ``gm`` on these inputs in float32 and in ``lows`` (and the casts
+    of its outputs) into ``table``; returns each node's key. Ops measured before (the table's
+    cache) are not measured again; ``budget_s`` bounds the whole (the rest then costs what the
+    roofline says)."""
+    timer = _Timer(gm, table, tuple(lows), time.perf_counter() + budget_s)
+    flat = fresh(flat_inputs(gm, args, kwargs))
+    with torch.no_grad(), seeded(), state_kept(gm):
+        timer.run(*flat, enable_io_processing=False)
+    if table.measured_now:
+        table.save()
+    return timer.keys
+
+
+class Measured(CostModel):
+    """Costs from a ``CostTable`` of this machine; a node the table does not hold (not measured,
+    or an op that could not run alone) costs what ``fallback`` (the roofline) says."""
+
+    def __init__(self, table: CostTable, fallback: Roofline, lows: tuple,
+                 keys: Optional[dict] = None):
+        self.table, self.fallback = table, fallback
+        self.keys = dict(keys or {})  # node -> op key (measure's); others keyed when asked
+        self.kind = "gpu" if table.device.type == "cuda" else "cpu"
+        self.name = table.name
+        self.lows = tuple(lows)
+        held = sum(1 for k in self.keys.values() if table.entries.get(f"{k}|fp32") is not None)
+        self.source = (f"measured on this {'GPU' if self.kind == 'gpu' else 'CPU'}, op by op"
+                       + (f" ({held} of {len(self.keys)} nodes)" if self.keys else "")
+                       + f": {table.name}")
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32 or dtype in self.lows  # (the others are emulated here)
+
+    def _get(self, key: Optional[str], dtype: torch.dtype) -> Optional[float]:
+        if key is None:
+            return None
+        value = self.table.entries.get(f"{key}|{_SHORT[dtype]}")
+        return None if value is None else float(value)
+
+    def node_cost(self, node, gm, low) -> NodeCost:
+        guess = self.fallback.node_cost(node, gm, low)
+        key = self.keys.get(node) or op_key(node, gm)
+        t32 = self._get(key, torch.float32)
+        if t32 is None:
+            return guess
+        if low not in self.lows:  # emulated here: never faster
+            return NodeCost(guess.flops, guess.bytes_fp32, guess.bytes_low, t32, math.inf)
+        tlow = self._get(key, low)
+        if tlow is None:  # an op that could not run alone in this dtype: the roofline's ratio
+            tlow = t32 * guess.t_low / guess.t_fp32 if guess.t_fp32 else math.inf
+        return NodeCost(guess.flops, guess.bytes_fp32, guess.bytes_low, t32, tlow)
+
+    def cast_cost(self, node, low) -> tuple[float, float]:
+        info = node.meta.get(TENSOR)
+        if isinstance(info, TensorInfo) and low in self.lows:
+            down = self.table.entries.get(f"cast {list(info.shape)} fp32->{_SHORT[low]}")
+            up = self.table.entries.get(f"cast {list(info.shape)} {_SHORT[low]}->fp32")
+            if down is not None and up is not None:
+                return float(down), float(up)
+        return self.fallback.cast_cost(node, low)
+
+
+def flops_of(node, gm) -> float:
+    """FLOPs of a node (the roofline's count): what reports show beside a measured time."""
+    return node_flops(node, gm)[0]
