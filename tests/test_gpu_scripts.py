@@ -37,6 +37,10 @@ def test_gpu_check_runs_every_variant_and_the_training_table_on_the_cpu():
     assert [r[1] for r in train] == ["fp32", "autocast", "mpgraph train"], out
     assert all(math.isfinite(float(r[5])) for r in train)
     assert re.search(r"\d+ matmul-class nodes, \d+ on Tensor Core kernels", out) and "total" in out
+    calibration = re.search(r"Calibration for NVIDIA H100.*: host time a node ([\d.]+) us; "
+                            r"efficiency against the peaks: fp32 [\d.]+.*written to (\S+)", out)
+    assert calibration and float(calibration[1]) > 0, out[-2000:]
+    assert pathlib.Path(calibration[2]).exists()
 
 
 def test_bench_generate_runs_on_the_cpu():

@@ -8,7 +8,8 @@ torch.compile, with each one's relative L2 error against fp32 (CUDA events, inte
 Then the training-step table (fp32 / autocast / mpgraph ``mode="train"``, fp16 with a
 GradScaler, AdamW: BERT-base 8x128 and ResNet-50 32x224²). Then BERT-base node by node: mpgraph.profile's per-node kernels and the share of matmul time in
 Tensor Core kernels, and, where ``ncu`` runs, the command for Nsight Compute's tensor pipe
-metrics per node. About 3–4 minutes on an H100/H200 with the defaults. Writes the tables to
+metrics per node. Last, the GPU's calibration file for the roofline (``mpgraph calibrate --gpu``
+does the same alone). About 3–4 minutes on an H100/H200 with the defaults. Writes the tables to
 stdout and to ``--out``. ``--batch 1`` is the latency size (BERT, GPT-2 and Llama at 1x16
 tokens), where eager is bound by the host and CUDA graphs pay most; ``llama`` is a
 TinyLlama-1.1B-shaped Llama (22 layers), ``llama4`` the 4-layer, 2048-wide one of the GPU table
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -235,6 +237,22 @@ def bert_tensor_cores(tiny: bool = False) -> list[str]:
     return lines
 
 
+def calibration_lines(tiny: bool = False) -> list[str]:
+    """Time what the roofline rests on here (matmul per dtype, a copy, GELU, a tiny op's host
+    time) and write the calibration file that plans for this GPU made elsewhere then read (copy
+    it to the same place under ``~/.cache/mpgraph`` on the machine that plans)."""
+    import tempfile
+    from mpgraph.cost.device import resolve_target
+    from mpgraph.cost.roofline import measure_calibration, write_calibration
+    spec = resolve_target("h100" if tiny else "cuda")  # --tiny: any GPU's peaks, CPU timings
+    data = measure_calibration(spec, "cpu" if tiny else "cuda", size=256 if tiny else 4096)
+    path = write_calibration(spec, data, os.path.join(tempfile.mkdtemp(), "calibration.json")
+                             if tiny else None)
+    eff = ", ".join(f"{k} {v:.2f}" for k, v in data["efficiency"].items())
+    return [f"Calibration for {spec.name}: host time a node {data['host_per_node_s'] * 1e6:.1f} "
+            f"us; efficiency against the peaks: {eff}; written to {path}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=[*SIZES, "llama4", "t5"], choices=MODELS)
@@ -273,6 +291,7 @@ def main() -> int:
         for name in args.train_models:
             lines += training_rows(name, args.train_steps, args.tiny)
     lines += [""] + bert_tensor_cores(args.tiny)
+    lines += [""] + calibration_lines(args.tiny)
     lines.append(f"total {time.time() - start:.0f} s")
     text = "\n".join(lines)
     print(text)

@@ -1,0 +1,194 @@
+"""The measured cost model (this machine's op times, cached) and the GPU calibration file.
+
+What a plan decides from a measured table must not depend on the CPU the suite lands on, so
+the decisions are tested on injected tables: the op keys come from a real measurement here, the
+seconds are set by the test. What the measurement itself does (one entry per distinct op and
+dtype, a cache that a second conversion reads, variants that cannot run) is tested for its
+structure, not for its figures.
+"""
+import json
+import logging
+import re
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mpgraph
+from mpgraph import cli
+from mpgraph.cost.device import measure_cpu
+from mpgraph.cost.measured import CostTable, Measured, emulated, time_calls
+from mpgraph.cost.roofline import (CALIBRATION_FORMAT, Roofline, measure_calibration,
+                                   read_calibration, write_calibration)
+from mpgraph.cost.specs import GPU_SPECS
+
+from conftest import MLP, casts
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLP().eval(), torch.randn(4, 16)
+
+
+def _fp32_entries(model, x) -> dict:
+    """The op keys of ``model``'s graph with their float32 seconds, measured here."""
+    table = mpgraph.calibrate(model, x)
+    return {k: v for k, v in table.entries.items() if k.endswith("|fp32") and v is not None}
+
+
+def _injected(fp32: dict, factor: dict, cast_s: float = 1e-9) -> Measured:
+    """A Measured model over a table the test writes: each low dtype's time is float32's times
+    ``factor[dtype]``; every cast of the MLP's values costs ``cast_s``."""
+    entries = dict(fp32)
+    for key, seconds in fp32.items():
+        for dtype, f in factor.items():
+            entries[key[:-len("fp32")] + {BF16: "bf16", FP16: "fp16"}[dtype]] = seconds * f
+    for shape in ([4, 16], [4, 32], [4, 8]):
+        for short in ("bf16", "fp16"):
+            entries[f"cast {shape} fp32->{short}"] = cast_s
+            entries[f"cast {shape} {short}->fp32"] = cast_s
+    table = CostTable(torch.device("cpu"), entries)  # no path: never written to the cache
+    return Measured(table, Roofline(measure_cpu()), tuple(factor))
+
+
+def test_a_table_where_bf16_is_faster_puts_the_mlp_in_bf16_and_the_estimate_is_its_sum():
+    model, x = _mlp()
+    fp32 = _fp32_entries(model, x)
+    assert len(fp32) == 3  # fc1, act, fc2: each distinct op once
+    costs = _injected(fp32, {BF16: 0.01})
+    out = mpgraph.convert(model, (x,), costs=costs)
+    plan = out.plan
+    assert plan.dtype == BF16 and [r.dtype for r in plan.compute_nodes] == ["bfloat16"] * 3
+    assert len(casts(out)) == 2  # the input down, the output up
+    # the estimate is the table's arithmetic, exactly: 3 ops, and 2 casts at 1 ns
+    assert plan.estimate["fp32_s"] == pytest.approx(sum(fp32.values()), rel=1e-12)
+    assert plan.estimate["plan_s"] == pytest.approx(0.01 * sum(fp32.values()) + 2e-9, rel=1e-9)
+    assert plan.estimate["source"].startswith("measured on this CPU, op by op")
+    assert "measured on this CPU" in plan.summary()
+    assert torch.allclose(out(x), model(x), rtol=0, atol=5e-2)
+
+
+def test_a_table_where_low_precision_is_slower_keeps_float32_without_a_cast():
+    model, x = _mlp()
+    out = mpgraph.convert(model, (x,), costs=_injected(_fp32_entries(model, x), {BF16: 3.0}))
+    assert [r.dtype for r in out.plan.compute_nodes] == ["float32"] * 3
+    assert casts(out) == [] and torch.equal(out(x), model(x))
+    assert out.plan.estimate["plan_s"] == pytest.approx(out.plan.estimate["fp32_s"])
+
+
+def test_casts_that_cost_more_than_the_saving_keep_float32():
+    model, x = _mlp()
+    fp32 = _fp32_entries(model, x)
+    slowest = max(fp32.values())
+    out = mpgraph.convert(model, (x,), costs=_injected(fp32, {BF16: 0.5}, cast_s=10 * slowest))
+    assert [r.dtype for r in out.plan.compute_nodes] == ["float32"] * 3 and casts(out) == []
+
+
+@pytest.mark.parametrize("fast, slow", [(FP16, BF16), (BF16, FP16)])
+def test_the_default_dtype_is_the_one_the_table_says_is_fastest(fast, slow):
+    model, x = _mlp()
+    costs = _injected(_fp32_entries(model, x), {fast: 0.01, slow: 0.5})
+    plan = mpgraph.convert(model, (x,), costs=costs).plan
+    assert plan.dtype == fast
+    est = plan.dtype_choice["estimates_s"]
+    assert set(est) == {"float16", "bfloat16"} and est[str(fast).split(".")[1]] < \
+        est[str(slow).split(".")[1]]
+    assert "chosen by the cost model" in plan.summary()
+
+
+def test_a_named_dtype_is_used_where_the_table_says_it_pays():
+    model, x = _mlp()
+    costs = _injected(_fp32_entries(model, x), {FP16: 3.0, BF16: 0.01})
+    with pytest.warns(UserWarning, match="dtype=float16 converted 0 of 2 matmul/conv nodes"):
+        plan = mpgraph.convert(model, (x,), dtype=FP16, costs=costs).plan
+    assert plan.dtype == FP16 and {r.dtype for r in plan.compute_nodes} == {"float32"}
+
+
+def test_measurement_covers_each_op_in_each_native_dtype_and_a_second_conversion_reads_the_cache(
+        caplog):
+    torch.manual_seed(0)
+    # two identical layers: one op key, measured once
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU()).eval()
+    x = torch.randn(3, 16)  # a shape no other test measures
+    table = mpgraph.calibrate(model, x)
+    spec = measure_cpu()
+    native = [s for d, s in ((FP16, "fp16"), (BF16, "bf16")) if not emulated(d, spec)]
+    mine = {k for k in table.entries if "[3, 16]" in k}
+    linear = [k for k in mine if k.startswith("call_module") and "Linear" in k]
+    assert sorted(k.rsplit("|", 1)[1] for k in linear) == sorted(["fp32"] + native)
+    assert all(table.entries[k] > 0 for k in linear)
+    # the casts of the values, both ways, for each native low dtype
+    assert {k for k in mine if k.startswith("cast")} == \
+        {f"cast [3, 16] {a}->{b}" for s in native for a, b in (("fp32", s), (s, "fp32"))}
+    # the cache holds it: converting again measures nothing
+    with caplog.at_level(logging.INFO, logger="mpgraph"):
+        plan = mpgraph.convert(model, (x,)).plan
+    assert not [r for r in caplog.records if r.getMessage().startswith("measured ")]
+    assert "(4 of 4 nodes)" in plan.estimate["source"]
+    with open(table.path) as f:
+        saved = json.load(f)
+    assert saved["format"] == "mpgraph-cost-table/2" and saved["key"] == table.key
+    assert "torch " + torch.__version__ in table.key and "threads" in table.key
+
+
+def test_time_calls_interleaves_settles_and_marks_a_variant_that_cannot_run():
+    def fail():
+        raise RuntimeError("no kernel for this dtype")
+
+    start = time.perf_counter()
+    fast, slow, broken = time_calls([lambda: None, lambda: time.sleep(0.002), fail],
+                                    torch.device("cpu"))
+    assert broken is None and fast < slow and slow >= 0.002
+    assert time.perf_counter() - start < 2.0  # bounded by the budget, not MAX_CALLS
+
+
+def test_calibration_file_round_trip_and_a_plan_for_that_gpu_says_it_read_it(tmp_path, monkeypatch):
+    """What gpu_check.py and `mpgraph calibrate --gpu` write on a GPU, written here from CPU
+    timings (the format and the plumbing; the figures are the CPU's)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = GPU_SPECS["a100-80gb"]
+    data = measure_calibration(spec, "cpu", size=64)
+    assert data["format"] == CALIBRATION_FORMAT and data["device"] == spec.name
+    assert 0 < data["host_per_node_s"] < 1e-3
+    assert set(data["efficiency"]) >= {"fp32", "fp16", "bf16", "bandwidth", "elementwise"}
+    assert all(0 < v <= 1 for v in data["efficiency"].values())
+    data["host_per_node_s"] = 2.5e-5  # a host 25 us a node: the plan must price that
+    path = write_calibration(spec, data)
+    assert path.startswith(str(tmp_path)) and read_calibration(spec) == data
+    model, x = _mlp()
+    plan = mpgraph.convert(model, (x,), target="a100").plan
+    assert plan.estimate["source"].startswith(f"roofline for {spec.name}, calibrated on "
+                                              f"{spec.name}") and "host floor 25 us" in plan.estimate["source"]
+    assert all(r.t_fp32 >= 2.5e-5 for r in plan.compute_nodes)
+    # a file that is not one is an error naming it
+    (tmp_path / "bad.json").write_text("{\"format\": \"something else\"}")
+    with pytest.raises(ValueError, match="bad.json is not a calibration file"):
+        read_calibration(spec, str(tmp_path / "bad.json"))
+
+
+def test_an_uncalibrated_gpu_plan_says_so_and_replayed_drops_the_host_floor():
+    model, x = _mlp()
+    eager = mpgraph.convert(model, (x,), target="h100", dtype=FP16).plan
+    graphs = mpgraph.convert(model, (x,), target="h100", dtype=FP16, runtime="graphs").plan
+    assert "uncalibrated, eager (host floor 7 us a node)" in eager.estimate["source"]
+    assert "replayed or compiled (no host time)" in graphs.estimate["source"]
+    assert graphs.estimate["fp32_s"] < eager.estimate["fp32_s"]
+    assert all(r.t_fp32 >= 7e-6 for r in eager.compute_nodes)
+
+
+def test_cli_calibrate_prints_the_table_and_where_it_is_cached(tmp_path, capsys):
+    factory = tmp_path / "mlp.py"
+    factory.write_text("import torch, torch.nn as nn\n"
+                       "def build():\n    torch.manual_seed(0)\n"
+                       "    return nn.Sequential(nn.Linear(24, 24)), torch.randn(5, 24)\n")
+    assert cli.main(["calibrate", f"{factory}:build"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"measured costs on CPU .*: \d+ entries", out), out
+    assert "Linear(in_features=24, out_features=24, bias=True)" in out
+    assert re.search(r"measured \d+ op variants in [\d.]+ s; cached in .*costs-\w+\.json", out)
+    assert cli.main(["calibrate"]) == 2
+    assert "calibrate needs a factory" in capsys.readouterr().err
+
