@@ -207,7 +207,8 @@ OPS: dict[str, OpEntry] = _table(
     _ops(FOLLOW, _LAYOUT, """view _unsafe_view view_as reshape reshape_as permute transpose t
          expand expand_as unsqueeze squeeze contiguous flatten unflatten movedim slice select
          narrow split split_with_sizes chunk unbind index index_select gather take_along_dim
-         masked_select masked_scatter index_put index_fill scatter slice_scatter select_scatter
+         masked_select masked_scatter index_put index_fill index_copy scatter slice_scatter
+         select_scatter
          flip roll repeat tile repeat_interleave tril triu diagonal broadcast_to as_strided unfold
          pixel_shuffle pixel_unshuffle channel_shuffle embedding pad constant_pad_nd
          reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d

@@ -25,7 +25,9 @@ device they were converted on (export bakes it into the graph's constants).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import inspect
 import logging
 import warnings
@@ -241,9 +243,12 @@ class ConvertedDecoder:
                                           backend=backend)
         return self._graphed
 
-    def generate(self, input_ids, max_new_tokens: int, **options):
-        """``mpgraph.generate(self, input_ids, max_new_tokens, **options)``."""
-        return generate(self, input_ids, max_new_tokens, **options)
+    def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+        """As the HF model's ``generate``: ``mpgraph.generate(self, input_ids, ...)``."""
+        if input_ids is None:
+            input_ids = kwargs.pop("inputs", None)
+        return generate(self, input_ids, attention_mask=attention_mask,
+                        generation_config=generation_config, **kwargs)
 
     def summary(self) -> str:
         cache = ", ".join(sorted({f"{r.dtype} ({r.reason})" for r in self.cache_plan}))
@@ -283,14 +288,15 @@ def _in_place_writes(module, names) -> dict[str, list[str]]:
 
 def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_cache_len: int,
                     batch_size: Optional[int] = None,
-                    dtype: Union[str, torch.dtype] = torch.float16,
+                    dtype: Union[str, torch.dtype, None] = None,
                     target=None, **convert_options) -> ConvertedDecoder:
     """Convert a HuggingFace causal LM for generation with a static KV cache.
 
     ``example_ids`` (B, L), L >= 2: an example prompt; B is the batch the cache is built for
     (``batch_size`` overrides it; ``generate`` pads a smaller batch). ``max_cache_len``: cache
-    slots, at least prompt length + new tokens of any later ``generate``. ``dtype``,
-    ``target`` and every other option go to ``mpgraph.convert`` for both graphs, which are
+    slots, at least prompt length + new tokens of any later ``generate``. ``dtype`` (None: the
+    one the cost model finds fastest on the target, as ``convert``'s default), ``target`` and
+    every other option go to ``mpgraph.convert`` for both graphs, which are
     planned by the same passes: the prefill graph on the example prompt, the decode graph on
     one token after it. Returns a ``ConvertedDecoder``: ``.prefill``/``.decode`` (each with its
     ``.plan``), ``.cache_plan`` (each cache tensor's planned dtype and the plan's reason),
@@ -351,9 +357,10 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
         if a.dtype != b.dtype:  # share_tensors refused already; kept for a clear record
             raise ValueError(f"cache {a.name}: {a.dtype} in the prefill plan, {b.dtype} in "
                              "the decode plan")
-    if sharing.unshared:
-        log.warning("convert_decoder: the two graphs keep separate copies of %d tensors: %s",
-                    len(sharing.unshared), "; ".join(f"{n} ({w})" for n, w in sharing.unshared))
+    if sharing.unshared:  # e.g. a decode plan that keeps float32 GEMVs the prefill lowers
+        log.info("convert_decoder: the two graphs keep separate copies of %d tensors "
+                 "(ConvertedDecoder.sharing lists them), e.g. %s", len(sharing.unshared),
+                 "; ".join(f"{n} ({w})" for n, w in sharing.unshared[:2]))
     out = ConvertedDecoder(prefill, decode, batch_size=batch, max_cache_len=max_cache_len,
                            sharing=sharing, cache_plan=plan, config=getattr(model, "config", None),
                            generation_config=getattr(model, "generation_config", None))
@@ -372,75 +379,120 @@ class GenerateOutput:
     logits: Optional[torch.Tensor] = None
 
 
-def _choose(logits, do_sample, temperature, top_k, top_p, generator):
-    if not do_sample:
-        return logits.argmax(dim=-1)
-    scores = logits.float() / temperature
-    if top_k is not None and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        ordered, index = torch.sort(scores, descending=True, dim=-1)
-        cum = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - ordered.softmax(dim=-1) > top_p   # keep the smallest set reaching top_p
-        scores = scores.masked_fill(drop.scatter(-1, index, drop), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+@functools.lru_cache(maxsize=None)
+def _rules_class():
+    """transformers' own generation rules (logits processors, stopping criteria, special
+    tokens), asked as the model's ``generate`` asks them: they read only ``config``.
+    (transformers is imported here: mpgraph itself does not need it.)"""
+    from transformers import GenerationMixin
+
+    class Rules(GenerationMixin):
+        def __init__(self, config):
+            self.config = config
+    return Rules
 
 
-def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor, max_new_tokens: int, *,
-             attention_mask: Optional[torch.Tensor] = None, eos_token_id=None,
-             pad_token_id: Optional[int] = None, do_sample: bool = False,
-             temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+_NOT_SUPPORTED = {  # GenerationConfig field: (the value that means "off", why not)
+    "num_beams": (1, "beam search keeps several hypotheses per row; the static cache holds one "
+                     "sequence per row"),
+    "num_return_sequences": (1, "one sequence per prompt row: repeat the prompt rows instead"),
+    "penalty_alpha": (None, "contrastive search is not supported"),
+    "assistant_model": (None, "assisted generation is not supported"),
+    "prompt_lookup_num_tokens": (None, "prompt lookup decoding is not supported"),
+    "guidance_scale": (None, "classifier-free guidance needs a second cache"),
+}
+
+
+def _generation_config(decoder, generation_config, max_new_tokens, kwargs):
+    """The config this call runs with: the one given, else the model's own (eos, pad, lengths,
+    sampling: what HF's generate follows), updated by the keyword arguments, as HF does."""
+    from transformers import GenerationConfig
+    base = generation_config or decoder.generation_config or GenerationConfig()
+    config = copy.deepcopy(base)
+    if max_new_tokens is not None:
+        kwargs["max_new_tokens"] = max_new_tokens
+    if kwargs.get("eos_token_id") == []:
+        kwargs["eos_token_id"] = None  # [] means no EOS: generate every new token
+    unused = config.update(**kwargs)
+    default_length = config.max_length is None and config.max_new_tokens is None
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    for field, value in defaults.items():  # what HF's generate fills in where nothing is set
+        if getattr(config, field, None) is None:
+            setattr(config, field, value)
+    config.mpgraph_default_length = default_length
+    if unused:
+        raise TypeError(f"generate got arguments it does not know: {sorted(unused)} (the "
+                        "GenerationConfig fields and attention_mask, generation_config, "
+                        "logits_processor, stopping_criteria, streamer, generator, cuda_graph, "
+                        "output_logits, forced_tokens are taken)")
+    for field, (off, why) in _NOT_SUPPORTED.items():
+        value = getattr(config, field, off)
+        if value is not None and value != off:
+            raise ValueError(f"generate({field}={value!r}): {why}; run it with the HF model's "
+                             "own generate, or set it back to " + repr(off))
+    if config.do_sample and config.temperature is not None and config.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}")
+    return config
+
+
+def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
+             max_new_tokens: Optional[int] = None, *,
+             attention_mask: Optional[torch.Tensor] = None, generation_config=None,
+             logits_processor=None, stopping_criteria=None, streamer=None,
              generator: Optional[torch.Generator] = None, cuda_graph: Any = None,
              output_logits: bool = False, forced_tokens: Optional[torch.Tensor] = None,
-             ) -> Union[torch.Tensor, GenerateOutput]:
-    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (B, L) with a
-    ``ConvertedDecoder``: one prefill call, then one decode call per token.
+             **kwargs) -> Union[torch.Tensor, GenerateOutput]:
+    """Generate after ``input_ids`` (B, L) with a ``ConvertedDecoder`` as HuggingFace's
+    ``model.generate`` does: one prefill call, then one decode call per token.
 
-    ``attention_mask`` (B, L): 0 on padding, which must be on the left (as HuggingFace pads
-    decoder-only prompts for generation); positions count real tokens only, as HF's generate
-    does. Greedy by default; ``do_sample=True`` samples from ``softmax(logits / temperature)``,
-    optionally restricted to the ``top_k`` tokens and the ``top_p`` nucleus, drawing from
-    ``generator`` (seed it for reproducible samples). ``eos_token_id`` (an int or a list; by
-    default the model's generation config's, as HuggingFace's generate): a row that produced it
-    is finished and gets ``pad_token_id`` (the config's, else the first EOS id) from then on;
-    generation stops when every row is finished. ``cuda_graph`` (default: on CUDA):
-    replay the decode step from a CUDA graph (or a ``CudaGraphBackend`` to replay with).
-    ``forced_tokens`` (B, N): feed these tokens instead of the chosen ones (teacher forcing;
-    with ``output_logits`` it scores a given continuation). Returns the sequences
-    (B, L + generated), like HF's generate, or a ``GenerateOutput`` with the per-step logits
-    when ``output_logits``.
+    The arguments are HF's: ``generation_config`` (default: the model's own, so its EOS, pad
+    and lengths apply) and any of its fields as keywords (``max_new_tokens``/``max_length``,
+    ``min_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``eos_token_id`` (an int or a list; ``[]``:
+    none), ``pad_token_id``, ``max_time``, ...), ``logits_processor`` and ``stopping_criteria``
+    lists merged with the config's, and a ``streamer`` (``put`` the prompt, then each token;
+    ``end``). The processors and criteria are transformers' own, built by its ``GenerationMixin``
+    from the config, and run in the same order on the same float32 logits, so a converted model
+    gives HF's tokens for its logits. Beam search, contrastive and assisted decoding are refused
+    with the reason. ``attention_mask`` (B, L): 0 on padding, on the left as HF pads
+    decoder-only prompts; positions count real tokens only. ``generator`` seeds the sampling.
+    ``cuda_graph`` (default: on CUDA) replays the decode step from a CUDA graph (or a
+    ``CudaGraphBackend``). ``forced_tokens`` (B, N): feed these tokens instead of the chosen ones
+    (teacher forcing; with ``output_logits`` it scores a given continuation). Returns the
+    sequences (B, L + generated), finished rows padded with the pad id, as HF's generate; a
+    ``GenerateOutput`` with each step's raw logits when ``output_logits``.
     """
     if not isinstance(decoder, ConvertedDecoder):
         raise TypeError("generate takes what mpgraph.convert_decoder returns, got "
                         f"{type(decoder).__name__}")
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if do_sample and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a (batch, length) tensor, got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+    config = _generation_config(decoder, generation_config, max_new_tokens, dict(kwargs))
     rows, length = input_ids.shape
+    if config.max_new_tokens is not None:
+        config.max_length = length + config.max_new_tokens
+    elif config.mpgraph_default_length:  # HF's default: 20 new tokens, within the positions
+        limit = getattr(decoder.config, "max_position_embeddings", None) or float("inf")
+        config.max_length = min(length + config.max_length, limit)
+    if config.min_new_tokens is not None:
+        config.min_length = length + config.min_new_tokens
+    new = config.max_length - length
+    if new < 1:
+        raise ValueError(f"max_length={config.max_length} leaves no new token after the "
+                         f"{length}-token prompt (set max_new_tokens)")
     batch, slots = decoder.batch_size, decoder.max_cache_len
     if rows > batch:
         raise ValueError(f"batch of {rows} prompts; the decoder's cache holds {batch} (convert "
                          f"with batch_size={rows})")
-    if length + max_new_tokens > slots:
-        raise ValueError(f"{length} prompt tokens + {max_new_tokens} new tokens exceed the "
+    if length + new > slots:
+        raise ValueError(f"{length} prompt tokens + {new} new tokens exceed the "
                          f"cache's {slots} slots (convert_decoder(..., max_cache_len=...))")
-    if forced_tokens is not None and tuple(forced_tokens.shape) != (rows, max_new_tokens):
-        raise ValueError(f"forced_tokens must be (batch, max_new_tokens) = "
-                         f"{(rows, max_new_tokens)}, got {tuple(forced_tokens.shape)}")
+    if forced_tokens is not None and tuple(forced_tokens.shape) != (rows, new):
+        raise ValueError(f"forced_tokens must be (batch, new tokens) = {(rows, new)}, got "
+                         f"{tuple(forced_tokens.shape)}")
     device = decoder.device
-    defaults = decoder.generation_config or decoder.config
-    if eos_token_id is None:  # the model's own, as HuggingFace's generate takes it
-        eos_token_id = getattr(defaults, "eos_token_id", None)
-    if pad_token_id is None:
-        pad_token_id = getattr(defaults, "pad_token_id", None)
-    eos = [] if eos_token_id is None else \
-        ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     ids = input_ids.to(device=device, dtype=torch.long)
     given = torch.ones_like(ids) if attention_mask is None else \
         attention_mask.to(device=device, dtype=torch.long)
@@ -450,6 +502,14 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor, max_new_tokens:
     if bool((given[:, -1] == 0).any()):
         raise ValueError("attention_mask has padding on the right: pad prompts on the left "
                          "(tokenizer.padding_side = 'left') for generation")
+    rules = _rules_class()(decoder.config)
+    rules._prepare_special_tokens(config, attention_mask is not None, device, rows)
+    processors = rules._get_logits_processor(
+        config, input_ids_seq_length=length, encoder_input_ids=ids, device=device,
+        logits_processor=logits_processor or LogitsProcessorList(),
+        model_kwargs={"attention_mask": given})
+    criteria = rules._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList())
+    pad = config._pad_token_tensor
     if rows < batch:  # fill the cache's batch with copies of the first row, dropped at the end
         fill = torch.cat([torch.arange(rows, device=device),
                           torch.zeros(batch - rows, dtype=torch.long, device=device)])
@@ -463,39 +523,45 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor, max_new_tokens:
     mask[:, :length] = given
     positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 0)
     next_pos = positions[:, -1:] + 1                                    # (B, 1)
-    eos_t = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    out = torch.full((batch, max_new_tokens), pad, dtype=torch.long, device=device)
     kept = [] if output_logits else None
     forced = None if forced_tokens is None else forced_tokens.to(device=device, dtype=torch.long)
     if forced is not None and rows < batch:
         forced = forced[fill]
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    if streamer is not None:
+        streamer.put(ids[:rows].cpu())
     decoder.reset_cache()
-    produced = 0
     with torch.no_grad():
-        if length >= 2:
-            logits = decoder.prefill(ids, positions, torch.zeros(1, dtype=torch.long,
-                                                                 device=device), mask)
-        else:
-            logits = step_fn(ids, positions, torch.zeros(1, dtype=torch.long, device=device), mask)
+        start = torch.zeros(1, dtype=torch.long, device=device)
+        logits = (decoder.prefill if length >= 2 else step_fn)(ids, positions, start, mask)
         cache_position = torch.full((1,), length, dtype=torch.long, device=device)
-        for i in range(max_new_tokens):
+        for i in range(new):
+            logits = logits.to(dtype=torch.float32, copy=True)  # as HF: processors see float32
             if kept is not None:
-                kept.append(logits.float().clone())
-            token = forced[:, i] if forced is not None else \
-                _choose(logits, do_sample, temperature, top_k, top_p, generator)
-            if eos_t is not None:
-                token = torch.where(done, torch.full_like(token, pad), token)
-                done = done | torch.isin(token, eos_t)
-            out[:, i] = token
-            produced = i + 1
-            if produced == max_new_tokens or (eos_t is not None and bool(done[:rows].all())):
+                kept.append(logits.clone())
+            scores = processors(ids, logits)
+            if forced is not None:
+                token = forced[:, i]
+            elif config.do_sample:
+                token = torch.multinomial(scores.softmax(dim=-1), 1,
+                                          generator=generator).squeeze(-1)
+            else:
+                token = scores.argmax(dim=-1)
+            if pad is not None:
+                token = torch.where(unfinished, token, pad)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            if streamer is not None:
+                streamer.put(token[:rows].cpu())
+            unfinished &= ~criteria(ids, scores)
+            if not bool(unfinished[:rows].any()):
                 break
             mask[:, length + i] = 1
             logits = step_fn(token[:, None], next_pos, cache_position, mask)
             next_pos += 1
             cache_position += 1
-    sequences = torch.cat([ids, out[:, :produced]], dim=1)[:rows]
+    if streamer is not None:
+        streamer.end()
+    sequences = ids[:rows]
     if output_logits:
         return GenerateOutput(sequences, torch.stack(kept)[:, :rows])
     return sequences
