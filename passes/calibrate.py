@@ -183,7 +183,7 @@ class Calibrate(Pass):
     stage = "calibrate"
     # on gm.meta: REFERENCE, batch 0's float32 outputs; CONSTANT_INPUTS, inputs constant in
     # every batch (degenerate calibration data, which convert warns about)
-    writes = (RANGE, REFERENCE, CONSTANT_INPUTS)
+    writes = (RANGE, REFERENCE, CONSTANT_INPUTS, OBSERVED)  # OBSERVED: taken, then dropped
 
     def __init__(self, batches: Iterable, progress: Optional[bool] = None,
                  example: Optional[tuple[tuple, dict]] = None):

@@ -39,6 +39,7 @@ class ChannelsLast(Pass):
     stage = "rewrite"
     rewrites = True
     reads = (OP_CLASS, PRECISION)
+    writes = (INSERTED_BY, TENSOR, OP_CLASS, PRECISION)  # the facts of the layout copies it adds
 
     def call(self, gm):
         convs = [n for n in gm.graph.nodes if n.meta.get(OP_CLASS) is not None

@@ -51,7 +51,7 @@ def _dropout_p(node):
 class FollowTrainingFlag(Pass):
     stage = "prepare"
     rewrites = True
-    writes = (INSERTED_BY,)
+    writes = (INSERTED_BY, TENSOR, OBSERVED)  # the new nodes' facts (values observed at capture)
 
     def _rate(self, gm, node) -> None:
         """Attention keeps its op; its dropout_p comes from a DropoutRate module at run time."""

@@ -98,7 +98,7 @@ def match(tanh: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, l
 class FuseTanhGelu(Pass):
     stage = "prepare"
     rewrites = True
-    writes = (INSERTED_BY,)
+    writes = (INSERTED_BY, TENSOR, OBSERVED)  # the new nodes' facts (values observed at capture)
 
     def call(self, gm):
         graph = gm.graph

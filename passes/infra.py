@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -138,26 +139,86 @@ def deferred_recompile(discard: bool = False):
                 module.recompile()
 
 
+def checking() -> bool:
+    """Whether PassManager checks every pass's writes: ``MPGRAPH_CHECK_PASSES=1`` (the test
+    suite sets it); off by default, where it would cost a snapshot of the meta per pass."""
+    return os.environ.get("MPGRAPH_CHECK_PASSES", "") not in ("", "0")
+
+
+def _facts(gm: torch.fx.GraphModule) -> dict:
+    """Every mpgraph fact on the graph (gm.meta) and its nodes, by (owner, key) -> the value."""
+    out = {(None, k): v for k, v in gm.meta.items() if k.startswith("mpgraph.")}
+    for node in gm.graph.nodes:
+        out.update(((node, k), v) for k, v in node.meta.items() if k.startswith("mpgraph."))
+    return out
+
+
+def _written(before: dict, gm: torch.fx.GraphModule) -> dict:
+    """The keys a pass wrote (set, replaced or removed on a node that survived, or on the
+    graph), each with one place it did."""
+    after = _facts(gm)
+    alive = set(gm.graph.nodes)
+    out: dict = {}
+    for place in set(before) | set(after):
+        owner, key = place
+        if owner is not None and owner not in alive:
+            continue  # an erased node's facts went with it
+        if before.get(place, _MISSING) is not after.get(place, _MISSING):
+            out.setdefault(key, "the graph" if owner is None else owner.name)
+    return out
+
+
+_MISSING = object()
+
+
+class PassManager:
+    """Runs a pipeline (a plain list of pass instances) in order: each pass's ``reads`` are
+    checked before it runs (``Pass.requires``); with ``check`` (default: ``checking()``) every
+    mpgraph fact it wrote must be one of its ``writes``, or the run stops with a PassError naming
+    the pass and the key; any failure inside a pass names the pass and those that ran before.
+    ``timings``: (pass, seconds, modified) of the last run, also logged at debug level
+    (``mpgraph convert --explain`` prints them)."""
+
+    def __init__(self, passes: Iterable[Pass], check: bool | None = None):
+        self.passes = list(passes)
+        self.check = checking() if check is None else check
+        self.timings: list[tuple[str, float, bool]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        with deferred_recompile():
+            return self.run(gm, [])
+
+    def run(self, gm: torch.fx.GraphModule, ran: list) -> torch.fx.GraphModule:
+        for name, group in itertools.groupby(self.passes, key=lambda p: p.stage):
+            with stage(name):
+                for p in group:
+                    before = _facts(gm) if self.check else None
+                    start = time.perf_counter()
+                    try:
+                        result = p(gm)
+                    except PassError as e:
+                        e.ran_before = e.ran_before or list(ran)
+                        raise
+                    except MpgraphError:
+                        raise
+                    except Exception as e:  # an unexpected failure inside a pass: say which
+                        raise PassError(p.name, f"{type(e).__name__}: {e}", None, ran) from e
+                    seconds = time.perf_counter() - start
+                    gm = result.graph_module
+                    if before is not None:
+                        undeclared = {k: w for k, w in _written(before, gm).items()
+                                      if k not in p.writes}
+                        if undeclared:
+                            raise PassError(p.name, "wrote facts it does not declare in its "
+                                            "writes: " + ", ".join(f"{k} (on {w})" for k, w in
+                                                                   sorted(undeclared.items())),
+                                            None, ran)
+                    self.timings.append((p.name, seconds, result.modified))
+                    log.debug("pass %s: %.3f s, modified=%s", p.name, seconds, result.modified)
+                    ran.append(p.name)
+        return gm
+
+
 def run_passes(passes: Iterable[Pass], gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Run a pipeline (a plain list of pass instances) in order, with context on failure."""
-    with deferred_recompile():
-        return _run(passes, gm, [])
-
-
-def _run(passes, gm, ran: list) -> torch.fx.GraphModule:
-    for name, group in itertools.groupby(passes, key=lambda p: p.stage):
-        with stage(name):
-            for p in group:
-                try:
-                    result = p(gm)
-                except PassError as e:
-                    e.ran_before = e.ran_before or list(ran)
-                    raise
-                except MpgraphError:
-                    raise
-                except Exception as e:  # an unexpected failure inside a pass: say which pass
-                    raise PassError(p.name, f"{type(e).__name__}: {e}", None, ran) from e
-                gm = result.graph_module
-                log.debug("pass %s: modified=%s", p.name, result.modified)
-                ran.append(p.name)
-    return gm
+    """Run a pipeline with a PassManager (context on failure; writes checked when checking())."""
+    return PassManager(passes)(gm)

@@ -25,6 +25,8 @@ from mpgraph.tools.cuda_graph import CudaGraphBackend
 # The tests measure afresh into a private directory, so a stale or noisy cache cannot decide them.
 _CACHE = tempfile.mkdtemp(prefix="mpgraph-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _CACHE  # subprocesses (CLI tests) inherit it
+# every pipeline run in the suite checks each pass's writes against its declaration
+os.environ["MPGRAPH_CHECK_PASSES"] = "1"
 atexit.register(shutil.rmtree, _CACHE, True)
 
 # Under pytest-xdist each worker takes one core: the tests are mostly Python (tracing, passes),
