@@ -28,7 +28,7 @@ from mpgraph.tools.generate import ConvertedDecoder, convert_decoder, generate
 from mpgraph.tools.guard import NonFiniteError, guard
 from mpgraph.tools.profiling import ProfileResult, profile
 from mpgraph.tools.report import report
-from mpgraph.tools.weights import load_weights
+from mpgraph.plans.weights import load_weights
 
 
 def export_onnx(*args, **kwargs):

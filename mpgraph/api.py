@@ -13,13 +13,14 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mpgraph.frontend.capture import capture
-from mpgraph.cost.device import resolve_target
+from mpgraph.cost.device import resolve_target, trace_device
 from mpgraph.cost.measured import CostTable, Measured, emulated, measure
 from mpgraph.cost.model import CostModel
 from mpgraph.cost.roofline import RUNTIMES, Roofline, read_calibration
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import deferred_recompile, run_passes, stage
+from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
 from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm, WeightCopies, refuse_hooks
@@ -27,9 +28,8 @@ from mpgraph.ir.meta import (CONSTANT_INPUTS, PRECISION, REFERENCE, TENSOR, dtyp
                              is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
-from mpgraph.frontend.fake import (Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors,
-                                   trace_device)
-from mpgraph.tools.weights import load_weights
+from mpgraph.ir.fake import Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors
+from mpgraph.plans.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -76,108 +76,29 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             runtime: str = "eager") -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
-    The example inputs are run once to learn every value's shape and dtype (and once more to
-    check the result when ``check``: every node's dtype against the plan, and the outputs against
-    float32's; for a plan for another device (a GPU plan on a CPU) the outputs are simulated for
-    graphs up to 20 GFLOP per batch, ``check="values"`` always, ``check="dtypes"`` never). ``target`` is the device to plan for: None for this machine,
-    or a name ("h100", "a100", "t4", "cpu", ...). ``strategy="optimal"`` minimises the estimated
-    time on it exactly (min-cut over node and cast costs); ``"rules"`` is the list-based decision.
-    ``dtype`` None (the default, or "auto") picks, by the cost model, the low dtype the plan is
-    fastest in on the target among those it has (fp16, bf16), per node where it pays and float32
-    where it does not (bf16 matmuls on an AMX CPU; fp16 on a GPU, with bf16 for the nodes
-    fp16's range keeps out); a dtype named forces that one, still only where it pays, and the
-    plan says what stayed float32 and why. ``costs``: the cost model (``mpgraph.cost``): by
-    default this machine's measured op times when the target is this machine, else the
-    target's roofline (``runtime="eager"``, the default, charges each node the host time an
-    eager run costs; ``"graphs"``, for CUDA graphs and torch.compile, does not). ``op_table`` extends the built-in op classes (a dict from module type /
-    function / method name / ATen op to a class name or OpEntry); ``overrides`` maps node names
-    or module-path globs to "fp32" or the low dtype. The caller's model is never modified.
-
-    ``calibration`` is an iterable of input batches (each like ``example_inputs``: a tensor, a
-    tuple of arguments or a dict of keyword arguments); the float32 graph runs on each and every
-    value's range is recorded; values that would overflow the low dtype, and range-expanding ops
-    not proven safe, stay float32 (the plan names each with its evidence). Without it the example
-    inputs are the calibration data. ``tolerance`` is the relative L2 error of the outputs allowed
-    on the calibration data: nodes are pinned to float32, most error-adding first, until it holds
-    (``plan.tolerance`` reports them). ``progress`` shows a progress bar over calibration batches
-    (default: on a terminal, from 8 batches up).
-
-    ``plan`` (a ``Plan``, e.g. ``Plan.load(path)``, possibly edited) is applied as it is: its dtype,
-    target and every node's decision; a plan whose nodes, ops or shapes do not match the model's
-    graph is a ``PlanMismatchError`` listing the differences.
-
-    In the default ``mode="inference"`` the returned module's parameters are frozen
-    (``requires_grad`` False): the low-precision ones are rounded copies of the model's.
-    ``mode="train"``: the parameters stay float32 and are what an optimizer updates (master
-    weights); each is cast to the low dtype once per forward inside the graph, shared by its
-    readers; backward runs through every cast, so gradients arrive in float32; buffers the model
-    writes (batch-norm statistics) keep their dtype; ``.train()``/``.eval()`` switch dropout and
-    batch norm as in the model. The converted module trains its own copy of the parameters.
-
-    ``dynamic`` (default True): a graph captured by torch.export keeps every input dimension
-    above 1 symbolic, so the converted module runs at other batch sizes and sequence lengths.
-    ``dynamic=False`` specialises it to the example's shapes (another shape fails the module's
-    input guard): about half the capture time, and a graph without shape arithmetic, for a
-    deployment that runs one shape (CUDA graphs, a fixed-size ONNX file).
+    The example inputs (a tensor, or a tuple of the model's arguments, with ``example_kwargs``)
+    are run to learn every value's shape and dtype and, with ``check``, to check the result
+    against float32. Each keyword argument is an option of ``Options`` (documented there, one
+    field each): ``dtype`` (None: the cost model's fastest; or fp16/bf16, forced where it pays),
+    ``target`` (None: this machine; or a GPU name), ``costs``/``runtime`` (the cost model),
+    ``strategy``, ``keep_io_types``, ``op_table``, ``overrides``, ``check``, ``calibration``,
+    ``tolerance``, ``progress``, ``plan`` (a saved plan applied as it is), ``mode``
+    ("inference" or "train": float32 master weights) and ``dynamic``. The model is never
+    modified.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if check not in CHECKS:
-        raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
-    train = mode == "train"
-    if plan is not None:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be an mpgraph.Plan (Plan.load(path)), got {type(plan).__name__}")
-        if tolerance is not None:
-            raise ValueError("a saved plan is applied as it is: pass plan= or tolerance=, not both")
-        dtype, keep_io_types, strategy = plan.dtype, plan.keep_io_types, plan.strategy or strategy
-        mode, train = plan.mode, plan.mode == "train"
-        target = target if target is not None else plan.target
-    spec = resolve_target(target)
-    keep_fp32, second = None, None
-    if plan is not None:
-        low, keep_fp32 = plan.dtype, plan.kept_fp32
-        second = next((getattr(torch, r.dtype) for r in plan.range_nodes), None)
-    elif dtype is None or isinstance(dtype, str) and dtype.lower() == "auto":
-        low = None  # the cost model picks it, once the graph is captured
-    else:
-        low = resolve_dtype(dtype)
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
-    if costs is not None and not isinstance(costs, CostModel):
-        raise TypeError(f"costs must be an mpgraph.cost CostModel, got {type(costs).__name__}")
-    if example_inputs is None and example_kwargs is None and _needs_inputs(model):
-        raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
-                         "arguments) to learn which values are float32 and their shapes")
-    args, kwargs = as_call(example_inputs, example_kwargs)
-    kwargs = without_cache(model, args, kwargs)
-    if tolerance is not None:
-        tolerance = check_tolerance(tolerance)
-        if calibration is not None:
-            calibration = list(calibration)  # measured once per round of the search
-    table = op_table if isinstance(op_table, OpTable) else OpTable.default(op_table)
-    abstract = None
-    if has_meta_tensors(model, args, kwargs):
-        if calibration is not None or tolerance is not None:
-            raise ValueError("calibration and tolerance measure values; a model with tensors on "
-                             "the meta device is planned from shapes alone (load its weights, "
-                             "or convert the materialised model)")
-        abstract = Abstract(trace_device(spec))
-        args, kwargs = abstract.fake_inputs(args, kwargs)  # once: capture and the passes share them
-    here = target is None or isinstance(target, str) and target.lower() in ("cpu", "cuda")
-    options = Options(low, second, keep_fp32, spec, strategy, keep_io_types, table,
-                      dict(overrides or {}), check, calibration, tolerance, progress, plan, train,
-                      costs, runtime, here and abstract is None)
+    opts, args, kwargs, abstract = Options.resolve(
+        model, example_inputs, example_kwargs, dtype=dtype, keep_io_types=keep_io_types,
+        target=target, strategy=strategy, op_table=op_table, overrides=overrides, check=check,
+        calibration=calibration, tolerance=tolerance, progress=progress, plan=plan, mode=mode,
+        costs=costs, runtime=runtime)
     with stage("capture"):
-        gm = capture(model, args, kwargs, export_only=train, abstract=abstract, dynamic=dynamic,
-                     observe=True)  # Calibrate takes the example batch from capture's run
+        gm = capture(model, args, kwargs, export_only=opts.train, abstract=abstract,
+                     dynamic=dynamic, observe=True)  # Calibrate takes capture's example batch
     # the passes and the tolerance search read graphs, not code: regenerated once, at the end
     with fake_mode(abstract), deferred_recompile():
-        gm, report, low, keep_fp32, chosen = _convert_captured(gm, model, args, kwargs, options)
+        gm, report, low, keep_fp32, chosen = _convert_captured(gm, model, args, kwargs, opts)
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
-    if not train and model.training and follows_training_flag(gm):
+    if not opts.train and model.training and follows_training_flag(gm):
         warnings.warn(f"{type(model).__name__} is in training mode and is converted for inference: "
                       "the converted module starts in training mode too (dropout on), follows "
                       ".train()/.eval() for dropout and batch norm, but any other read of "
@@ -188,16 +109,27 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         real = {name: t for name, t in module_tensors(model) if not is_abstract(t)}
         if real:  # buffers built for real beside meta parameters: cast as the plan stored them
             load_weights(gm, real, device=abstract.device, strict=False)
-    record = Plan.from_graph(gm, low, keep_io_types, target=spec.name, strategy=strategy,
-                             kept_fp32=keep_fp32, mode=mode, tolerance=report, dtype_choice=chosen)
-    if plan is None and options.low is not None:  # a dtype the user named
-        record = dataclasses.replace(record, warning=little_converted(record, spec))
+    record = Plan.from_graph(gm, low, opts.keep_io_types, target=opts.spec.name,
+                             strategy=opts.strategy, kept_fp32=keep_fp32,
+                             mode="train" if opts.train else "inference", tolerance=report,
+                             dtype_choice=chosen)
+    _attach_plan(gm, record, opts, abstract)
+    log.info("%s", gm.plan.summary())
+    return gm
+
+
+def _attach_plan(gm, record: Plan, opts: "Options", abstract) -> None:
+    """The plan on the module, with its warnings; what keeps the module's tensors as planned
+    (dtypes kept on assignment, low copies in step with their float32 originals); a saved plan
+    checked as applied."""
+    if opts.plan is None and opts.low is not None:  # a dtype the user named
+        record = dataclasses.replace(record, warning=little_converted(record, opts.spec))
         if record.warning:
-            warnings.warn(record.warning, UserWarning, stacklevel=2)
+            warnings.warn(record.warning, UserWarning, stacklevel=3)
     record = dataclasses.replace(record, calibration_warning=calibration_warning(
         record, gm.meta.get(CONSTANT_INPUTS, ())))
     if record.calibration_warning:
-        warnings.warn(record.calibration_warning, UserWarning, stacklevel=2)
+        warnings.warn(record.calibration_warning, UserWarning, stacklevel=3)
     gm.plan = record
     refuse_hooks(gm)
     # copy.deepcopy of a GraphModule keeps only what its meta lists here: the plan goes along
@@ -213,19 +145,17 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     if shared and abstract is None:  # low copies beside their originals, kept in step
         gm.weight_copies = WeightCopies(gm, shared)
         gm.meta["_user_preserved_attributes"]["weight_copies"] = gm.weight_copies
-    if plan is not None:
+    if opts.plan is not None:
         # a node the plan puts low against a numeric-safety finding stays float32 (AssignPrecision
         # warned): that is the plan applied, not a mismatch
         differ = []
-        for r in _to_match(plan, {x.name for x in gm.plan.nodes}):
+        for r in _to_match(opts.plan, {x.name for x in gm.plan.nodes}):
             got = gm.plan.node(r.name)
             if got.dtype != r.dtype and not (got.safety and got.dtype == "float32"):
                 differ.append(f"{r.name}: the plan says {r.dtype}, the conversion gave "
                               f"{got.dtype} ({got.reason})")
         if differ:
             raise PlanMismatchError(differ)
-    log.info("%s", gm.plan.summary())
-    return gm
 
 
 def without_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -317,7 +247,6 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     casts of its values; see ``mpgraph.cost.measured``), replacing what the cache held for
     them; returns the machine's cost table (``.format()`` prints it). ``convert`` measures what
     its cache lacks by itself: this is for re-measuring (a noisy run, new drivers)."""
-    from mpgraph.passes.pipeline import prepare_pipeline
     args, kwargs = as_call(example_inputs, example_kwargs)
     kwargs = without_cache(model, args, kwargs)
     with stage("capture"):
@@ -347,12 +276,43 @@ def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:
 
 @dataclass(frozen=True)
 class Options:
-    """What ``convert`` resolved from its arguments, for the driver and the pipelines."""
+    """Every option of a conversion, resolved once from ``convert``'s keyword arguments
+    (``Options.resolve``) and read by the driver and the pipelines.
 
-    low: Optional[torch.dtype]           # the plan's low dtype; None: the cost model picks it
-    second: Optional[torch.dtype]        # bf16 beside fp16 (a saved plan's)
-    keep_fp32: Optional[str]             # why every node stays float32 (a saved plan's)
-    spec: DeviceSpec                     # the target
+    - ``low`` (``dtype=``): the low dtype, fp16 or bf16; None (``dtype=None`` or "auto"): the one
+      the cost model estimates fastest on the target, per node where it pays. A named dtype is
+      used where it pays and the plan says what stayed float32 and why.
+    - ``second``: bf16 beside fp16 for the nodes fp16's range keeps out (a saved plan's; else
+      chosen with the dtype). ``keep_fp32``: why every node stays float32 (a saved plan's).
+    - ``spec`` (``target=``): the device planned for: None for this machine, or a name ("h100",
+      "a100", "t4", "cpu", ...). ``here``: it is this machine and the model has values.
+    - ``strategy``: "optimal" (min-cut over node and cast costs) or "rules" (the list-based one).
+    - ``keep_io_types``: inputs and outputs keep the model's dtypes.
+    - ``table`` (``op_table=``): the op classes, extended by a dict from module type / function /
+      method name / ATen op to a class name or OpEntry. ``overrides``: node names or module-path
+      globs to "fp32" or the low dtype.
+    - ``check``: True (every node's dtype against the plan; the outputs against float32's,
+      simulated for a plan for another device up to 20 GFLOP a batch), "values" (always),
+      "dtypes" (no value run), False (nothing).
+    - ``calibration``: input batches the float32 graph runs on to record every value's range
+      (values that would overflow the low dtype stay float32); default: the example inputs.
+      ``tolerance``: the relative L2 error of the outputs allowed on them (nodes pinned to
+      float32, most error-adding first, until it holds). ``progress``: a bar over the batches.
+    - ``plan``: a saved ``Plan`` applied as it is (its dtype, target, decisions); a mismatch is a
+      ``PlanMismatchError``.
+    - ``train`` (``mode="train"``): parameters stay float32 master weights, cast once per forward
+      inside the graph; else (inference) the module's parameters are frozen rounded copies.
+    - ``costs``: a cost model (``mpgraph.cost``); default: measured on this machine when the
+      target is it, else the target's roofline. ``runtime``: "eager" (each node pays its host
+      time) or "graphs" (CUDA graphs / torch.compile: it does not).
+    (``dynamic``, capture's: input dimensions above 1 stay symbolic in a torch.export capture;
+    False specialises the module to the example's shapes.)
+    """
+
+    low: Optional[torch.dtype]
+    second: Optional[torch.dtype]
+    keep_fp32: Optional[str]
+    spec: DeviceSpec
     strategy: str
     keep_io_types: bool
     table: OpTable
@@ -361,11 +321,69 @@ class Options:
     calibration: Optional[list]
     tolerance: Optional[float]
     progress: Optional[bool]
-    plan: Optional[Plan]                 # a saved plan to apply
+    plan: Optional[Plan]
     train: bool
-    costs: Optional[CostModel]           # a cost model given; else measured here, or the roofline
-    runtime: str                         # "eager" or "graphs": what the roofline's host floor is for
-    here: bool                           # the target is this machine, and the model has values
+    costs: Optional[CostModel]
+    runtime: str
+    here: bool
+
+    @classmethod
+    def resolve(cls, model, example_inputs, example_kwargs, *, dtype, keep_io_types, target,
+                strategy, op_table, overrides, check, calibration, tolerance, progress, plan,
+                mode, costs, runtime):
+        """(options, example args, example kwargs, the fake-tensor context of a model on the
+        meta device or None), every argument checked with an error that names it."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if check not in CHECKS:
+            raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
+        keep_fp32 = second = None
+        if plan is not None:
+            if not isinstance(plan, Plan):
+                raise TypeError("plan must be an mpgraph.Plan (Plan.load(path)), got "
+                                f"{type(plan).__name__}")
+            if tolerance is not None:
+                raise ValueError("a saved plan is applied as it is: pass plan= or tolerance=, "
+                                 "not both")
+            keep_io_types, strategy = plan.keep_io_types, plan.strategy or strategy
+            mode = plan.mode
+            target = target if target is not None else plan.target
+            low, keep_fp32 = plan.dtype, plan.kept_fp32
+            second = next((getattr(torch, r.dtype) for r in plan.range_nodes), None)
+        elif dtype is None or isinstance(dtype, str) and dtype.lower() == "auto":
+            low = None  # the cost model picks it, once the graph is captured
+        else:
+            low = resolve_dtype(dtype)
+        spec = resolve_target(target)
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+        if costs is not None and not isinstance(costs, CostModel):
+            raise TypeError(f"costs must be an mpgraph.cost CostModel, got {type(costs).__name__}")
+        if example_inputs is None and example_kwargs is None and _needs_inputs(model):
+            raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
+                             "arguments) to learn which values are float32 and their shapes")
+        args, kwargs = as_call(example_inputs, example_kwargs)
+        kwargs = without_cache(model, args, kwargs)
+        if tolerance is not None:
+            tolerance = check_tolerance(tolerance)
+            if calibration is not None:
+                calibration = list(calibration)  # measured once per round of the search
+        table = op_table if isinstance(op_table, OpTable) else OpTable.default(op_table)
+        abstract = None
+        if has_meta_tensors(model, args, kwargs):
+            if calibration is not None or tolerance is not None:
+                raise ValueError("calibration and tolerance measure values; a model with tensors "
+                                 "on the meta device is planned from shapes alone (load its "
+                                 "weights, or convert the materialised model)")
+            abstract = Abstract(trace_device(spec))
+            args, kwargs = abstract.fake_inputs(args, kwargs)  # capture and passes share them
+        here = target is None or isinstance(target, str) and target.lower() in ("cpu", "cuda")
+        opts = cls(low, second, keep_fp32, spec, strategy, keep_io_types, table,
+                   dict(overrides or {}), check, calibration, tolerance, progress, plan,
+                   mode == "train", costs, runtime, here and abstract is None)
+        return opts, args, kwargs, abstract
 
 
 def cost_model(opts: Options, gm, args: tuple, kwargs: dict, model) -> CostModel:
@@ -403,7 +421,6 @@ def _device_of(args: tuple, kwargs: dict, model) -> torch.device:
 def _convert_captured(gm, model, args, kwargs, opts: Options):
     """The captured graph through the pipelines (and the tolerance search): (module, report,
     the low dtype, why everything stayed float32 if it did, how the dtype was chosen)."""
-    from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train), gm)
     simulate = elsewhere(opts.spec, args, kwargs, model)
     base = copy.deepcopy(gm) if opts.tolerance is not None else None
@@ -457,7 +474,6 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
 def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torch.dtype, dict]:
     """The low dtype whose cost-optimal plan the cost model estimates fastest, with the
     estimates: each candidate's decisions run (analysis passes only: nothing is rewritten)."""
-    from mpgraph.passes.pipeline import decide_pipeline
     candidates = [d for d in LOW_DTYPES if costs.supports(d)] or [torch.bfloat16]
     estimates = {}
     with stage("choose dtype"):

@@ -26,7 +26,7 @@ from mpgraph.ir.graph import as_call, flat_inputs, mutated_nodes, run_recording
 from mpgraph.ir.meta import (CONSTANT_INPUTS, OBSERVED, RANGE, REFERENCE, TENSOR, Reference,
                              TensorInfo, ValueRange)
 from mpgraph.passes.infra import Pass, PassResult
-from mpgraph.frontend.fake import is_abstract
+from mpgraph.ir.fake import is_abstract
 
 log = logging.getLogger(__name__)
 _PROGRESS_MIN_BATCHES = 8  # show a progress bar (on a terminal) from this many batches up

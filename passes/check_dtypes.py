@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.ir.edges import required_dtype
 from mpgraph.errors import ConversionError
-from mpgraph.frontend.fake import is_abstract
+from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
 from mpgraph.numerics import output_errors, rounding

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from mpgraph.cost.specs import DeviceSpec
-from mpgraph.ir.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, TENSOR_CORES,
+from mpgraph.ir.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, TC_FINDING,
                              TensorInfo, dtype_name)
 from mpgraph.passes.op_table import TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
@@ -63,7 +63,7 @@ def _gemm_dims(node, gm) -> Optional[dict]:
 class LintTensorCores(Pass):
     """Analysis: writes ``mpgraph.tensor_core`` on matmul-class nodes (after the dtype decision)."""
     stage = "decide"
-    reads, writes = (OP_CLASS, PRECISION), (TENSOR_CORES,)
+    reads, writes = (OP_CLASS, PRECISION), (TC_FINDING,)
 
     def __init__(self, spec: DeviceSpec, costs=None, tf32: Optional[bool] = None):
         self.spec = spec
@@ -81,7 +81,7 @@ class LintTensorCores(Pass):
                     and node.meta[OP_CLASS].op_class == TENSOR_CORE:
                 finding = self.finding(node, gm)
                 if finding is not None:
-                    node.meta[TENSOR_CORES] = finding
+                    node.meta[TC_FINDING] = finding
         return PassResult(gm, False)
 
     def finding(self, node, gm) -> Optional[TensorCoreFinding]:

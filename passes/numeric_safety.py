@@ -71,7 +71,7 @@ from mpgraph.ir.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, Valu
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
-from mpgraph.frontend.fake import is_abstract
+from mpgraph.ir.fake import is_abstract
 
 log = logging.getLogger(__name__)
 

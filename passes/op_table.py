@@ -40,13 +40,8 @@ import torch.nn.functional as F
 
 from mpgraph.ir.modules import CountBatches, DropoutRate, InputGuard, TrainingBatchNorm
 
-TENSOR_CORE = "tensor_core"
-FOLLOW = "follow"
-FP32_COMPUTE = "fp32_compute"
-FP32_ONLY = "fp32_only"
-CAST = "cast"
-UNKNOWN = "unknown"
-OP_CLASSES = (TENSOR_CORE, FOLLOW, FP32_COMPUTE, FP32_ONLY, CAST, UNKNOWN)
+from mpgraph.ir.meta import (CAST, FOLLOW, FP32_COMPUTE, FP32_ONLY, OP_CLASSES,  # noqa: F401
+                             TENSOR_CORE, UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -109,7 +104,7 @@ _RNN = ("recurrent layer: its input and hidden projections are matmuls (autocast
         "fp16); gates are bounded by sigmoid/tanh, an LSTM's cell state grows by at most 1 a step")
 _LAYOUT = "moves or selects elements without arithmetic: exact in any dtype"
 _ACT = "activation bounded by |x| (or by a constant): cannot overflow"
-_ARITH = "elementwise arithmetic: follows its inputs (calibrated ranges are issue #5's job)"
+_ARITH = "elementwise arithmetic: follows its inputs (NumericSafety keeps an overflowing one float32)"
 _JOIN = "joins or selects between tensors without arithmetic: follows its inputs"
 _SCALE = "elementwise scaling: a parameter operand is a weight (a layer scale), stored like one"
 _POOL = "max/average over a window: result within the input's range"

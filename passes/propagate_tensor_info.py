@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.frontend.fake import is_abstract
+from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import flat_inputs, mutated_nodes, run_recording
 from mpgraph.ir.meta import OBSERVED, TENSOR, TensorInfo
 from mpgraph.passes.calibrate import Observation, value_stats

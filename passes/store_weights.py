@@ -40,7 +40,7 @@ def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
 class StoreWeights(Pass):
     stage = "rewrite"
     rewrites = True
-    reads, writes = (PRECISION, OP_CLASS), (WEIGHTS, TENSOR, PRECISION, INSERTED_BY)
+    reads, writes = (PRECISION, OP_CLASS), (WEIGHTS, TENSOR, PRECISION, INSERTED_BY, OP_CLASS)
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True):
         self.low = low_dtype

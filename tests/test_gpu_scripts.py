@@ -45,4 +45,11 @@ def test_gpu_check_runs_every_variant_and_the_training_table_on_the_cpu():
 
 def test_bench_generate_runs_on_the_cpu():
     out = _run("bench_generate.py", "--tiny", "--batches", "1", "--reps", "1")
-    assert "mpgraph eager" in out, out
+    rows = [r for r in _rows(out, "1") if len(r) == 9]
+    assert [r[1] for r in rows] == ["fp32", "autocast", ".half()", "mpgraph eager"], out
+    for r in rows:
+        ttft, per = float(r[2]), float(r[3])
+        assert math.isfinite(ttft) and ttft > 0 and math.isfinite(per), r
+        shares = [float(c.rstrip("%")) for c in r[5:8]]
+        assert all(0 <= x <= 100 for x in shares) and float(r[8]) < 0.05, r
+    assert rows[0][6] == "100.0%" and float(rows[0][8]) == 0  # fp32 against itself

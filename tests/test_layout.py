@@ -89,3 +89,32 @@ def test_no_module_imports_another_modules_private_names():
         for module, names in _imports(name, path):
             private = [n for n in names if n.startswith("_")]
             assert not private, f"{name} imports {private} from {module}"
+
+
+# the stages, lowest first: each imports only those before it (lazy imports included)
+LAYERS = ["mpgraph.ir", "mpgraph.cost", "mpgraph.passes", "mpgraph.frontend", "mpgraph.plans",
+          "mpgraph.api", "mpgraph.tools"]
+BASE = {"mpgraph.errors", "mpgraph.numerics"}  # leaf modules every stage may use
+
+
+def _stage(module: str):
+    for layer in sorted(LAYERS, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return None
+
+
+def test_stage_packages_import_only_the_stages_below_them():
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        here = _stage(name)
+        if here is None or name == "mpgraph.passes":
+            continue
+        for module, names in _imports(name, path):
+            for target in [module] + [f"{module}.{n}" for n in names]:
+                there = _stage(target)
+                if there is not None and there != here and \
+                        LAYERS.index(there) > LAYERS.index(here):
+                    wrong.append(f"{name} imports {target} ({there} is above {here})")
+    assert not wrong, "\n".join(sorted(set(wrong)))

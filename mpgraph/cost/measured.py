@@ -34,7 +34,8 @@ from torch.utils import _pytree as pytree
 from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
-from mpgraph.ir.graph import RecordingInterpreter, flat_inputs, fresh, is_inplace, seeded, state_kept
+from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, is_inplace, seeded, state_kept,
+                              target_name)
 from mpgraph.ir.meta import TENSOR, TensorInfo, dtype_name, tensor_infos
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,6 @@ def _arg_key(a) -> str:
 def op_key(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     """What decides an op's time: the op, its tensors' shapes and dtypes, its other arguments
     (and a module's own description and parameter shapes)."""
-    from mpgraph.ir.graph import target_name
     parts = [node.op]
     if node.op == "call_module":  # by what the module is, not where: twelve equal layers, one key
         module = gm.get_submodule(node.target)

@@ -35,8 +35,7 @@ from mpgraph.cost.device import VECTOR_FLOPS_PER_ELEMENT, cache_dir, tf32_enable
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.ir.graph import input_nodes, is_view, matmul_dims
-from mpgraph.ir.meta import OP_CLASS, TENSOR, tensor_infos
-from mpgraph.passes.op_table import TENSOR_CORE
+from mpgraph.ir.meta import OP_CLASS, TENSOR, TENSOR_CORE, tensor_infos
 
 # host time of one node in eager mode on a GPU, where no calibration file says otherwise: the
 # H200 session measured ~5-10 us per graph node (Python, dispatch, launch)

@@ -2,7 +2,7 @@
 
 Peaks are dense (no 2:4 sparsity) in FLOP/s; ``None`` means the hardware has no fast path for
 that dtype. GPU numbers come from NVIDIA's datasheets and its "GPU Performance Background" guide
-(sources in the comment on each entry; see ../shared/research/tensor-cores-profiling.md). CPU
+(the datasheet each figure is from is in the comment on its entry). CPU
 specs are measured on the machine (``mpgraph.cost.device.measure_cpu``).
 """
 from __future__ import annotations

@@ -27,6 +27,8 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, run_rec
                               seeded, state_kept)
 from mpgraph.ir.meta import CAPTURE, OBSERVED, READS_TRAINING, STATIC_SHAPES
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
+from mpgraph.ir.fake import fake_mode, is_abstract
+from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +186,8 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     With example inputs, every node's output shape and dtype is recorded in
     ``node.meta["mpgraph.tensor"]``, and a symbolic trace that fails to run on them falls back to
     torch.export. Raises CaptureError naming what each tracer reported when none works.
-    ``abstract`` (an ``mpgraph.frontend.fake.Abstract``): trace fakes of the model's tensors and of the
-    example inputs on the device it fakes (a model on the meta device, see mpgraph.frontend.fake).
+    ``abstract`` (an ``mpgraph.ir.fake.Abstract``): trace fakes of the model's tensors and of the
+    example inputs on the device it fakes (a model on the meta device, see mpgraph.ir.fake).
     ``observe`` (``convert`` sets it): that run also records what calibration measures of the example inputs
     (``PropagateTensorInfo``, in ``gm.meta["mpgraph.observed"]``), which ``convert``'s Calibrate
     takes instead of running them again.
@@ -206,7 +208,6 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     if abstract is not None:
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
-    from mpgraph.frontend.fake import fake_mode
     with _CAPTURE_LOCK, fake_mode(abstract):
         return _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
 
@@ -266,7 +267,6 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
     """How the traced graph differs from the model on the example inputs (the outputs, their
     structure, the buffers after the run), or None. The graph's side is its recorded run
     (PropagateTensorInfo's Observation); the model runs once, eagerly, seeded the same way."""
-    from mpgraph.frontend.fake import is_abstract
     if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
            if isinstance(t, torch.Tensor)):
         return None  # no values to compare (a model on the meta device)
@@ -316,7 +316,6 @@ def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, arg
     guards come from library code that branches on a size of 1 to no effect (transformers'
     mask expansion, the memory format PyTorch's convolution picks); one on a branch of the
     model's that changes the answer stays (if x.shape[0] == 1: ...)."""
-    from mpgraph.frontend.fake import is_abstract
     guard = getattr(gm, EXPORT_GUARD, None)
     if not isinstance(guard, InputGuard) or any(
             isinstance(t, torch.Tensor) and is_abstract(t) for t in pytree.tree_leaves((args, kwargs))):
@@ -432,7 +431,6 @@ def _keep_persistence(gm: torch.nn.Module, model: torch.nn.Module) -> None:
 
 
 def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic):
-    from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
     reports: dict[str, str] = {}
     # export_only (training): every parameter a get_attr node, no leaf module hiding its weights.
     # HuggingFace models do not trace with plain fx (transformers 5): straight to torch.export

@@ -15,7 +15,7 @@ PRECISION = "mpgraph.precision"      # Decision
 INSERTED_BY = "mpgraph.inserted_by"  # name of the pass that created the node
 WEIGHTS = "mpgraph.weights"          # on gm.meta: WeightRecord list written by StoreWeights
 COST = "mpgraph.cost"                # NodeCost written by EstimateCost
-TENSOR_CORES = "mpgraph.tensor_core"  # TensorCoreFinding written by LintTensorCores
+TC_FINDING = "mpgraph.tensor_core"  # TensorCoreFinding written by LintTensorCores
 ESTIMATE = "mpgraph.estimate"        # on gm.meta: {"target", "fp32_s", "plan_s"} of the optimal plan
 CAPTURE = "mpgraph.capture"          # on gm.meta: which tracer produced the graph
 STATIC_SHAPES = "mpgraph.static_shapes"  # on gm.meta: True when exported at the example's shapes
@@ -190,3 +190,13 @@ class SafetyFinding:
     rule: str        # "range", "underflow", "constant", "weight", "unproven_range"
     evidence: str    # e.g. "absmax 7.1e4 > limit 3.28e4 on 3/8 batches"
     cleared_by: Optional[str] = None  # a second low dtype in which the node has no finding
+
+
+# the op classes (what ClassifyOps writes in OP_CLASS; passes/op_table.py maps each op to one)
+TENSOR_CORE = "tensor_core"
+FOLLOW = "follow"
+FP32_COMPUTE = "fp32_compute"
+FP32_ONLY = "fp32_only"
+CAST = "cast"
+UNKNOWN = "unknown"
+OP_CLASSES = (TENSOR_CORE, FOLLOW, FP32_COMPUTE, FP32_ONLY, CAST, UNKNOWN)

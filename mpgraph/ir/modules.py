@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from mpgraph.errors import InputMismatchError
+from mpgraph.ir.meta import EVAL_ONLY, READS_TRAINING, STATIC_SHAPES
+
 
 class TrainingBatchNorm(torch.nn.Module):
     """``F.batch_norm`` with the statistics of the batch in training, the running ones in eval;
@@ -503,7 +506,6 @@ class ConvertedModule(torch.fx.GraphModule):
                          "moves it")
 
     def train(self, mode: bool = True):
-        from mpgraph.ir.meta import EVAL_ONLY, READS_TRAINING
         meta = self.__dict__.get("meta", {})
         removed = meta.get(EVAL_ONLY)
         readers, captured = meta.get(READS_TRAINING, ((), mode))
@@ -551,8 +553,6 @@ _STATIC_DIM = re.compile(r"Guard failed: (\w+)\.size\(\)\[(\d+)\] == (\d+)$")
 def guard_error(module: torch.nn.Module, message: str) -> "InputMismatchError":
     """torch.export's "Guard failed: <condition>" as an error that says why the graph holds
     only under that condition and what to do."""
-    from mpgraph.errors import InputMismatchError
-    from mpgraph.ir.meta import STATIC_SHAPES
     condition = message.removeprefix("Guard failed: ")
     head = (f"this call's inputs break a condition the converted graph was captured under: "
             f"{condition}. ")

@@ -116,7 +116,7 @@ def fake_dtypes(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict:
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    # a model without values (mpgraph.frontend.fake) already runs under a fake mode, its weights
+    # a model without values (mpgraph.ir.fake) already runs under a fake mode, its weights
     # fakes of it: that mode, so that they are not converted again on every op
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 

@@ -15,7 +15,7 @@ import torch.fx
 
 from mpgraph.ir.graph import module_path, target_name
 from mpgraph.ir.meta import (CAPTURE, CHECK, COST, ESTIMATE, INSERTED_BY, OP_CLASS, PRECISION,
-                             RANGE, SAFETY, STATIC_SHAPES, TENSOR, TENSOR_CORES, TensorInfo, WEIGHTS,
+                             RANGE, SAFETY, STATIC_SHAPES, TENSOR, TC_FINDING, TensorInfo, WEIGHTS,
                              WeightRecord, cast_source, dtype_name, is_inserted_cast,
                              planned_dtype, shape_of)
 
@@ -121,7 +121,7 @@ class Plan:
             if model_cast is not None:
                 plan.model_casts.append(model_cast)
             cost = node.meta.get(COST)
-            finding = node.meta.get(TENSOR_CORES)
+            finding = node.meta.get(TC_FINDING)
             plan.nodes.append(NodeRecord(
                 name=node.name, op=node.op, target=target_name(node), module=module_path(node),
                 op_class=op_info.op_class if op_info else "unknown",

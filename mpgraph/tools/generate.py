@@ -6,14 +6,15 @@ t). Both wrap the model around one ``transformers.StaticCache`` whose key and va
 buffers of the wrapper (``key_cache_<i>``, ``value_cache_<i>``), so torch.export sees them as
 buffers written in place (``index_copy_`` into the buffer, no new tensor per step) and each plan
 records their dtype as it records any value's (``ConvertedDecoder.cache_plan``: the dtype and the
-plan's reason; today's AssignPrecision keeps a buffer written in place in its own dtype, so the
-cache is float32, as the model's). After conversion the decode graph's parameters, buffers and cache are pointed at the
-prefill graph's tensors wherever both plans stored the same name with the same shape and dtype:
+plan's reason: written only by stores, the cache is stored in the low dtype where the plan
+lowers its readers). After conversion the decode graph's parameters, buffers and cache are
+pointed at the prefill graph's tensors wherever both plans stored the same name with the same shape and dtype:
 weights are stored once, and the cache both graphs read and write is one set of tensors
 (``ConvertedDecoder.sharing`` counts what is shared and what is not).
 
-``generate`` runs the prefill graph once, then the decode graph per new token (greedy or
-sampling; per-sequence EOS; batch > 1 with left padding through ``attention_mask``); on CUDA the
+``generate`` runs the prefill graph once, then the decode graph per new token, with HF's
+arguments, generation config, logits processors and stopping criteria (batch > 1 with left
+padding through ``attention_mask``); on CUDA the
 decode step is replayed from a CUDA graph (``mpgraph.cuda_graph``), since every decode call has
 the same shapes and reads the cache at the same addresses.
 
@@ -35,7 +36,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from mpgraph.ir.graph import fetch_attr, set_attr
+from mpgraph.api import convert
+from mpgraph.ir.graph import fetch_attr, is_inplace, set_attr
+from mpgraph.tools.cuda_graph import GraphedModule
 from mpgraph.ir.meta import dtype_name
 
 log = logging.getLogger(__name__)
@@ -238,7 +241,6 @@ class ConvertedDecoder:
         the next ones; it reads the weights and writes the cache at their fixed addresses.
         ``backend``: a ``CudaGraphBackend`` to use instead of CUDA's (tests)."""
         if self._graphed is None or (backend is not None and self._graphed.backend is not backend):
-            from mpgraph.tools.cuda_graph import GraphedModule
             self._graphed = GraphedModule(self.decode, static_outputs=True, max_graphs=2,
                                           backend=backend)
         return self._graphed
@@ -280,7 +282,6 @@ def _cache_plan(module, names) -> list[CacheRecord]:
 
 def _in_place_writes(module, names) -> dict[str, list[str]]:
     """For each cache buffer, the ops of the graph that write into it in place."""
-    from mpgraph.ir.graph import is_inplace
     nodes = {n.target: n for n in module.graph.nodes if n.op == "get_attr" and n.target in names}
     return {name: [u.name for u in node.users if is_inplace(u, module) and u.args[0] is node]
             for name, node in nodes.items()}
@@ -302,7 +303,6 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     ``.plan``), ``.cache_plan`` (each cache tensor's planned dtype and the plan's reason),
     ``.sharing`` (what the two graphs share) and ``.generate(...)``. The model is not modified.
     """
-    from mpgraph.api import convert
     refused = sorted(set(convert_options) & {"calibration", "plan", "example_kwargs", "mode"})
     if refused:
         raise ValueError(f"convert_decoder does not take {refused}: the two graphs have their "

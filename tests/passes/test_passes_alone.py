@@ -11,7 +11,7 @@ import torch.nn as nn
 import mpgraph
 from mpgraph.cost.specs import GPU_SPECS
 from mpgraph.ir.graph import Call
-from mpgraph.ir.meta import PRECISION, RANGE, TENSOR, TENSOR_CORES, Decision, TensorInfo
+from mpgraph.ir.meta import PRECISION, RANGE, TENSOR, TC_FINDING, Decision, TensorInfo
 from mpgraph.passes import (Calibrate, ClassifyOps, Functionalize, FuseTanhGelu, LintTensorCores,
                             PropagateTensorInfo, PruneForInference)
 from mpgraph.passes.infra import Pass, PassResult, run_passes
@@ -161,12 +161,12 @@ def test_lint_tensor_cores_alone_checks_fp32_matmuls_against_tf32_only_when_tf32
     linear = next(n for n in gm.graph.nodes if n.op == "call_module")
     linear.meta[PRECISION] = Decision(torch.float32, "kept float32")
     LintTensorCores(GPU_SPECS["a100-80gb"], tf32=True)(gm)
-    finding = linear.meta[TENSOR_CORES]
+    finding = linear.meta[TC_FINDING]
     assert finding.multiple == 4 and "TF32 Tensor Cores want multiples of 4" in finding.text
     assert "K 30->32" in finding.text
-    del linear.meta[TENSOR_CORES]
+    del linear.meta[TC_FINDING]
     LintTensorCores(GPU_SPECS["a100-80gb"], tf32=False)(gm)
-    assert TENSOR_CORES not in linear.meta  # float32 on CUDA cores: nothing to align
+    assert TC_FINDING not in linear.meta  # float32 on CUDA cores: nothing to align
 
 
 def test_plan_diff_lists_nodes_only_one_plan_has():

@@ -19,7 +19,6 @@ from typing import Iterable, Optional
 
 import torch
 
-from mpgraph.cost.specs import DeviceSpec
 from mpgraph.ir.graph import fetch_attr, set_attr, with_data
 
 log = logging.getLogger(__name__)
@@ -58,17 +57,6 @@ def has_meta_tensors(model: torch.nn.Module, args: tuple = (), kwargs: Optional[
     inputs = pytree.tree_leaves((args, kwargs or {}))
     return any(t.device.type == "meta" for _, t in module_tensors(model)) or \
         any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in inputs)
-
-
-def trace_device(spec: DeviceSpec) -> torch.device:
-    """The device an abstract model is traced for: the target's kind where this machine can fake
-    it (fake CUDA tensors need CUDA present), else the CPU."""
-    if spec.kind == "gpu":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        log.info("planning for %s without CUDA here: tracing for the CPU (layout-only nodes "
-                 "such as .contiguous() may differ from a CUDA trace)", spec.name)
-    return torch.device("cpu")
 
 
 class Abstract:

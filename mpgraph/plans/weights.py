@@ -1,5 +1,5 @@
 """Loading the weights into a converted module later (a plan made without them, on the meta
-device: see mpgraph.frontend.fake).
+device: see mpgraph.ir.fake).
 
 ``load_weights`` fills a converted module with real weights, one tensor at a time, each
 cast to the dtype the plan stored it in: from safetensors files (a checkpoint's shards, read
@@ -14,7 +14,7 @@ from typing import Mapping, Union
 
 import torch
 
-from mpgraph.frontend.fake import TRACED_ON, module_tensors, replace_tensor
+from mpgraph.ir.fake import TRACED_ON, module_tensors, replace_tensor
 from mpgraph.ir.meta import WEIGHTS
 
 log = logging.getLogger(__name__)
