@@ -145,6 +145,9 @@ def checking() -> bool:
     return os.environ.get("MPGRAPH_CHECK_PASSES", "") not in ("", "0")
 
 
+_MISSING = object()  # a fact absent before or after a pass
+
+
 def _facts(gm: torch.fx.GraphModule) -> dict:
     """Every mpgraph fact on the graph (gm.meta) and its nodes, by (owner, key) -> the value."""
     out = {(None, k): v for k, v in gm.meta.items() if k.startswith("mpgraph.")}
@@ -168,16 +171,13 @@ def _written(before: dict, gm: torch.fx.GraphModule) -> dict:
     return out
 
 
-_MISSING = object()
-
-
 class PassManager:
     """Runs a pipeline (a plain list of pass instances) in order: each pass's ``reads`` are
     checked before it runs (``Pass.requires``); with ``check`` (default: ``checking()``) every
     mpgraph fact it wrote must be one of its ``writes``, or the run stops with a PassError naming
     the pass and the key; any failure inside a pass names the pass and those that ran before.
     ``timings``: (pass, seconds, modified) of the last run, also logged at debug level
-    (``mpgraph convert --explain`` prints them)."""
+    (logger ``mpgraph.passes.infra``)."""
 
     def __init__(self, passes: Iterable[Pass], check: bool | None = None):
         self.passes = list(passes)
@@ -185,6 +185,7 @@ class PassManager:
         self.timings: list[tuple[str, float, bool]] = []
 
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        self.timings = []
         with deferred_recompile():
             return self.run(gm, [])
 

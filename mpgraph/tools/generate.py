@@ -8,8 +8,8 @@ buffers written in place (``index_copy_`` into the buffer, no new tensor per ste
 records their dtype as it records any value's (``ConvertedDecoder.cache_plan``: the dtype and the
 plan's reason: written only by stores, the cache is stored in the low dtype where the plan
 lowers its readers). After conversion the decode graph's parameters, buffers and cache are
-pointed at the prefill graph's tensors wherever both plans stored the same name with the same shape and dtype:
-weights are stored once, and the cache both graphs read and write is one set of tensors
+pointed at the prefill graph's tensors wherever both plans stored the same name with the same
+shape and dtype: weights are stored once, and the cache both graphs read and write is one set of tensors
 (``ConvertedDecoder.sharing`` counts what is shared and what is not).
 
 ``generate`` runs the prefill graph once, then the decode graph per new token, with HF's
@@ -403,9 +403,10 @@ _NOT_SUPPORTED = {  # GenerationConfig field: (the value that means "off", why n
 }
 
 
-def _generation_config(decoder, generation_config, max_new_tokens, kwargs):
+def _generation_config(decoder, generation_config, max_new_tokens, kwargs, length: int):
     """The config this call runs with: the one given, else the model's own (eos, pad, lengths,
-    sampling: what HF's generate follows), updated by the keyword arguments, as HF does."""
+    sampling: what HF's generate follows), updated by the keyword arguments, with HF's defaults
+    where nothing is set and its lengths counted from the ``length``-token prompt."""
     from transformers import GenerationConfig
     base = generation_config or decoder.generation_config or GenerationConfig()
     config = copy.deepcopy(base)
@@ -419,7 +420,6 @@ def _generation_config(decoder, generation_config, max_new_tokens, kwargs):
     for field, value in defaults.items():  # what HF's generate fills in where nothing is set
         if getattr(config, field, None) is None:
             setattr(config, field, value)
-    config.mpgraph_default_length = default_length
     if unused:
         raise TypeError(f"generate got arguments it does not know: {sorted(unused)} (the "
                         "GenerationConfig fields and attention_mask, generation_config, "
@@ -432,6 +432,13 @@ def _generation_config(decoder, generation_config, max_new_tokens, kwargs):
                              "own generate, or set it back to " + repr(off))
     if config.do_sample and config.temperature is not None and config.temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}")
+    if config.max_new_tokens is not None:
+        config.max_length = length + config.max_new_tokens
+    elif default_length:  # HF's default: 20 new tokens, within the positions
+        limit = getattr(decoder.config, "max_position_embeddings", None) or float("inf")
+        config.max_length = min(length + config.max_length, limit)
+    if config.min_new_tokens is not None:
+        config.min_length = length + config.min_new_tokens
     return config
 
 
@@ -469,15 +476,8 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
         raise ValueError("input_ids must be a (batch, length) tensor, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
     from transformers import LogitsProcessorList, StoppingCriteriaList
-    config = _generation_config(decoder, generation_config, max_new_tokens, dict(kwargs))
     rows, length = input_ids.shape
-    if config.max_new_tokens is not None:
-        config.max_length = length + config.max_new_tokens
-    elif config.mpgraph_default_length:  # HF's default: 20 new tokens, within the positions
-        limit = getattr(decoder.config, "max_position_embeddings", None) or float("inf")
-        config.max_length = min(length + config.max_length, limit)
-    if config.min_new_tokens is not None:
-        config.min_length = length + config.min_new_tokens
+    config = _generation_config(decoder, generation_config, max_new_tokens, dict(kwargs), length)
     new = config.max_length - length
     if new < 1:
         raise ValueError(f"max_length={config.max_length} leaves no new token after the "
