@@ -12,23 +12,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import fetch_attr, set_attr, with_data
+from mpgraph.ir.graph import fetch_attr, is_conv2d, set_attr, with_data
 from mpgraph.ir.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, Decision, OpInfo, TensorInfo
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 
 CL = torch.channels_last
-
-
-def _is_conv2d(node: torch.fx.Node, gm) -> bool:
-    if node.op == "call_module":
-        return isinstance(gm.get_submodule(node.target), torch.nn.Conv2d)
-    if node.op == "call_function" and node.target in (torch.ops.aten.conv2d.default,
-                                                      torch.nn.functional.conv2d, torch.conv2d):
-        weight = node.args[1] if len(node.args) > 1 else None
-        info = weight.meta.get(TENSOR) if isinstance(weight, torch.fx.Node) else None
-        return isinstance(info, TensorInfo) and len(info.shape) == 4
-    return False
 
 
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
@@ -43,7 +32,7 @@ class ChannelsLast(Pass):
 
     def call(self, gm):
         convs = [n for n in gm.graph.nodes if n.meta.get(OP_CLASS) is not None
-                 and n.meta[OP_CLASS].op_class == TENSOR_CORE and _is_conv2d(n, gm)
+                 and n.meta[OP_CLASS].op_class == TENSOR_CORE and is_conv2d(n, gm)
                  and n.meta[PRECISION].dtype in (torch.float16, torch.bfloat16)]
         edits = 0
         for conv in convs:
@@ -72,5 +61,5 @@ class ChannelsLast(Pass):
             return
         weight = conv.args[1]
         if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" \
-                and all(_is_conv2d(u, gm) for u in weight.users):
+                and all(is_conv2d(u, gm) for u in weight.users):
             set_attr(gm, weight.target, _to_channels_last(fetch_attr(gm, weight.target)))

@@ -34,14 +34,14 @@ from torch.utils import _pytree as pytree
 from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
-from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, is_inplace, seeded, state_kept,
-                              target_name)
+from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, is_conv2d, is_inplace,
+                              seeded, state_kept, target_name)
 from mpgraph.ir.meta import TENSOR, TensorInfo, dtype_name, tensor_infos
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger("mpgraph.progress")
 
-TABLE_FORMAT = "mpgraph-cost-table/2"
+TABLE_FORMAT = "mpgraph-cost-table/3"  # 3: 4-D low-precision inputs NHWC only after convs
 SETTLED = 0.05          # relative change of the running median at which a timing stops
 VARIANT_BUDGET_S = 0.5  # seconds the variants of one op may take together to settle
 MIN_CALLS, MAX_CALLS = 5, 200
@@ -207,13 +207,16 @@ def time_calls(fns: list, device: torch.device, prepares: Optional[list] = None,
             for i in range(len(fns))]
 
 
-def _cast(value, dtype: torch.dtype):
-    """Float32 tensors in a nest cast to ``dtype``, 4-D ones channels_last as the ChannelsLast
-    pass runs them in a low dtype (an NCHW bf16 conv times 1.3-1.5x slower); the rest as it is."""
+def _cast(value, dtype: torch.dtype, nhwc: bool = False):
+    """Float32 tensors in a nest cast to ``dtype``; with ``nhwc`` the 4-D ones channels_last, as
+    the ChannelsLast pass runs a low-precision convolution and the layers after it (an NCHW bf16
+    conv times 1.3-1.5x slower). Other values keep their strides: attention's 4-D inputs made
+    channels_last timed bf16 attention 2x slower than it runs in the converted graph."""
     def one(v):
         if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
             return v
-        return v.to(dtype, memory_format=torch.channels_last) if v.dim() == 4 else v.to(dtype)
+        return v.to(dtype, memory_format=torch.channels_last) if nhwc and v.dim() == 4 \
+            else v.to(dtype)
     return pytree.tree_map(one, value)
 
 
@@ -224,12 +227,14 @@ class _Timer(RecordingInterpreter):
         super().__init__(gm, lambda node, value: None)
         self.table, self.lows, self.deadline = table, lows, deadline
         self.keys: dict[torch.fx.Node, str] = {}
+        self.nhwc: set[torch.fx.Node] = set()  # 4-D values a low-precision graph holds NHWC
         self.done = 0
 
     def _call(self, n, args, kwargs, dtype):
         """(the op's call in ``dtype``, what to run before each call or None)."""
         if dtype != torch.float32:
-            args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
+            nhwc = n in self.nhwc
+            args, kwargs = _cast(args, dtype, nhwc), _cast(kwargs, dtype, nhwc)
         if n.op == "call_module":
             import copy
             module = self.fetch_attr(n.target)
@@ -258,6 +263,11 @@ class _Timer(RecordingInterpreter):
             return result
         key = op_key(n, self.module)
         self.keys[n] = key
+        info = n.meta.get(TENSOR)
+        if is_conv2d(n, self.module) or (  # layers after a conv keep its layout
+                isinstance(info, TensorInfo) and len(info.shape) == 4
+                and any(a in self.nhwc for a in n.all_input_nodes)):
+            self.nhwc.add(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         entries, fns, prepares = [], [], []
         for dtype in (torch.float32,) + self.lows:

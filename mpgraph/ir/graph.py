@@ -13,13 +13,14 @@ import torch.fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.meta import INSERTED_BY, TENSOR, tensor_infos
+from mpgraph.ir.meta import INSERTED_BY, TENSOR, TensorInfo, tensor_infos
+from mpgraph.ir.ops import move_names
 
 # Ops whose output aliases their first input (a view), so mutating the output mutates the input.
-_VIEW_METHODS = {"view", "view_as", "reshape", "permute", "transpose", "t", "expand", "expand_as",
-                 "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "split",
-                 "chunk", "unbind", "__getitem__", "detach", "diagonal", "movedim", "contiguous"}
+_VIEW_METHODS = move_names(lambda move: move.view)
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+# the node kinds that call an op (the others: placeholder, get_attr, output)
+CALLS = ("call_function", "call_method", "call_module")
 # the submodule torch.export's ep.module() calls first: it checks the inputs, returns nothing
 EXPORT_GUARD = "_guards_fn"
 
@@ -330,6 +331,18 @@ def with_data(value: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     if isinstance(value, torch.nn.Parameter):
         return torch.nn.Parameter(data, requires_grad=value.requires_grad)
     return data
+
+
+def is_conv2d(node: torch.fx.Node, gm) -> bool:
+    """A 2-D convolution (module or function): the op the ChannelsLast pass runs NHWC."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), torch.nn.Conv2d)
+    if node.op == "call_function" and node.target in (torch.ops.aten.conv2d.default,
+                                                      torch.nn.functional.conv2d, torch.conv2d):
+        weight = node.args[1] if len(node.args) > 1 else None
+        info = weight.meta.get(TENSOR) if isinstance(weight, torch.fx.Node) else None
+        return isinstance(info, TensorInfo) and len(info.shape) == 4
+    return False
 
 
 def matmul_dims(node: torch.fx.Node, gm) -> Optional[tuple[int, int, int, int]]:
