@@ -24,7 +24,7 @@ from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_p
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
 from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm, WeightCopies, refuse_hooks
-from mpgraph.ir.meta import (CONSTANT_INPUTS, PRECISION, REFERENCE, TENSOR, dtype_name,
+from mpgraph.ir.meta import (CONSTANT_INPUTS, PRECISION, REFERENCE, TENSOR, Kind, dtype_name,
                              is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
@@ -199,7 +199,7 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
     why = []
     if slower:
         rate = ""
-        if spec.kind == "cpu":
+        if spec.kind == Kind.CPU:
             key = {"float16": "fp16", "bfloat16": "bf16"}[low]
             rate = (f": this CPU runs {low} matmul at {spec.peak[key] / spec.peak['fp32']:.2f}x "
                     f"float32, {spec.source}")
@@ -209,7 +209,7 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
     if safety:
         why.append(f"{len(safety)} have numeric-safety findings (plan.safety_nodes)")
     way = []
-    if (slower or casts) and spec.kind == "cpu":
+    if (slower or casts) and spec.kind == Kind.CPU:
         way.append("to plan for the GPU you deploy to, pass target='h100' (or 'a100', 't4', ...)")
     if slower or casts:
         way.append(f"to put every matmul/conv in {low} whatever it costs there, strategy='rules'")
@@ -254,8 +254,8 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     gm = run_passes(prepare_pipeline(args, kwargs), gm)
     device = _device_of(args, kwargs, model)
     spec = resolve_target("cuda" if device.type == "cuda" else "cpu")
-    lows = tuple(d for d in LOW_DTYPES if (spec.kind == "gpu" and spec.matmul_peak(d))
-                 or (spec.kind == "cpu" and not emulated(d, spec)))
+    lows = tuple(d for d in LOW_DTYPES if (spec.kind == Kind.GPU and spec.matmul_peak(d))
+                 or (spec.kind == Kind.CPU and not emulated(d, spec)))
     table = CostTable.for_device(device)
     fresh = CostTable(device, path=table.path)
     with stage("measure"):
@@ -393,13 +393,13 @@ def cost_model(opts: Options, gm, args: tuple, kwargs: dict, model) -> CostModel
     if opts.costs is not None:
         return opts.costs
     spec = opts.spec
-    calibration = read_calibration(spec) if spec.kind == "gpu" else None
+    calibration = read_calibration(spec) if spec.kind == Kind.GPU else None
     roofline = Roofline(spec, calibration=calibration, runtime=opts.runtime)
     device = _device_of(args, kwargs, model)
-    if not opts.here or (spec.kind == "gpu") != (device.type == "cuda"):
+    if not opts.here or (spec.kind == Kind.GPU) != (device.type == "cuda"):
         return roofline
     table = CostTable.for_device(device)
-    lows = tuple(d for d in LOW_DTYPES if not emulated(d, spec)) if spec.kind == "cpu" \
+    lows = tuple(d for d in LOW_DTYPES if not emulated(d, spec)) if spec.kind == Kind.CPU \
         else tuple(d for d in LOW_DTYPES if spec.matmul_peak(d) is not None)
     with stage("measure"):
         keys = measure(gm, args, kwargs, table, lows)
@@ -436,7 +436,7 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
                      f"it emulates both ({costs.source})")
     elif low is None:
         low, chosen = _choose_low(gm, costs, opts, args, kwargs)
-        if costs.kind == "gpu" and low == torch.float16 and costs.supports(torch.bfloat16):
+        if costs.kind == Kind.GPU and low == torch.float16 and costs.supports(torch.bfloat16):
             second = torch.bfloat16  # bf16 where fp16's range keeps a node out of fp16
 
     def build(graph, pins: Optional[dict] = None):
@@ -479,7 +479,7 @@ def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torc
     with stage("choose dtype"):
         for dtype in candidates:
             # fp16 on a GPU that has bf16 too: with bf16 where fp16's range keeps a node out
-            second = torch.bfloat16 if dtype == torch.float16 and costs.kind == "gpu" \
+            second = torch.bfloat16 if dtype == torch.float16 and costs.kind == Kind.GPU \
                 and costs.supports(torch.bfloat16) else None
             for p in decide_pipeline(dtype, costs=costs, spec=opts.spec, strategy="optimal",
                                      keep_io_types=opts.keep_io_types, op_table=opts.table,
@@ -488,7 +488,7 @@ def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torc
                 p(gm)  # analysis passes: the node meta of this candidate, rewritten by the next
             estimates[dtype] = gm.meta["mpgraph.estimate"]["plan_s"]
     best = min(estimates.values())
-    if costs.kind == "gpu" and torch.float16 in estimates:
+    if costs.kind == Kind.GPU and torch.float16 in estimates:
         # every GPU with bf16 Tensor Cores runs fp16 at the same rate: fp16 (3 more mantissa
         # bits), bf16 for the nodes fp16's range keeps out (priced as float32 in the cut, so
         # its estimate may read higher than a pure-bf16 plan's)
@@ -510,7 +510,7 @@ def elsewhere(spec: DeviceSpec, args: tuple, kwargs: dict, model: torch.nn.Modul
     from torch.utils import _pytree as pytree
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     tensors += list(itertools.islice(model.parameters(), 1))
-    return spec.kind == "gpu" and not any(t.device.type == "cuda" for t in tensors)
+    return spec.kind == Kind.GPU and not any(t.device.type == "cuda" for t in tensors)
 
 
 def follows_training_flag(gm: torch.nn.Module) -> bool:

@@ -27,6 +27,7 @@ from mpgraph.ir.meta import (CONSTANT_INPUTS, OBSERVED, RANGE, REFERENCE, TENSOR
                              TensorInfo, ValueRange)
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.ir.fake import is_abstract
+from mpgraph.ir.ops import move_names
 
 log = logging.getLogger(__name__)
 _PROGRESS_MIN_BATCHES = 8  # show a progress bar (on a terminal) from this many batches up
@@ -70,11 +71,9 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
 
 _CHUNK = 1 << 22  # values per chunk of tensor_stats: 16 MB of float32
 
-# ops whose output holds exactly their input's elements (views, reshapes, copies; dropout in
-# eval, the identity): their statistics are the input's, not measured again
-_SAME_ELEMENTS = {"view", "_unsafe_view", "view_as", "reshape", "reshape_as", "permute",
-                  "transpose", "t", "unsqueeze", "squeeze", "flatten", "unflatten", "contiguous",
-                  "clone", "alias", "detach"}
+# ops whose output holds exactly their input's elements (views, reshapes, copies): their
+# statistics are the input's, not measured again; dropout in eval and the identity too (below)
+_SAME_ELEMENTS = move_names(lambda move: move.same_elements)
 
 
 def same_elements(node: torch.fx.Node, value) -> Optional[torch.fx.Node]:

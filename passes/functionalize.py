@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import is_inplace, is_view
+from mpgraph.ir.graph import CALLS, is_inplace, is_view
 from mpgraph.ir.meta import INSERTED_BY, OBSERVED, TENSOR
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -62,7 +62,7 @@ def _private_value(value: torch.fx.Node, gm: torch.fx.GraphModule, write: torch.
     """A fresh tensor only this graph sees when ``write`` writes into it: produced by an op, not
     aliasing another value, and with no view of it taken before the write (a view taken after
     it is rewired to the new value like any reader)."""
-    if value.op not in ("call_function", "call_method", "call_module"):
+    if value.op not in CALLS:
         return False  # a graph input, parameter or buffer: its mutation is part of the contract
     if is_view(value) or is_inplace(value, gm):
         return False

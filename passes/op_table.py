@@ -26,7 +26,8 @@ Classes (the rule "if |f(x)| >> |x| for expected inputs, it is not follow" is TV
 An entry may name a different class for bfloat16 (``bf16``): bf16 keeps fp32's exponent range,
 so a range-expanding elementwise op is no overflow risk there (reductions keep their class: the
 problem is accumulation precision, not range). Range-expanding ops say so (``range_expanding``):
-NumericSafety lowers them in fp16 where calibration proves them safe.
+ClassifyOps makes them ``follow`` in fp16 where calibration proves them in range (NumericSafety
+says why where it does not).
 """
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mpgraph.ir.modules import CountBatches, DropoutRate, InputGuard, TrainingBatchNorm
+from mpgraph.ir.ops import MOVES
 
 from mpgraph.ir.meta import (CAST, FOLLOW, FP32_COMPUTE, FP32_ONLY, OP_CLASSES,  # noqa: F401
-                             TENSOR_CORE, UNKNOWN)
+                             TENSOR_CORE, UNKNOWN, Kind)
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,8 @@ class OpEntry:
 
 # Target kinds a plan is made for (DeviceSpec.kind, and an ONNX file), and which of their
 # kernels take a low-precision input with float32 parameters (weight, bias, running statistics).
-CPU, GPU, ONNX = "cpu", "gpu", "onnx"
-KERNEL_KINDS = (CPU, GPU, ONNX)
+CPU, GPU, ONNX = Kind.CPU, Kind.GPU, Kind.ONNX
+KERNEL_KINDS = tuple(Kind)
 # ATen's CPU layer/group norm take float32 gamma/beta with bf16/fp16 input (mixed-dtype path);
 # CUDA's read gamma/beta as the input's type (layer_norm_kernel.cu, group_norm_kernel.cu:
 # "expected scalar type Half but found Float"); ONNX LayerNormalization and GroupNormalization
@@ -199,16 +201,7 @@ OPS: dict[str, OpEntry] = _table(
     _ops(FOLLOW, _INTERP, """interpolate upsample upsample_nearest1d upsample_nearest2d
          upsample_nearest3d _upsample_nearest_exact2d upsample_linear1d upsample_bilinear2d
          upsample_bicubic2d upsample_trilinear3d"""),
-    _ops(FOLLOW, _LAYOUT, """view _unsafe_view view_as reshape reshape_as permute transpose t
-         expand expand_as unsqueeze squeeze contiguous flatten unflatten movedim slice select
-         narrow split split_with_sizes chunk unbind index index_select gather take_along_dim
-         masked_select masked_scatter index_put index_fill index_copy scatter slice_scatter
-         select_scatter
-         flip roll repeat tile repeat_interleave tril triu diagonal broadcast_to as_strided unfold
-         pixel_shuffle pixel_unshuffle channel_shuffle embedding pad constant_pad_nd
-         reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d
-         replication_pad3d clone detach alias lift_fresh_copy copy fill zero type_as size dim
-         numel sym_size sym_numel sym_stride _assert_tensor_metadata getitem getattr identity"""),
+    _ops(FOLLOW, _LAYOUT, " ".join(MOVES)),  # their other facts: mpgraph.ir.ops
     _ops(FOLLOW, _ARITH, "add sub rsub addcmul addcdiv lerp maximum minimum fmax fmin diff",
          params_as_values=True),
     _ops(FOLLOW, _SCALE, "mul div true_divide square"),

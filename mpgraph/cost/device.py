@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 
 from mpgraph.cost.specs import ALIASES, GPU_SPECS, DeviceSpec
+from mpgraph.ir.meta import Kind
 
 log = logging.getLogger(__name__)
 # GELU counted as this many FLOPs per element when measuring the CPU's vector-math rate; the cost
@@ -128,7 +129,7 @@ def measure_cpu(cache: bool = True) -> DeviceSpec:
                     json.dump(data, f)
             except OSError as e:  # a read-only home is no reason to fail
                 log.info("could not cache the CPU measurement: %s", e)
-    return DeviceSpec(f"CPU {cpu_name()} ({torch.get_num_threads()} threads)", "cpu",
+    return DeviceSpec(f"CPU {cpu_name()} ({torch.get_num_threads()} threads)", Kind.CPU,
                       dict(data["peak"]), data["bandwidth"], torch.get_num_threads(),
                       data["launch"], tile=1,
                       source=f"measured on this CPU, flags {' '.join(flags) or '-'}"
@@ -192,7 +193,7 @@ def auto_dtype(spec: DeviceSpec) -> tuple[Optional[torch.dtype], str]:
     """The low dtype worth using on ``spec`` (None: keep float32), with the reason in words."""
     fp32 = spec.peak["fp32"]
     bf16, fp16 = spec.peak.get("bf16"), spec.peak.get("fp16")
-    if spec.kind == "gpu":
+    if spec.kind == Kind.GPU:
         if bf16 and fp16 and fp16 >= bf16:
             return torch.float16, (f"{spec.name} runs fp16 and bf16 Tensor Cores at the same rate: "
                                    "fp16 (3 more mantissa bits), bf16 where fp16's range does not "
@@ -211,7 +212,7 @@ def auto_dtype(spec: DeviceSpec) -> tuple[Optional[torch.dtype], str]:
 
 def range_dtype(spec: DeviceSpec, low: torch.dtype) -> Optional[torch.dtype]:
     """bf16 for the nodes fp16's range keeps out of fp16, on a GPU that runs both (dtype="auto")."""
-    if spec.kind == "gpu" and low == torch.float16 and spec.peak.get("bf16"):
+    if spec.kind == Kind.GPU and low == torch.float16 and spec.peak.get("bf16"):
         return torch.bfloat16
     return None
 
@@ -224,7 +225,7 @@ def tf32_enabled() -> bool:
 def trace_device(spec: DeviceSpec) -> torch.device:
     """The device an abstract model is traced for: the target's kind where this machine can fake
     it (fake CUDA tensors need CUDA present), else the CPU."""
-    if spec.kind == "gpu":
+    if spec.kind == Kind.GPU:
         if torch.cuda.is_available():
             return torch.device("cuda")
         log.info("planning for %s without CUDA here: tracing for the CPU (layout-only nodes "

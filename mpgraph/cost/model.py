@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from mpgraph.ir.meta import Kind
+
 
 @dataclass(frozen=True)
 class NodeCost:
@@ -28,10 +30,10 @@ class NodeCost:
 
 
 class CostModel:
-    """Base of the cost models. ``kind`` is the device kind ("cpu", "gpu"), ``name`` the device,
+    """Base of the cost models. ``kind`` is the device kind (Kind.CPU, Kind.GPU), ``name`` the device,
     ``source`` where the numbers come from ("measured on this CPU ...", "roofline for ...")."""
 
-    kind: str = "cpu"
+    kind: Kind = Kind.CPU
     name: str = ""
     source: str = ""
 

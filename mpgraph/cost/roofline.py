@@ -35,7 +35,7 @@ from mpgraph.cost.device import VECTOR_FLOPS_PER_ELEMENT, cache_dir, tf32_enable
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.ir.graph import input_nodes, is_view, matmul_dims
-from mpgraph.ir.meta import OP_CLASS, TENSOR, TENSOR_CORE, tensor_infos
+from mpgraph.ir.meta import OP_CLASS, TENSOR, TENSOR_CORE, Kind, tensor_infos
 
 # host time of one node in eager mode on a GPU, where no calibration file says otherwise: the
 # H200 session measured ~5-10 us per graph node (Python, dispatch, launch)
@@ -135,10 +135,10 @@ def _quantization(spec: DeviceSpec, dims: Optional[tuple]) -> float:
     if dims is None:
         return 1.0
     if dims[0] == "sdpa":
-        return min(1.0, dims[1][-1] / _CPU_FULL_K) if spec.kind == "cpu" else 1.0
+        return min(1.0, dims[1][-1] / _CPU_FULL_K) if spec.kind == Kind.CPU else 1.0
     if dims[0] == "conv":
         return 1.0  # on CPUs the layout reorder dominates instead (see EstimateCost.cost)
-    if spec.kind != "gpu":
+    if spec.kind != Kind.GPU:
         return min(1.0, dims[3] / _CPU_FULL_K)
     b, m, n, _ = dims
     t = spec.tile
@@ -159,9 +159,9 @@ class Roofline(CostModel):
         self.tf32 = tf32_enabled() if tf32 is None else tf32
         self.calibration = calibration or {}
         self.runtime = runtime
-        self.host = self.calibration.get("host_per_node_s", GPU_HOST_S if spec.kind == "gpu"
+        self.host = self.calibration.get("host_per_node_s", GPU_HOST_S if spec.kind == Kind.GPU
                                          else spec.launch)
-        if spec.kind == "gpu":
+        if spec.kind == Kind.GPU:
             where = (f"calibrated on {self.calibration.get('device', spec.name)} "
                      f"({self.calibration.get('written', 'a GPU run')})" if calibration
                      else "uncalibrated")
@@ -179,7 +179,7 @@ class Roofline(CostModel):
         peak = self.spec.matmul_peak(dtype)
         if dtype == torch.float32:
             return True
-        if self.kind == "cpu":
+        if self.kind == Kind.CPU:
             return peak is not None and peak >= 0.5 * self.spec.peak["fp32"]
         return peak is not None
 
@@ -198,7 +198,7 @@ class Roofline(CostModel):
         return total
 
     def _with_host(self, kernel: float) -> float:
-        if self.kind != "gpu":
+        if self.kind != Kind.GPU:
             return kernel + self.host  # a CPU dispatches, then computes
         return max(kernel, self.host) if self.runtime == "eager" else kernel
 
@@ -208,7 +208,7 @@ class Roofline(CostModel):
             or (node.op == "call_method" and node.target in _NO_KERNEL_METHODS) \
             or not tensor_infos(node.meta.get(TENSOR))
         if no_kernel:
-            host = self.host if self.runtime == "eager" or self.kind != "gpu" else 0.0
+            host = self.host if self.runtime == "eager" or self.kind != Kind.GPU else 0.0
             return NodeCost(0.0, 0.0, 0.0, host, host)
         flops, matmul, dims = node_flops(node, gm)
         softmax = 0.0
@@ -228,7 +228,7 @@ class Roofline(CostModel):
                 peak = vector
             nbytes = self._bytes(node, gm, dtype)
             compute = flops / peak + softmax / vector
-            if spec.kind == "cpu" and dims is not None and dims[0] == "conv" and dtype == torch.float32:
+            if spec.kind == Kind.CPU and dims is not None and dims[0] == "conv" and dtype == torch.float32:
                 # NCHW reorders; low-precision convs run channels_last (the ChannelsLast pass)
                 compute += _CPU_CONV_LAYOUT * nbytes / bandwidth
             times.append((self._with_host(max(compute, nbytes / bandwidth)), nbytes))

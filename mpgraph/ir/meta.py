@@ -4,6 +4,7 @@ Analysis passes write these; nothing here reuses torch's own keys (``val``, ``te
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -15,6 +16,8 @@ PRECISION = "mpgraph.precision"      # Decision
 INSERTED_BY = "mpgraph.inserted_by"  # name of the pass that created the node
 WEIGHTS = "mpgraph.weights"          # on gm.meta: WeightRecord list written by StoreWeights
 COST = "mpgraph.cost"                # NodeCost written by EstimateCost
+CAST_COST = "mpgraph.cast_cost"      # (down, up) seconds to cast a float32 value to the low dtype and back: EstimateCost
+COST_MODEL = "mpgraph.cost_model"    # on gm.meta: {"target", "source"} of the cost model EstimateCost asked
 TC_FINDING = "mpgraph.tensor_core"  # TensorCoreFinding written by LintTensorCores
 ESTIMATE = "mpgraph.estimate"        # on gm.meta: {"target", "fp32_s", "plan_s"} of the optimal plan
 CAPTURE = "mpgraph.capture"          # on gm.meta: which tracer produced the graph
@@ -200,3 +203,15 @@ FP32_ONLY = "fp32_only"
 CAST = "cast"
 UNKNOWN = "unknown"
 OP_CLASSES = (TENSOR_CORE, FOLLOW, FP32_COMPUTE, FP32_ONLY, CAST, UNKNOWN)
+
+
+class Kind(str, enum.Enum):
+    """The kind of target a plan is made for: whose kernels run it (``DeviceSpec.kind``; ONNX
+    for a file ONNX Runtime runs). A str enum, so ``Kind.CPU == "cpu"``."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    ONNX = "onnx"
+
+    def __str__(self) -> str:
+        return self.value
