@@ -32,7 +32,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.graph import (input_nodes, is_inplace, module_path, mutated_nodes,
+from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, module_path, mutated_nodes,
                               stored_into_only, target_name)
 from mpgraph.ir.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
 from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok
@@ -40,7 +40,6 @@ from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
 log = logging.getLogger(__name__)
 FP32 = torch.float32
-_CALLS = ("call_function", "call_method", "call_module")
 _METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                   "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
                   "bool": torch.bool}
@@ -334,7 +333,7 @@ class AssignPrecision(Pass):
             changed = False
             for node in reversed(order):
                 d = dec[node]
-                if node.op not in _CALLS or d.pinned or d.stored or d.dtype != self.low \
+                if node.op not in CALLS or d.pinned or d.stored or d.dtype != self.low \
                         or node.meta[OP_CLASS].op_class != FOLLOW:
                     continue
                 needs = [need(u, node) for u in node.users]

@@ -1,7 +1,7 @@
 """Decide every node's dtype by exact cost minimisation (a minimum s-t cut).
 
 Objective: Σ node time in its dtype + Σ casts, one per (value, dtype) however many readers share
-it, with times from the plan's cost model (``EstimateCost`` on each node; casts asked here). The rule pass runs first and bounds the
+it, with times from the plan's cost model as ``EstimateCost`` wrote them on the nodes. The rule pass runs first and bounds the
 search: what it keeps in float32 stays there (fp32-class ops, user overrides, overflowing
 constants and weights, explicit casts in the model, graph inputs and outputs, and follow ops that
 read a float32 value, which keeps transformers' residual stream in float32 as autocast does: the
@@ -18,12 +18,12 @@ from typing import Optional
 
 import torch
 
-from mpgraph.cost.model import CostModel
+from mpgraph.ir.meta import Kind
 from mpgraph.ir.edges import required_dtype
 from mpgraph.ir.graph import input_nodes, is_inplace
 from mpgraph.passes.op_table import CAST
-from mpgraph.ir.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, Decision, TensorInfo,
-                          dtype_name, is_float32_tensor)
+from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, TENSOR,
+                             Decision, TensorInfo, dtype_name, is_float32_tensor)
 from mpgraph.cost.mincut import FP32 as CUT_FP32, LOW as CUT_LOW, Problem, solve
 from mpgraph.passes.infra import PassResult
 
@@ -40,16 +40,17 @@ def _us(seconds: float) -> str:
 class AssignPrecisionOptimal(AssignPrecision):
     writes = (PRECISION, ESTIMATE)  # ESTIMATE on gm.meta: the plan's time on the target
 
-    def __init__(self, low_dtype: torch.dtype, costs: CostModel, keep_io_types: bool = True,
+    def __init__(self, low_dtype: torch.dtype, kernels: Kind, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                  range_dtype: Optional[torch.dtype] = None,
                  from_plan: Optional[dict] = None, train: bool = False):
         super().__init__(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype, from_plan, train,
-                         kernels=costs.kind)
-        self.costs = costs  # the node costs are EstimateCost's; the casts' are asked here
+                         kernels=kernels)
 
     def requires(self, gm):
         super().requires(gm)  # TENSOR and OP_CLASS on every node; and what it prices:
+        if COST_MODEL not in gm.meta:
+            raise self.fail(f"needs {COST_MODEL} on the graph: run EstimateCost first")
         for node in gm.graph.nodes:
             if node.op.startswith("call_") and COST not in node.meta:
                 raise self.fail(f"needs {COST} on every call node: run EstimateCost first", node)
@@ -80,8 +81,8 @@ class AssignPrecisionOptimal(AssignPrecision):
             n.meta[PRECISION] = dec[n]
         baseline = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta)
         rest = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta and n not in problem.cost)
-        gm.meta[ESTIMATE] = {"target": self.costs.name, "fp32_s": baseline, "plan_s": total + rest,
-                             "source": self.costs.source}
+        gm.meta[ESTIMATE] = {"target": gm.meta[COST_MODEL]["target"], "fp32_s": baseline,
+                             "plan_s": total + rest, "source": gm.meta[COST_MODEL]["source"]}
         return PassResult(gm, False)
 
     def _problem(self, order, gm, dec):
@@ -135,7 +136,7 @@ class AssignPrecisionOptimal(AssignPrecision):
                     readers.append(u)
             if readers:
                 problem.reads[v] = readers
-                problem.cast_cost[v] = self.costs.cast_cost(v, self.low)
+                problem.cast_cost[v] = v.meta[CAST_COST]
         return problem, variables, tied
 
     def _tie(self, n, gm, dec, convertible):

@@ -1,11 +1,14 @@
 """Look every node up in the op table and record its class and the reason."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mpgraph.ir.modules import TrainingBatchNorm
 from mpgraph.ir.meta import OP_CLASS, OpInfo
-from mpgraph.passes.op_table import UNKNOWN, OpTable
+from mpgraph.passes.numeric_safety import proven_in_range
+from mpgraph.passes.op_table import FOLLOW, FP32_ONLY, UNKNOWN, OpTable
 from mpgraph.passes.infra import Pass, PassResult
 
 _NON_CALL = {
@@ -28,7 +31,10 @@ def fixed_statistics(node, gm) -> bool:
 
 
 class ClassifyOps(Pass):
-    """Analysis: writes ``mpgraph.op_class``. The class may depend on the low dtype (bf16 vs fp16)."""
+    """Analysis: writes ``mpgraph.op_class``, the only pass that does. The class may depend on
+    the low dtype (bf16 vs fp16) and, for a range-expanding op in fp16, on calibration: where
+    its calibrated values stay in fp16's range (``mpgraph.range``, when Calibrate ran before)
+    it is ``follow``, else NumericSafety says why it stays float32."""
     stage = "decide"
     writes = (OP_CLASS,)
 
@@ -50,5 +56,9 @@ class ClassifyOps(Pass):
             else:
                 info = OpInfo(entry.class_for(self.low_dtype), entry.reason, key,
                               entry.params_as_values, entry.low_io, entry.range_expanding)
+                proof = proven_in_range(node, self.low_dtype) if info.op_class == FP32_ONLY \
+                    and info.range_expanding and self.low_dtype == torch.float16 else None
+                if proof:
+                    info = replace(info, op_class=FOLLOW, reason=f"{info.reason}; {proof}")
             node.meta[OP_CLASS] = info
         return PassResult(gm, False)

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from mpgraph.cost.specs import DeviceSpec
-from mpgraph.ir.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, TC_FINDING,
+from mpgraph.ir.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, TC_FINDING, Kind,
                              TensorInfo, dtype_name)
 from mpgraph.passes.op_table import TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
@@ -74,7 +74,7 @@ class LintTensorCores(Pass):
             else 0.0
 
     def call(self, gm):
-        if self.spec.kind != "gpu":
+        if self.spec.kind != Kind.GPU:
             return PassResult(gm, False)  # Tensor Cores are a GPU's: a CPU plan has no finding
         for node in gm.graph.nodes:
             if node.op.startswith("call_") and node.meta.get(OP_CLASS) \

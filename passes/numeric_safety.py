@@ -66,12 +66,13 @@ from typing import Optional
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import fetch_attr, input_nodes, owner_of
+from mpgraph.ir.graph import CALLS, fetch_attr, input_nodes, owner_of
 from mpgraph.ir.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
 from mpgraph.ir.fake import is_abstract
+from mpgraph.ir.ops import move_names
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,6 @@ UNDERFLOW_RULE = "underflow"   # the rule name of underflow findings (see the mo
 PERIODIC = ("sin", "sin_", "cos", "cos_", "tan", "tan_")
 PERIODIC_LIMIT = 2 * math.pi   # an argument above one period: see ``periodic`` above
 AMPLIFICATION_LIMIT = 8.0      # rho / sqrt(K) of a buffer's reader: see ``conditioning`` above
-_CALLS = ("call_function", "call_method", "call_module")
 
 # Ops that cannot take a 0, by op name (the last part of the op-table key: "torch.log",
 # "Tensor.log", "aten.log" -> "log"; "operator.truediv" -> "truediv"), each with the arguments,
@@ -109,12 +109,7 @@ PASSES_ZERO: dict[str, Optional[tuple[int, ...]]] = {
     **dict.fromkeys(("neg", "__neg__", "abs", "relu", "relu_", "square", "sqrt", "pow", "pow_",
                      "__pow__", "div", "div_", "true_divide", "truediv", "itruediv",
                      "__truediv__", "__itruediv__"), _FIRST),  # a division: its numerator
-    **dict.fromkeys(("getitem", "__getitem__", "view", "_unsafe_view", "view_as", "reshape",
-                     "reshape_as", "permute", "transpose", "t", "contiguous", "flatten",
-                     "unflatten", "unsqueeze", "squeeze", "expand", "expand_as", "select", "slice",
-                     "narrow", "index_select", "gather", "chunk", "split", "split_with_sizes",
-                     "unbind", "clone", "detach", "alias", "flip", "roll", "repeat", "movedim"),
-                    _FIRST),
+    **dict.fromkeys(move_names(lambda move: move.passes_zero), _FIRST),  # moved as they are
 }
 # Reductions are 0 only where every value they reduce is: passed through only when their own
 # output is below the limit (a sum of probabilities is >= their max, whatever rounds to 0).
@@ -218,25 +213,71 @@ def amplification(node: torch.fx.Node, gm) -> list[tuple[str, Optional[float]]]:
     return out
 
 
+def proven_in_range(node: torch.fx.Node, low: torch.dtype, margin: float = RANGE_MARGIN
+                    ) -> Optional[str]:
+    """Calibration's proof that a node's values stay in ``low``'s range with ``margin`` of
+    headroom (what lets ClassifyOps give a range-expanding op ``follow`` in fp16), or None."""
+    r = node.meta.get(RANGE)
+    limit = torch.finfo(low).max / margin
+    if r is not None and r.nonfinite == 0 and r.absmax <= limit:
+        return f"calibration: absmax {r.absmax:.3g} <= limit {limit:.3g} on all " \
+               f"{len(r.batch_absmax)} batches"
+    return None
+
+
 class NumericSafety(Pass):
     """Analysis: writes ``mpgraph.safety`` (a tuple of SafetyFinding) on nodes that must stay
-    float32; relaxes calibrated-safe range-expanding ops to ``follow`` in fp16."""
+    float32 in the low dtype, each with its evidence; with ``alt_dtype`` (bf16 beside fp16,
+    dtype="auto") a finding the second dtype does not have is marked ``cleared_by`` it."""
     stage = "decide"
-    reads, writes = (OP_CLASS,), (SAFETY, OP_CLASS)  # OP_CLASS: calibrated-safe ops -> follow
+    reads, writes = (OP_CLASS,), (SAFETY,)
 
     def __init__(self, low_dtype: torch.dtype, margin: float = RANGE_MARGIN,
                  alt_dtype: Optional[torch.dtype] = None):
         if margin < 1:
             raise ValueError(f"margin must be >= 1, got {margin}")
-        self.low = low_dtype
-        # bf16 beside fp16 (dtype="auto"): findings that bf16 clears are marked ``cleared_by``
         if alt_dtype not in (None, torch.bfloat16):
             raise ValueError(f"the second low dtype can only be bfloat16, got {alt_dtype}")
-        self.alt = NumericSafety(alt_dtype, margin) if alt_dtype is not None else None
-        self._seen: dict = {}  # weight statistics of the current run, by tensor
-        self.limit = torch.finfo(low_dtype).max / margin
-        self.top = torch.finfo(low_dtype).max
-        self.tiny = smallest_subnormal(low_dtype)
+        self.low, self.alt, self.margin = low_dtype, alt_dtype, margin
+
+    def call(self, gm):
+        seen: dict = {}  # dtype-independent weight statistics: scanned once for both dtypes
+        rules = _Rules(self.low, self.margin, seen)
+        alt = _Rules(self.alt, self.margin, seen) if self.alt is not None else None
+        findings: dict[torch.fx.Node, list[SafetyFinding]] = {}
+        for node in gm.graph.nodes:
+            node.meta.pop(SAFETY, None)
+        for node in gm.graph.nodes:
+            if node.op in CALLS and node.meta[OP_CLASS].op_class != CAST:
+                findings[node] = rules.node_findings(node, gm)
+        for node, found in rules.underflow_findings(gm).items():
+            findings.setdefault(node, []).extend(found)
+        periodic = periodic_findings(gm)  # the same in every dtype: never cleared
+        alt_underflow = alt.underflow_findings(gm) if alt is not None else {}
+        for node, found in list(findings.items()):
+            if not found:
+                del findings[node]
+            elif alt is not None and not alt_underflow.get(node) and node not in periodic \
+                    and not alt.node_findings(node, gm):
+                findings[node] = [replace(f, cleared_by=dtype_name(alt.low)) for f in found]
+        for node, found in periodic.items():
+            findings.setdefault(node, []).extend(found)
+        for node, found in findings.items():
+            node.meta[SAFETY] = tuple(found)
+            log.debug("%s: %s", node.name, "; ".join(f.evidence for f in found))
+        return PassResult(gm, False)
+
+
+class _Rules:
+    """The findings that depend on the low dtype (its range and its smallest subnormal), for
+    one dtype; NumericSafety asks one for the low dtype and one for the second."""
+
+    def __init__(self, low: torch.dtype, margin: float, seen: dict):
+        self.low = low
+        self._seen = seen  # weight statistics of the current run, by tensor
+        self.limit = torch.finfo(low).max / margin
+        self.top = torch.finfo(low).max
+        self.tiny = smallest_subnormal(low)
         self.margin = margin
         # magnitudes below tiny / 2 round to 0; the margin is the headroom, as for ``range``
         self.floor = self.tiny / 2 * margin
@@ -288,27 +329,20 @@ class NumericSafety(Pass):
             self._seen[key] = tensor_stats(t)
         return self._seen[key]
 
-    def _relax(self, node) -> Optional[SafetyFinding]:
-        """A range-expanding op in fp16: follow when calibration proves it, else a finding."""
-        info: OpInfo = node.meta[OP_CLASS]
+    def _unproven(self, node) -> SafetyFinding:
+        """A range-expanding op ClassifyOps left fp32_only in fp16: calibration did not prove it."""
         r = node.meta.get(RANGE)
-        if r is not None and r.nonfinite == 0 and r.absmax <= self.limit:
-            node.meta[OP_CLASS] = replace(info, op_class=FOLLOW, reason=(
-                f"{info.reason}; calibration: absmax {r.absmax:.3g} <= limit {self.limit:.3g} "
-                f"on all {len(r.batch_absmax)} batches"))
-            return None
         seen = "not calibrated" if r is None else (
             f"absmax {r.absmax:.3g} > limit {self.limit:.3g} on "
             f"{r.batches_over(self.limit)}/{len(r.batch_absmax)} batches" if r.absmax > self.limit
             else f"{r.nonfinite} inf/NaN values in float32")
         return SafetyFinding("unproven_range", f"range-expanding op not proven safe: {seen}")
 
-    def _node_findings(self, node, gm) -> list[SafetyFinding]:
+    def node_findings(self, node, gm) -> list[SafetyFinding]:
         info: OpInfo = node.meta[OP_CLASS]
         found = []
         if info.op_class == FP32_ONLY and info.range_expanding and self.low == torch.float16:
-            relaxed = self._relax(node)
-            found += [relaxed] if relaxed else []
+            found.append(self._unproven(node))
         if info.op_class in (TENSOR_CORE, FOLLOW):  # the others compute in float32 inside
             found += self._constant_findings(node)
         if info.op_class == TENSOR_CORE:
@@ -352,7 +386,7 @@ class NumericSafety(Pass):
         return [node.args[i] for i in positions
                 if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
 
-    def _underflow_findings(self, gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
+    def underflow_findings(self, gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
         """Ops that cannot take a 0 reading a value that is 0 in the low dtype: one below the
         limit, or one made from such a value by ops that pass a 0 on. The op, those values and
         the ops between them keep float32 (a low op would store the 0 or make it at its input
@@ -364,11 +398,11 @@ class NumericSafety(Pass):
         paths: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for node in gm.graph.nodes:
             small = self._underflow_evidence(node) is not None
-            if node.op in _CALLS and node.meta[OP_CLASS].op_class == CAST:
+            if node.op in CALLS and node.meta[OP_CLASS].op_class == CAST:
                 source[node] = None  # the model's own cast: what it asks for
                 continue
             paths[node] = [a for a in self._passed_on(node, small) if source.get(a)] \
-                if node.op in _CALLS else []
+                if node.op in CALLS else []
             source[node] = node if small else (source[paths[node][0]] if paths[node] else None)
 
         out: dict[torch.fx.Node, dict[str, dict[str, None]]] = {}  # node -> why -> roles
@@ -377,7 +411,7 @@ class NumericSafety(Pass):
             stack, seen = [value], set()
             while stack:
                 v = stack.pop()
-                if v in seen or v.op not in _CALLS:
+                if v in seen or v.op not in CALLS:
                     continue
                 seen.add(v)
                 src = source[v]
@@ -388,7 +422,7 @@ class NumericSafety(Pass):
                 stack += paths[v]
 
         for node in gm.graph.nodes:
-            if node.op not in _CALLS:
+            if node.op not in CALLS:
                 continue
             for value, role in zero_intolerant_inputs(node):
                 src = source.get(value)
@@ -406,56 +440,30 @@ class NumericSafety(Pass):
         return {n: [SafetyFinding(UNDERFLOW_RULE, f"{why}: 0 {_listed(list(roles))}")
                     for why, roles in found.items()] for n, found in out.items()}
 
-    def _periodic_findings(self, gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
-        """sin/cos/tan of arguments beyond one period, and the ops that compute the argument
-        (``periodic`` above)."""
-        out: dict[torch.fx.Node, list[SafetyFinding]] = {}
-        for node in gm.graph.nodes:
-            if node.op not in _CALLS or op_name(node) not in PERIODIC or not node.args \
-                    or not isinstance(node.args[0], torch.fx.Node):
-                continue
-            r = node.args[0].meta.get(RANGE)
-            if r is not None and r.absmax <= PERIODIC_LIMIT:
-                continue
-            seen = "not calibrated" if r is None else f"absmax {r.absmax:.3g}"
-            why = (f"{op_name(node)} of {node.args[0].name} ({seen} > {PERIODIC_LIMIT:.3g}, one "
-                   f"period): rounding the argument costs |x| times the dtype's rounding")
-            out.setdefault(node, []).append(SafetyFinding("periodic", why))
-            stack, done = [node.args[0]], set()
-            while stack:  # the argument's producers, through elementwise follow ops
-                v = stack.pop()
-                if v in done or v.op not in _CALLS:
-                    continue
-                done.add(v)
-                out.setdefault(v, []).append(SafetyFinding("periodic", f"computes the argument "
-                                                                       f"of {node.name}: {why}"))
-                if v.meta[OP_CLASS].op_class == FOLLOW:
-                    stack += [a for a in input_nodes(v) if a.op != "get_attr"]
-        return out
 
-    def call(self, gm):
-        self._seen = {}
-        if self.alt is not None:
-            self.alt._seen = self._seen  # dtype-independent statistics: scanned once for both
-        findings: dict[torch.fx.Node, list[SafetyFinding]] = {}
-        for node in gm.graph.nodes:
-            node.meta.pop(SAFETY, None)
-        for node in gm.graph.nodes:
-            if node.op in _CALLS and node.meta[OP_CLASS].op_class != CAST:
-                findings[node] = self._node_findings(node, gm)
-        for node, found in self._underflow_findings(gm).items():
-            findings.setdefault(node, []).extend(found)
-        periodic = self._periodic_findings(gm)  # the same in every dtype: never cleared
-        alt_underflow = self.alt._underflow_findings(gm) if self.alt is not None else {}
-        for node, found in list(findings.items()):
-            if not found:
-                del findings[node]
-            elif self.alt is not None and not alt_underflow.get(node) and node not in periodic \
-                    and not self.alt._node_findings(node, gm):
-                findings[node] = [replace(f, cleared_by=dtype_name(self.alt.low)) for f in found]
-        for node, found in periodic.items():
-            findings.setdefault(node, []).extend(found)
-        for node, found in findings.items():
-            node.meta[SAFETY] = tuple(found)
-            log.debug("%s: %s", node.name, "; ".join(f.evidence for f in found))
-        return PassResult(gm, False)
+def periodic_findings(gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
+    """sin/cos/tan of arguments beyond one period, and the ops that compute the argument
+    (``periodic`` above)."""
+    out: dict[torch.fx.Node, list[SafetyFinding]] = {}
+    for node in gm.graph.nodes:
+        if node.op not in CALLS or op_name(node) not in PERIODIC or not node.args \
+                or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        r = node.args[0].meta.get(RANGE)
+        if r is not None and r.absmax <= PERIODIC_LIMIT:
+            continue
+        seen = "not calibrated" if r is None else f"absmax {r.absmax:.3g}"
+        why = (f"{op_name(node)} of {node.args[0].name} ({seen} > {PERIODIC_LIMIT:.3g}, one "
+               f"period): rounding the argument costs |x| times the dtype's rounding")
+        out.setdefault(node, []).append(SafetyFinding("periodic", why))
+        stack, done = [node.args[0]], set()
+        while stack:  # the argument's producers, through elementwise follow ops
+            v = stack.pop()
+            if v in done or v.op not in CALLS:
+                continue
+            done.add(v)
+            out.setdefault(v, []).append(SafetyFinding("periodic", f"computes the argument "
+                                                                   f"of {node.name}: {why}"))
+            if v.meta[OP_CLASS].op_class == FOLLOW:
+                stack += [a for a in input_nodes(v) if a.op != "get_attr"]
+    return out

@@ -44,7 +44,7 @@ def decide_pipeline(low_dtype: torch.dtype, *, costs: CostModel, spec: DeviceSpe
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "optimal":
-        decide: Pass = AssignPrecisionOptimal(low_dtype, costs, keep_io_types, overrides, keep_fp32,
+        decide: Pass = AssignPrecisionOptimal(low_dtype, costs.kind, keep_io_types, overrides, keep_fp32,
                                               range_dtype=range_dtype, from_plan=from_plan,
                                               train=train)
     else:
