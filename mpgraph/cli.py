@@ -9,6 +9,7 @@ import sys
 import warnings
 
 from mpgraph.api import resolve_dtype
+from mpgraph.ir.meta import Kind
 
 
 def _demo(args) -> int:
@@ -122,19 +123,34 @@ def _export(args) -> int:
     return 0
 
 
+def explain(runs) -> str:
+    """The passes a conversion ran, in order: stage, time, whether it changed the graph, and the
+    facts (mpgraph.* meta keys) it read and wrote."""
+    short = lambda keys: ", ".join(k.removeprefix("mpgraph.") for k in keys) or "-"  # noqa: E731
+    lines = [f"pipeline: {len(runs)} passes, {sum(r.seconds for r in runs):.2f} s",
+             f"{'stage':<10} {'pass':<26} {'seconds':>8}  {'changed':<7}  reads -> writes"]
+    lines += [f"{r.stage:<10} {r.name:<26} {r.seconds:>8.3f}  {'yes' if r.modified else 'no':<7}  "
+              f"{short(r.reads)} -> {short(r.writes)}" for r in runs]
+    return "\n".join(lines) + "\n"
+
+
 def _inspect(args) -> int:
     from mpgraph.api import convert
     from mpgraph.errors import MpgraphError
     from mpgraph.tools.report import report
+    from mpgraph.passes.infra import recording
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     try:
         check = {"auto": True, "off": False}.get(args.check, args.check)
-        converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
-                            target=args.target, strategy=args.strategy, dynamic=not args.static,
-                            check=check, runtime=args.runtime)
+        with recording() as runs:
+            converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype,
+                                target=args.target, strategy=args.strategy,
+                                dynamic=not args.static, check=check, runtime=args.runtime)
     except MpgraphError as e:
         print(f"mpgraph: inspect failed: {e}", file=sys.stderr)
         return 1
+    if args.explain:
+        print(explain(runs))
     print(report(converted, "text"), end="")
     for fmt in ("html", "json", "dot"):
         path = getattr(args, fmt)
@@ -191,7 +207,7 @@ def _profile(args) -> int:
     if args.target is not None:
         from mpgraph.cost.device import resolve_target
         planned = resolve_target(args.target)
-        if (planned.kind == "gpu") != (device == "cuda"):
+        if (planned.kind == Kind.GPU) != (device == "cuda"):
             print(f"mpgraph: note: planned for {planned.name}, profiled on {device}: the measured "
                   f"times are this {device}'s (low precision may be emulated here), the predicted "
                   f"ones {planned.name}'s; compare their ranks, not their values", file=sys.stderr)
@@ -243,6 +259,8 @@ def main(argv=None) -> int:
                    help="auto: dtypes always, values where they are cheap to run (a plan for "
                         "another device: up to 20 GFLOP, simulated); values: always; dtypes: "
                         "no value run; off: no check")
+    i.add_argument("--explain", action="store_true",
+                   help="first list the passes that ran: stage, seconds, facts read and written")
     i.add_argument("--html", help="write the self-contained HTML report here")
     i.add_argument("--json", help="write the plan as JSON here (mpgraph.Plan.load reads it)")
     i.add_argument("--dot", help="write the Graphviz source here")

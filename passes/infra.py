@@ -15,6 +15,7 @@ that reports a change is an error).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import logging
 import os
@@ -171,6 +172,33 @@ def _written(before: dict, gm: torch.fx.GraphModule) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class PassRun:
+    """One pass as it ran: what ``mpgraph inspect --explain`` prints."""
+
+    name: str
+    stage: str
+    seconds: float
+    modified: bool
+    reads: tuple
+    writes: tuple
+
+
+_RECORDS: contextvars.ContextVar = contextvars.ContextVar("mpgraph_pass_runs", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collects a PassRun for every pass any PassManager runs inside the block (a conversion
+    runs several pipelines), in order: ``with recording() as runs: convert(...)``."""
+    runs: list[PassRun] = []
+    token = _RECORDS.set(runs)
+    try:
+        yield runs
+    finally:
+        _RECORDS.reset(token)
+
+
 class PassManager:
     """Runs a pipeline (a plain list of pass instances) in order: each pass's ``reads`` are
     checked before it runs (``Pass.requires``); with ``check`` (default: ``checking()``) every
@@ -215,6 +243,9 @@ class PassManager:
                                                                    sorted(undeclared.items())),
                                             None, ran)
                     self.timings.append((p.name, seconds, result.modified))
+                    if _RECORDS.get() is not None:
+                        _RECORDS.get().append(PassRun(p.name, name, seconds, result.modified,
+                                                      tuple(p.reads), tuple(p.writes)))
                     log.debug("pass %s: %.3f s, modified=%s", p.name, seconds, result.modified)
                     ran.append(p.name)
         return gm

@@ -108,3 +108,27 @@ def test_cli_prints_mpgraph_warnings_as_one_line(tmp_path, capsys):
     # an 8x8 matmul does not pay for its casts on an H100: said once, as mpgraph's own line
     assert err.count("mpgraph: warning: dtype=float16 converted 0 of 1 matmul/conv nodes") == 1
     assert "UserWarning" not in err and "warnings.warn" not in err
+
+
+def test_cli_explain_lists_each_pass_with_its_time_and_facts(tmp_path, capsys):
+    factory = tmp_path / "mlp.py"
+    factory.write_text("import torch, torch.nn as nn\n"
+                       "def build():\n    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), "
+                       "nn.Linear(1024, 1024)), torch.randn(256, 1024)\n")
+    assert cli.main(["inspect", f"{factory}:build", "--dtype", "fp16", "--target", "a100",
+                     "--explain"]) == 0
+    out = capsys.readouterr().out
+    head, table = out.split("\n")[0], out.split("\n")[2:]
+    count, total = re.match(r"pipeline: (\d+) passes, ([\d.]+) s", head).groups()
+    rows = [line.split() for line in table[:int(count)]]
+    names = [r[1] for r in rows]
+    # the passes of every pipeline the conversion ran, in order, each once per run
+    for earlier, later in (("Functionalize", "Calibrate"), ("Calibrate", "ClassifyOps"),
+                           ("ClassifyOps", "NumericSafety"), ("NumericSafety", "InsertCasts"),
+                           ("StoreWeights", "InsertCasts")):
+        assert names.index(earlier) < names.index(later), names
+    insert = rows[names.index("InsertCasts")]
+    assert insert[0] == "rewrite" and insert[3] == "yes"  # it added casts
+    assert abs(sum(float(r[2]) for r in rows) - float(total)) < 0.01 * int(count) + 0.01
+    line = table[names.index("InsertCasts")]
+    assert "precision" in line.split("->")[0] and "inserted_by" in line.split("->")[1]
