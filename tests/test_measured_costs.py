@@ -197,3 +197,43 @@ def test_cli_calibrate_prints_the_table_and_where_it_is_cached(tmp_path, capsys)
     assert cli.main(["calibrate"]) == 2
     assert "calibrate needs a factory" in capsys.readouterr().err
 
+
+
+class _ConvAndAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.qkv = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(16, 48)
+
+    def forward(self, img, seq):
+        y = torch.relu(self.bn(self.conv(img)))
+        q, k, v = self.qkv(seq).view(2, 10, 3, 4, 4).permute(2, 0, 3, 1, 4)  # each (2, 4, 10, 4)
+        return y, torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_low_precision_variants_are_timed_in_the_layout_the_converted_graph_has(monkeypatch):
+    """A 2-D conv and the layers after it run channels_last in a low-precision plan (the
+    ChannelsLast pass), so they are timed so; attention's 4-D inputs keep their strides (timed
+    channels_last, bf16 attention measured 2x slower than it runs, and stayed float32)."""
+    from mpgraph.cost import measured
+    seen = []
+    real = measured._cast
+
+    def spy(value, dtype, nhwc=False):
+        out = real(value, dtype, nhwc)
+        seen.extend((tuple(t.shape), nhwc, t.is_contiguous(memory_format=torch.channels_last)
+                     and not t.is_contiguous()) for t in torch.utils._pytree.tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.dim() == 4)
+        return out
+
+    monkeypatch.setattr(measured, "_cast", spy)
+    monkeypatch.setattr(mpgraph.api, "emulated", lambda dtype, spec: False)  # any CPU: time bf16
+    path = CostTable.for_device(torch.device("cpu")).path
+    if os.path.exists(path):
+        os.remove(path)
+    mpgraph.calibrate(_ConvAndAttention().eval(), (torch.randn(2, 3, 8, 8), torch.randn(2, 10, 16)))
+    by_shape = {}
+    for shape, nhwc, channels_last in seen:
+        by_shape.setdefault(shape, set()).add((nhwc, channels_last))
+    assert by_shape[(2, 3, 8, 8)] == {(True, True)}   # the conv's input
+    assert by_shape[(2, 8, 8, 8)] == {(True, True)}   # batch norm and ReLU after it
+    assert by_shape[(2, 4, 10, 4)] == {(False, False)}, by_shape  # q, k, v: strides kept

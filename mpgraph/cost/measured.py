@@ -36,7 +36,7 @@ from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
 from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, is_conv2d, is_inplace,
                               seeded, state_kept, target_name)
-from mpgraph.ir.meta import TENSOR, TensorInfo, dtype_name, tensor_infos
+from mpgraph.ir.meta import TENSOR, Kind, TensorInfo, dtype_name, tensor_infos
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger("mpgraph.progress")
@@ -331,11 +331,11 @@ class Measured(CostModel):
                  keys: Optional[dict] = None):
         self.table, self.fallback = table, fallback
         self.keys = dict(keys or {})  # node -> op key (measure's); others keyed when asked
-        self.kind = "gpu" if table.device.type == "cuda" else "cpu"
+        self.kind = Kind.GPU if table.device.type == "cuda" else Kind.CPU
         self.name = table.name
         self.lows = tuple(lows)
         held = sum(1 for k in self.keys.values() if table.entries.get(f"{k}|fp32") is not None)
-        self.source = (f"measured on this {'GPU' if self.kind == 'gpu' else 'CPU'}, op by op"
+        self.source = (f"measured on this {self.kind.name}, op by op"
                        + (f" ({held} of {len(self.keys)} nodes)" if self.keys else "")
                        + f": {table.name}")
 
