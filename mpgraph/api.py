@@ -282,7 +282,7 @@ class Options:
     - ``low`` (``dtype=``): the low dtype, fp16 or bf16; None (``dtype=None`` or "auto"): the one
       the cost model estimates fastest on the target, per node where it pays. A named dtype is
       used where it pays and the plan says what stayed float32 and why.
-    - ``second``: bf16 beside fp16 for the nodes fp16's range keeps out (a saved plan's; else
+    - ``range_dtype``: bf16 beside fp16 for the nodes fp16's range keeps out (a saved plan's; else
       chosen with the dtype). ``keep_fp32``: why every node stays float32 (a saved plan's).
     - ``spec`` (``target=``): the device planned for: None for this machine, or a name ("h100",
       "a100", "t4", "cpu", ...). ``here``: it is this machine and the model has values.
@@ -310,7 +310,7 @@ class Options:
     """
 
     low: Optional[torch.dtype]
-    second: Optional[torch.dtype]
+    range_dtype: Optional[torch.dtype]
     keep_fp32: Optional[str]
     spec: DeviceSpec
     strategy: str
@@ -339,7 +339,7 @@ class Options:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
-        keep_fp32 = second = None
+        keep_fp32 = range_dtype = None
         if plan is not None:
             if not isinstance(plan, Plan):
                 raise TypeError("plan must be an mpgraph.Plan (Plan.load(path)), got "
@@ -351,7 +351,7 @@ class Options:
             mode = plan.mode
             target = target if target is not None else plan.target
             low, keep_fp32 = plan.dtype, plan.kept_fp32
-            second = next((getattr(torch, r.dtype) for r in plan.range_nodes), None)
+            range_dtype = next((getattr(torch, r.dtype) for r in plan.range_nodes), None)
         elif dtype is None or isinstance(dtype, str) and dtype.lower() == "auto":
             low = None  # the cost model picks it, once the graph is captured
         else:
@@ -380,7 +380,7 @@ class Options:
             abstract = Abstract(trace_device(spec))
             args, kwargs = abstract.fake_inputs(args, kwargs)  # capture and passes share them
         here = target is None or isinstance(target, str) and target.lower() in ("cpu", "cuda")
-        opts = cls(low, second, keep_fp32, spec, strategy, keep_io_types, table,
+        opts = cls(low, range_dtype, keep_fp32, spec, strategy, keep_io_types, table,
                    dict(overrides or {}), check, calibration, tolerance, progress, plan,
                    mode == "train", costs, runtime, here and abstract is None)
         return opts, args, kwargs, abstract
@@ -429,7 +429,7 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
         check_plan_fits(opts.plan, gm)
         from_plan = {r.name: (r.dtype, r.reason) for r in opts.plan.compute_nodes}
     costs = cost_model(opts, gm, args, kwargs, model)
-    low, second, keep_fp32, chosen = opts.low, opts.second, opts.keep_fp32, None
+    low, range_dtype, keep_fp32, chosen = opts.low, opts.range_dtype, opts.keep_fp32, None
     if low is None and not any(costs.supports(d) for d in LOW_DTYPES):
         low, chosen = torch.bfloat16, {"candidates": [], "estimates_s": {}}
         keep_fp32 = (f"no node is faster in float16 or bfloat16 than in float32 on {costs.name}: "
@@ -437,7 +437,7 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
     elif low is None:
         low, chosen = _choose_low(gm, costs, opts, args, kwargs)
         if costs.kind == Kind.GPU and low == torch.float16 and costs.supports(torch.bfloat16):
-            second = torch.bfloat16  # bf16 where fp16's range keeps a node out of fp16
+            range_dtype = torch.bfloat16  # bf16 where fp16's range keeps a node out of fp16
 
     def build(graph, pins: Optional[dict] = None):
         passes = default_pipeline(low, args, kwargs, costs=costs, spec=opts.spec,
@@ -445,7 +445,7 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
                                   op_table=opts.table,
                                   overrides={**opts.overrides, **(pins or {})},
                                   keep_fp32=keep_fp32, check=opts.check,
-                                  range_dtype=second, from_plan=from_plan, train=opts.train,
+                                  range_dtype=range_dtype, from_plan=from_plan, train=opts.train,
                                   simulate=simulate)
         return run_passes(passes, graph)
 
@@ -479,11 +479,11 @@ def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torc
     with stage("choose dtype"):
         for dtype in candidates:
             # fp16 on a GPU that has bf16 too: with bf16 where fp16's range keeps a node out
-            second = torch.bfloat16 if dtype == torch.float16 and costs.kind == Kind.GPU \
+            range_dtype = torch.bfloat16 if dtype == torch.float16 and costs.kind == Kind.GPU \
                 and costs.supports(torch.bfloat16) else None
             for p in decide_pipeline(dtype, costs=costs, spec=opts.spec, strategy="optimal",
                                      keep_io_types=opts.keep_io_types, op_table=opts.table,
-                                     overrides=opts.overrides, range_dtype=second,
+                                     overrides=opts.overrides, range_dtype=range_dtype,
                                      train=opts.train):
                 p(gm)  # analysis passes: the node meta of this candidate, rewritten by the next
             estimates[dtype] = gm.meta["mpgraph.estimate"]["plan_s"]

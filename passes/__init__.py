@@ -8,7 +8,7 @@ from mpgraph.passes.assign_precision import AssignPrecision
 from mpgraph.passes.assign_precision_optimal import AssignPrecisionOptimal
 from mpgraph.passes.calibrate import Calibrate
 from mpgraph.passes.channels_last import ChannelsLast
-from mpgraph.passes.check_dtypes import CheckDtypes
+from mpgraph.passes.check_conversion import CheckConversion
 from mpgraph.passes.classify_ops import ClassifyOps
 from mpgraph.passes.estimate_cost import EstimateCost
 from mpgraph.passes.follow_training_flag import FollowTrainingFlag
@@ -23,7 +23,7 @@ from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
 from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
-           "CheckDtypes", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "Functionalize",
+           "CheckConversion", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "Functionalize",
            "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "NumericSafety", "PropagateTensorInfo", "PruneForInference",
            "RetargetDtypeAsserts", "StoreWeights"]

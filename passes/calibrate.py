@@ -262,7 +262,7 @@ class Calibrate(Pass):
                                            f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
             for node, m in seen.items():
                 per_batch.setdefault(node, []).append(m)
-            if count == 0:  # what the converted graph is checked against (CheckDtypes)
+            if count == 0:  # what the converted graph is checked against (CheckConversion)
                 gm.meta[REFERENCE] = Reference(args, kwargs, tuple(
                     v.detach() if isinstance(v, torch.Tensor) else v
                     for v in pytree.tree_leaves(output)))

@@ -39,7 +39,7 @@ class ClassifyOps(Pass):
     writes = (OP_CLASS,)
 
     def __init__(self, low_dtype: torch.dtype, table: OpTable | None = None):
-        self.low_dtype = low_dtype
+        self.low = low_dtype
         self.table = table or OpTable.default()
 
     def call(self, gm):
@@ -51,13 +51,13 @@ class ClassifyOps(Pass):
             if entry is None:
                 info = OpInfo(UNKNOWN, f"{key} is not in the op table: kept in float32", key)
             elif entry.inference is not None and fixed_statistics(node, gm):
-                info = OpInfo(entry.class_for(self.low_dtype, inference=True),
+                info = OpInfo(entry.class_for(self.low, inference=True),
                               entry.inference_reason or entry.reason, key)
             else:
-                info = OpInfo(entry.class_for(self.low_dtype), entry.reason, key,
+                info = OpInfo(entry.class_for(self.low), entry.reason, key,
                               entry.params_as_values, entry.low_io, entry.range_expanding)
-                proof = proven_in_range(node, self.low_dtype) if info.op_class == FP32_ONLY \
-                    and info.range_expanding and self.low_dtype == torch.float16 else None
+                proof = proven_in_range(node, self.low) if info.op_class == FP32_ONLY \
+                    and info.range_expanding and self.low == torch.float16 else None
                 if proof:
                     info = replace(info, op_class=FOLLOW, reason=f"{info.reason}; {proof}")
             node.meta[OP_CLASS] = info

@@ -227,23 +227,23 @@ def proven_in_range(node: torch.fx.Node, low: torch.dtype, margin: float = RANGE
 
 class NumericSafety(Pass):
     """Analysis: writes ``mpgraph.safety`` (a tuple of SafetyFinding) on nodes that must stay
-    float32 in the low dtype, each with its evidence; with ``alt_dtype`` (bf16 beside fp16,
+    float32 in the low dtype, each with its evidence; with ``range_dtype`` (bf16 beside fp16,
     dtype="auto") a finding the second dtype does not have is marked ``cleared_by`` it."""
     stage = "decide"
     reads, writes = (OP_CLASS,), (SAFETY,)
 
     def __init__(self, low_dtype: torch.dtype, margin: float = RANGE_MARGIN,
-                 alt_dtype: Optional[torch.dtype] = None):
+                 range_dtype: Optional[torch.dtype] = None):
         if margin < 1:
             raise ValueError(f"margin must be >= 1, got {margin}")
-        if alt_dtype not in (None, torch.bfloat16):
-            raise ValueError(f"the second low dtype can only be bfloat16, got {alt_dtype}")
-        self.low, self.alt, self.margin = low_dtype, alt_dtype, margin
+        if range_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"the second low dtype can only be bfloat16, got {range_dtype}")
+        self.low, self.range_dtype, self.margin = low_dtype, range_dtype, margin
 
     def call(self, gm):
         seen: dict = {}  # dtype-independent weight statistics: scanned once for both dtypes
         rules = _Rules(self.low, self.margin, seen)
-        alt = _Rules(self.alt, self.margin, seen) if self.alt is not None else None
+        alt = _Rules(self.range_dtype, self.margin, seen) if self.range_dtype is not None else None
         findings: dict[torch.fx.Node, list[SafetyFinding]] = {}
         for node in gm.graph.nodes:
             node.meta.pop(SAFETY, None)

@@ -11,7 +11,7 @@ from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
                             FollowTrainingFlag, Functionalize, PruneForInference,
-                            CheckDtypes, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
+                            CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
                             LintTensorCores, NumericSafety, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
 
@@ -52,7 +52,7 @@ def decide_pipeline(low_dtype: torch.dtype, *, costs: CostModel, spec: DeviceSpe
                                  from_plan, train, kernels=costs.kind)
     return [
         ClassifyOps(low_dtype, op_table),     # analysis: op class per node
-        NumericSafety(low_dtype, alt_dtype=range_dtype),  # analysis: fp32 findings, evidence
+        NumericSafety(low_dtype, range_dtype=range_dtype),  # analysis: fp32 findings, evidence
         EstimateCost(costs, low_dtype),       # analysis: time per node, both dtypes (cost model)
         decide,                               # decision: dtype per node (min-cut or rules)
         LintTensorCores(spec, costs),         # analysis: Tensor Core alignment findings
@@ -81,6 +81,6 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts
     ]
     if check:
-        passes.append(CheckDtypes(example_args, example_kwargs, keep_io_types,  # verify by running
+        passes.append(CheckConversion(example_args, example_kwargs, keep_io_types,  # verify by running
                                   simulate=simulate, values={"values": True, "dtypes": False}.get(check)))
     return passes

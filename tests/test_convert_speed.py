@@ -18,7 +18,7 @@ from mpgraph.numerics import relative_l2
 import mpgraph.passes.calibrate as calibrate_module
 import mpgraph.passes.propagate_tensor_info as propagate
 from mpgraph.ir.meta import CAPTURE, OBSERVED, RANGE, REFERENCE, Reference
-from mpgraph.passes import CheckDtypes
+from mpgraph.passes import CheckConversion
 from mpgraph.passes.calibrate import tensor_stats
 from mpgraph.passes.infra import run_passes
 from mpgraph.passes.pipeline import prepare_pipeline
@@ -186,7 +186,7 @@ def test_value_check_still_names_the_node_where_values_part():
     relu.replace_all_uses_with(tripled, delete_user_cb=lambda user: user is not tripled)
     gm.recompile()
     with pytest.raises(mpgraph.ConversionError, match=rf"values first part at node {tripled.name} "):
-        CheckDtypes((x,), {})(gm)
+        CheckConversion((x,), {})(gm)
 
 
 def test_meta_model_shapes_from_torch_export_are_those_of_a_run(monkeypatch):
@@ -267,13 +267,13 @@ def test_value_check_of_a_simulated_plan_is_bounded_by_size_and_can_be_forced(mo
     """A plan for another device: dtypes always proven (fake tensors); values simulated up to
     SIMULATED_VALUES_MAX_FLOPS per batch, reported as not checked above it, check="values"
     always, check="dtypes" never. A real run (the plan is for this machine) always checks."""
-    import mpgraph.passes.check_dtypes as check_dtypes
+    import mpgraph.passes.check_conversion as check_conversion
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()
     x = torch.randn(8, 64)
     small = convert_rules(model, x, dtype="fp16")  # 8x64x64x2x2 = 131 kFLOP: simulated
     assert small.plan.check["error"] <= small.plan.check["bound"]
-    monkeypatch.setattr(check_dtypes, "SIMULATED_VALUES_MAX_FLOPS", 1e5)  # now it is "large"
+    monkeypatch.setattr(check_conversion, "SIMULATED_VALUES_MAX_FLOPS", 1e5)  # now it is "large"
     large = convert_rules(model, x, dtype="fp16")
     assert large.plan.check["error"] is None and large.plan.check["bound"] == pytest.approx(2**-6)
     assert "0 GFLOP (check='values', or the CLI's --check values, runs it)" in \
@@ -295,9 +295,9 @@ def test_the_dtype_check_still_catches_a_dtype_the_plan_did_not_give_when_values
         monkeypatch):
     """Skipping the simulated values leaves the dtype proof: a node producing another dtype than
     planned is still an error."""
-    import mpgraph.passes.check_dtypes as check_dtypes
+    import mpgraph.passes.check_conversion as check_conversion
     from mpgraph.ir.meta import PRECISION
-    monkeypatch.setattr(check_dtypes, "SIMULATED_VALUES_MAX_FLOPS", 0.0)
+    monkeypatch.setattr(check_conversion, "SIMULATED_VALUES_MAX_FLOPS", 0.0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()
     x = torch.randn(8, 64)
     gm = convert_rules(model, x, dtype="fp16", check=False)
@@ -305,7 +305,7 @@ def test_the_dtype_check_still_catches_a_dtype_the_plan_did_not_give_when_values
     assert relu.meta[PRECISION].dtype == torch.float16
     relu.meta[PRECISION] = dataclasses.replace(relu.meta[PRECISION], dtype=torch.float32)
     with pytest.raises(mpgraph.ConversionError, match="does not match its plan"):
-        CheckDtypes((x,), {}, simulate=True)(gm)
+        CheckConversion((x,), {}, simulate=True)(gm)
 
 
 class _BakedDropout(nn.Module):

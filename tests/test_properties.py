@@ -75,7 +75,7 @@ def test_random_graphs_keep_edges_consistent_and_the_function(program, low, seed
     torch.manual_seed(seed)
     model = Program(program).eval()
     x = torch.randn(3, D)
-    gm = convert(model, x, dtype=low)  # CheckDtypes ran: every edge has its planned dtype
+    gm = convert(model, x, dtype=low)  # CheckConversion ran: every edge has its planned dtype
     gm.graph.lint()
     assert round_trips(gm) == []
     keys = [(c.args[0].name, c.args[1]) for c in casts(gm)]

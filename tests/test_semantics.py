@@ -13,7 +13,7 @@ import torch.nn as nn
 import mpgraph
 from conftest import GPU, TOL, convert_rules, rel_err
 from mpgraph.ir.meta import REFERENCE, Reference
-from mpgraph.passes import CheckDtypes
+from mpgraph.passes import CheckConversion
 
 from semantics_battery import (BATTERY, D, CountingBuffer, FunctionalDropout,  # examples/
                                ModelOutputOut, RunningMean, run as run_battery)
@@ -56,7 +56,7 @@ def test_functional_dropout_follows_train_and_eval_after_conversion():
 
 
 def test_value_check_names_the_node_where_values_part_from_float32():
-    """CheckDtypes on its own: a graph whose dtypes are all right but that computes something
+    """CheckConversion on its own: a graph whose dtypes are all right but that computes something
     else than the float32 graph Calibrate ran (a relu turned into its negation) is an error."""
     torch.manual_seed(0)
     gm = convert_rules(nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D)).eval(),
@@ -64,7 +64,7 @@ def test_value_check_names_the_node_where_values_part_from_float32():
     x = torch.randn(8, D)
     with torch.no_grad():  # the reference: what this very graph computes, as Calibrate keeps it
         gm.meta[REFERENCE] = Reference((x,), {}, (gm(x),))
-    CheckDtypes((x,), {})(gm)  # the graph as converted: passes
+    CheckConversion((x,), {})(gm)  # the graph as converted: passes
     assert gm.meta["mpgraph.check"]["error"] < 1e-6
     relu = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "1")
     with gm.graph.inserting_after(relu):
@@ -74,7 +74,7 @@ def test_value_check_names_the_node_where_values_part_from_float32():
     gm.recompile()
     with pytest.raises(mpgraph.ConversionError,
                        match=r"output 0 differs from float32 by .* more than a bfloat16 plan should"):
-        CheckDtypes((x,), {})(gm)
+        CheckConversion((x,), {})(gm)
 
 
 def test_tolerance_with_nan_in_the_calibration_is_an_error_not_met():

@@ -63,7 +63,7 @@ def _actual(value):
     return None
 
 
-class CheckDtypes(Pass):
+class CheckConversion(Pass):
     stage = "check"
     writes = (CHECK,)  # on gm.meta: the value check's error and bound
 
