@@ -169,12 +169,12 @@ def _logged(batches, total):
         yield b
 
 
-def _constant(value) -> bool:
-    """A tensor of more than one element that holds one value (all zeros, all ones)."""
+def _constant(value) -> Optional[float]:
+    """The one value a tensor of more than one element holds (all zeros, all ones), else None."""
     if not isinstance(value, torch.Tensor) or value.numel() < 2 or is_abstract(value):
-        return False
+        return None
     flat = value.detach().reshape(-1)
-    return bool((flat == flat[0]).all())
+    return flat[0].item() if bool((flat == flat[0]).all()) else None
 
 
 class Calibrate(Pass):
@@ -221,11 +221,15 @@ class Calibrate(Pass):
         bad: dict[torch.fx.Node, int] = {}
         count = 0
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        constant: Optional[set] = None  # inputs constant in every batch so far
+        constant: Optional[set] = None  # (input, its one value) in every batch so far
         for i, batch in enumerate(_progress(self.batches, self.progress)):
             args, kwargs = as_call(batch)
             self._check_fits(gm, i, args, kwargs)
-            here = {name for name, t in zip(names, flat_inputs(gm, args, kwargs)) if _constant(t)}
+            # one value, the same in every batch (a decode step's positions hold one value
+            # in each batch, a different one in each: calibration saw them vary)
+            here = {(name, v) for name, v in ((name, _constant(t)) for name, t in
+                                              zip(names, flat_inputs(gm, args, kwargs)))
+                    if v is not None}
             constant = here if constant is None else constant & here
             seen: dict[torch.fx.Node, float] = {}
             measured: dict[torch.fx.Node, list] = {}  # this batch's tensor_stats, by node
@@ -276,6 +280,7 @@ class Calibrate(Pass):
                 node.meta[RANGE] = ValueRange(max(per_batch[node]), smallest[node], bad[node],
                                               tuple(per_batch[node]))
         gm.meta[RANGE] = count
-        gm.meta[CONSTANT_INPUTS] = tuple(n for n in names if n in (constant or ()))
+        held = {name for name, _ in constant or ()}
+        gm.meta[CONSTANT_INPUTS] = tuple(n for n in names if n in held)
         log.debug("calibrated %d values over %d batches", len(per_batch), count)
         return PassResult(gm, False)

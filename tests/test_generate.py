@@ -315,8 +315,11 @@ def test_misuse_is_refused_with_the_reason():
     mask[0, -2:] = 0
     with pytest.raises(ValueError, match="on the left"):
         mpgraph.generate(decoder, prompt(), 4, attention_mask=mask)
-    with pytest.raises(ValueError, match="calibration"):
-        mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, calibration=[prompt()])
+    with pytest.raises(ValueError, match="calibration takes prompts"):
+        mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS,
+                                calibration=[torch.randn(2, PROMPT)])
+    with pytest.raises(ValueError, match="does not take"):
+        mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, mode="train")
     with pytest.raises(ValueError, match="at least 2 tokens"):
         mpgraph.convert_decoder(model, prompt(length=1), max_cache_len=SLOTS)
     with pytest.raises(TypeError, match="HuggingFace causal LM"):
@@ -500,3 +503,24 @@ def test_greedy_tokens_equal_hf_bf16_generate_on_a_trained_model():
     ours = decoder.generate(ids, max_new_tokens=64, eos_token_id=None)
     same = (ours[:, 8:] == hf[:, 8:]).float().mean()
     assert ours.shape == hf.shape == (2, 72) and float(same) >= 0.9, float(same)
+
+
+@pytest.mark.parametrize("dtype,target", [(None, None), ("fp16", GPU)])
+def test_convert_decoder_is_quiet_and_calibrates_decode_at_both_ends_of_the_cache(dtype, target):
+    """The decode step was calibrated on one token at the first position alone: its position
+    input held one value, and every conversion warned that calibration saw too small a range.
+    An fp16 prefill calibrated on the example prompt alone warns (one batch), and the way out
+    it names, calibration=, is what convert_decoder takes: prompts."""
+    import warnings
+    model = llama()
+    prompts = [prompt(seed=s, length=n) for s, n in ((6, 5), (7, 12), (8, PROMPT))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype=dtype,
+                                          target=target, calibration=prompts)
+    assert [str(w.message) for w in caught] == []
+    assert decoder.prefill.plan.calibration_batches == 3
+    assert decoder.decode.plan.calibration_batches == 2
+    assert decoder.decode.plan.calibration_warning is None
+    ids = prompt()
+    assert torch.equal(decoder.generate(ids, max_new_tokens=4)[:, :PROMPT], ids)

@@ -32,7 +32,7 @@ import functools
 import inspect
 import logging
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -287,10 +287,27 @@ def _in_place_writes(module, names) -> dict[str, list[str]]:
             for name, node in nodes.items()}
 
 
+def _prefill_args(prompt, batch: int, max_cache_len: int, device) -> tuple:
+    """The prefill graph's inputs for a calibration prompt: its rows repeated to the cache's
+    batch, positions from 0, the mask over the prompt."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.shape[1] < 2 \
+            or prompt.dtype not in (torch.int64, torch.int32) or prompt.shape[1] >= max_cache_len:
+        raise ValueError("calibration takes prompts: (batch, length) integer tensors of token "
+                         f"ids with 2 <= length < max_cache_len={max_cache_len}")
+    ids = prompt.to(device=device, dtype=torch.long)
+    ids = ids[torch.arange(batch, device=device) % ids.shape[0]]
+    length = ids.shape[1]
+    mask = torch.zeros(batch, max_cache_len, dtype=torch.long, device=device)
+    mask[:, :length + 1] = 1
+    positions = torch.arange(length, device=device).expand(batch, -1).contiguous()
+    return ids, positions, torch.zeros(1, dtype=torch.long, device=device), mask
+
+
 def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_cache_len: int,
                     batch_size: Optional[int] = None,
                     dtype: Union[str, torch.dtype, None] = None,
-                    target=None, **convert_options) -> ConvertedDecoder:
+                    target=None, calibration: Optional[Iterable[torch.Tensor]] = None,
+                    **convert_options) -> ConvertedDecoder:
     """Convert a HuggingFace causal LM for generation with a static KV cache.
 
     ``example_ids`` (B, L), L >= 2: an example prompt; B is the batch the cache is built for
@@ -299,15 +316,17 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     one the cost model finds fastest on the target, as ``convert``'s default), ``target`` and
     every other option go to ``mpgraph.convert`` for both graphs, which are
     planned by the same passes: the prefill graph on the example prompt, the decode graph on
-    one token after it. Returns a ``ConvertedDecoder``: ``.prefill``/``.decode`` (each with its
+    one token after it and one at the last cache slot. ``calibration``: prompts (each a (B', L')
+    tensor of token ids, L' >= 2) the prefill graph is calibrated on instead of the example
+    alone (an fp16 plan's ranges come from them: a few real prompts). Returns a ``ConvertedDecoder``: ``.prefill``/``.decode`` (each with its
     ``.plan``), ``.cache_plan`` (each cache tensor's planned dtype and the plan's reason),
     ``.sharing`` (what the two graphs share) and ``.generate(...)``. The model is not modified.
     """
-    refused = sorted(set(convert_options) & {"calibration", "plan", "example_kwargs", "mode"})
+    refused = sorted(set(convert_options) & {"plan", "example_kwargs", "mode"})
     if refused:
         raise ValueError(f"convert_decoder does not take {refused}: the two graphs have their "
-                         "own inputs (calibrated on the example prompt and one token after it), "
-                         "are planned separately and run for inference")
+                         "own inputs (the prompts, and one token at each end of the cache), are "
+                         "planned separately and run for inference")
     if not isinstance(example_ids, torch.Tensor) or example_ids.dim() != 2 or \
             example_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError("example_ids must be a (batch, length) integer tensor of token ids")
@@ -334,12 +353,20 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     positions = torch.arange(length + 1, device=device).expand(batch, -1)
     prefill_args = (ids, positions[:, :length].contiguous(),
                     torch.zeros(1, dtype=torch.long, device=device), mask)
+    prompts = [_prefill_args(p, batch, max_cache_len, device) for p in calibration] \
+        if calibration is not None else None
     nxt = ids[:, -1:].contiguous()
     decode_args = (nxt, positions[:, length:].contiguous(),
                    torch.full((1,), length, dtype=torch.long, device=device), mask)
+    # the decode graph is calibrated at both ends of the positions it will run at (one batch at
+    # the first would show one position: too small a range for the rotary angles, and a warning)
+    last = max_cache_len - 1
+    decode_last = (nxt, torch.full((batch, 1), last, dtype=torch.long, device=device),
+                   torch.full((1,), last, dtype=torch.long, device=device),
+                   torch.ones(batch, max_cache_len, dtype=torch.long, device=device))
     options = dict(convert_options, dtype=dtype, target=target)
-    prefill = convert(step, prefill_args, **options).eval()
-    decode = convert(step, decode_args, **options).eval()
+    prefill = convert(step, prefill_args, calibration=prompts, **options).eval()
+    decode = convert(step, decode_args, calibration=[decode_args, decode_last], **options).eval()
     names = cache_names(prefill)
     if names != cache_names(decode):
         raise ValueError(f"the two graphs have different cache buffers: {names} vs "
