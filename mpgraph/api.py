@@ -19,7 +19,7 @@ from mpgraph.cost.model import CostModel
 from mpgraph.cost.roofline import RUNTIMES, Roofline, read_calibration
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
-from mpgraph.passes.infra import deferred_recompile, run_passes, stage
+from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, stage
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
@@ -481,11 +481,11 @@ def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torc
             # fp16 on a GPU that has bf16 too: with bf16 where fp16's range keeps a node out
             range_dtype = torch.bfloat16 if dtype == torch.float16 and costs.kind == Kind.GPU \
                 and costs.supports(torch.bfloat16) else None
-            for p in decide_pipeline(dtype, costs=costs, spec=opts.spec, strategy="optimal",
-                                     keep_io_types=opts.keep_io_types, op_table=opts.table,
-                                     overrides=opts.overrides, range_dtype=range_dtype,
-                                     train=opts.train):
-                p(gm)  # analysis passes: the node meta of this candidate, rewritten by the next
+            PassManager(decide_pipeline(dtype, costs=costs, spec=opts.spec, strategy="optimal",
+                                        keep_io_types=opts.keep_io_types, op_table=opts.table,
+                                        overrides=opts.overrides, range_dtype=range_dtype,
+                                        train=opts.train),
+                        label=f"choose:{dtype_name(dtype)}")(gm)  # analysis passes only
             estimates[dtype] = gm.meta["mpgraph.estimate"]["plan_s"]
     best = min(estimates.values())
     if costs.kind == Kind.GPU and torch.float16 in estimates:

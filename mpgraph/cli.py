@@ -125,12 +125,15 @@ def _export(args) -> int:
 
 def explain(runs) -> str:
     """The passes a conversion ran, in order: stage, time, whether it changed the graph, and the
-    facts (mpgraph.* meta keys) it read and wrote."""
-    short = lambda keys: ", ".join(k.removeprefix("mpgraph.") for k in keys) or "-"  # noqa: E731
+    facts (mpgraph.* meta keys) it read (``?``: where present) and wrote."""
+    def short(keys, optional=()):
+        return ", ".join([k.removeprefix("mpgraph.") for k in keys]
+                         + [k.removeprefix("mpgraph.") + "?" for k in optional]) or "-"
+
     lines = [f"pipeline: {len(runs)} passes, {sum(r.seconds for r in runs):.2f} s",
-             f"{'stage':<10} {'pass':<26} {'seconds':>8}  {'changed':<7}  reads -> writes"]
-    lines += [f"{r.stage:<10} {r.name:<26} {r.seconds:>8.3f}  {'yes' if r.modified else 'no':<7}  "
-              f"{short(r.reads)} -> {short(r.writes)}" for r in runs]
+             f"{'stage':<15} {'pass':<26} {'seconds':>8}  {'changed':<7}  reads -> writes"]
+    lines += [f"{r.stage:<15} {r.name:<26} {r.seconds:>8.3f}  {'yes' if r.modified else 'no':<7}  "
+              f"{short(r.reads, r.also_reads)} -> {short(r.writes)}" for r in runs]
     return "\n".join(lines) + "\n"
 
 

@@ -81,6 +81,7 @@ class AssignPrecision(Pass):
     """
     stage = "decide"
     reads, reads_on, writes = (TENSOR, OP_CLASS), ALL_NODES, (PRECISION,)
+    also_reads = (SAFETY, COST)
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,

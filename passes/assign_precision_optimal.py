@@ -23,7 +23,7 @@ from mpgraph.ir.edges import required_dtype
 from mpgraph.ir.graph import input_nodes, is_inplace
 from mpgraph.passes.op_table import CAST
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, TENSOR,
-                             Decision, TensorInfo, dtype_name, is_float32_tensor)
+                             SAFETY, Decision, TensorInfo, dtype_name, is_float32_tensor)
 from mpgraph.cost.mincut import FP32 as CUT_FP32, LOW as CUT_LOW, Problem, solve
 from mpgraph.passes.infra import PassResult
 
@@ -39,13 +39,14 @@ def _us(seconds: float) -> str:
 
 class AssignPrecisionOptimal(AssignPrecision):
     writes = (PRECISION, ESTIMATE)  # ESTIMATE on gm.meta: the plan's time on the target
+    also_reads = (SAFETY, COST, CAST_COST, COST_MODEL)
 
     def __init__(self, low_dtype: torch.dtype, kernels: Kind, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                  range_dtype: Optional[torch.dtype] = None,
                  from_plan: Optional[dict] = None, train: bool = False):
         super().__init__(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype, from_plan, train,
-                         kernels=kernels)
+                         kernels=Kind(kernels))  # "cpu", "gpu", "onnx"; a CostModel is refused
 
     def requires(self, gm):
         super().requires(gm)  # TENSOR and OP_CLASS on every node; and what it prices:
@@ -136,6 +137,9 @@ class AssignPrecisionOptimal(AssignPrecision):
                     readers.append(u)
             if readers:
                 problem.reads[v] = readers
+                if CAST_COST not in v.meta:
+                    raise self.fail(f"needs {CAST_COST} on the values it may cast: the cost "
+                                    "model prices no casts (CostModel.cast_cost)", v)
                 problem.cast_cost[v] = v.meta[CAST_COST]
         return problem, variables, tied
 

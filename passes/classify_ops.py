@@ -6,7 +6,7 @@ from dataclasses import replace
 import torch
 
 from mpgraph.ir.modules import TrainingBatchNorm
-from mpgraph.ir.meta import OP_CLASS, OpInfo
+from mpgraph.ir.meta import OP_CLASS, RANGE, OpInfo
 from mpgraph.passes.numeric_safety import proven_in_range
 from mpgraph.passes.op_table import FOLLOW, FP32_ONLY, UNKNOWN, OpTable
 from mpgraph.passes.infra import Pass, PassResult
@@ -36,7 +36,7 @@ class ClassifyOps(Pass):
     its calibrated values stay in fp16's range (``mpgraph.range``, when Calibrate ran before)
     it is ``follow``, else NumericSafety says why it stays float32."""
     stage = "decide"
-    writes = (OP_CLASS,)
+    writes, also_reads = (OP_CLASS,), (RANGE,)
 
     def __init__(self, low_dtype: torch.dtype, table: OpTable | None = None):
         self.low = low_dtype

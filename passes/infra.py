@@ -27,6 +27,7 @@ from typing import Iterable
 import torch.fx
 
 from mpgraph.errors import MpgraphError, PassError
+from mpgraph.ir.graph import CALLS
 
 log = logging.getLogger(__name__)
 # One record when a stage starts and one when it ends (extra: mpgraph_stage, mpgraph_seconds):
@@ -55,7 +56,6 @@ class PassResult:
     modified: bool
 
 
-CALLS = ("call_function", "call_method", "call_module")
 ALL_NODES = CALLS + ("placeholder", "get_attr", "output")
 
 
@@ -66,6 +66,7 @@ class Pass:
     stage = "plan"      # what progress calls the part of the work this pass belongs to
     reads: tuple = ()   # meta keys every node of an op in ``reads_on`` must carry beforehand
     reads_on: tuple = CALLS
+    also_reads: tuple = ()  # facts it reads where present (a calibrated range, a finding)
     writes: tuple = ()  # meta keys this pass sets, the one it exists to write first
     rewrites = False    # whether it changes the graph (the infrastructure recompiles after)
 
@@ -182,6 +183,7 @@ class PassRun:
     modified: bool
     reads: tuple
     writes: tuple
+    also_reads: tuple = ()
 
 
 _RECORDS: contextvars.ContextVar = contextvars.ContextVar("mpgraph_pass_runs", default=None)
@@ -207,9 +209,11 @@ class PassManager:
     ``timings``: (pass, seconds, modified) of the last run, also logged at debug level
     (logger ``mpgraph.passes.infra``)."""
 
-    def __init__(self, passes: Iterable[Pass], check: bool | None = None):
+    def __init__(self, passes: Iterable[Pass], check: bool | None = None,
+                 label: str | None = None):
         self.passes = list(passes)
         self.check = checking() if check is None else check
+        self.label = label  # runs inside a stage of the caller's: no stage records of its own
         self.timings: list[tuple[str, float, bool]] = []
 
     def __call__(self, gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -219,7 +223,9 @@ class PassManager:
 
     def run(self, gm: torch.fx.GraphModule, ran: list) -> torch.fx.GraphModule:
         for name, group in itertools.groupby(self.passes, key=lambda p: p.stage):
-            with stage(name):
+            if self.label:
+                name = self.label
+            with stage(name) if not self.label else contextlib.nullcontext():
                 for p in group:
                     before = _facts(gm) if self.check else None
                     start = time.perf_counter()
@@ -245,7 +251,8 @@ class PassManager:
                     self.timings.append((p.name, seconds, result.modified))
                     if _RECORDS.get() is not None:
                         _RECORDS.get().append(PassRun(p.name, name, seconds, result.modified,
-                                                      tuple(p.reads), tuple(p.writes)))
+                                                      tuple(p.reads), tuple(p.writes),
+                                                      tuple(p.also_reads)))
                     log.debug("pass %s: %.3f s, modified=%s", p.name, seconds, result.modified)
                     ran.append(p.name)
         return gm

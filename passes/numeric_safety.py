@@ -16,7 +16,8 @@ constraint on a node that would otherwise compute in low precision. Rules:
   with more than 1% of its non-zero values flushed.
 - ``unproven_range``: range-expanding ops (exp, pow, ...) are float32-only in fp16 unless
   calibration proves them safe: their output stayed finite and under the limit on every batch,
-  in which case they become ``follow`` ops (the finding is then the evidence for lowering).
+  in which case ClassifyOps classes them ``follow`` (the class's reason is the evidence); the
+  finding says why one that calibration did not prove stays float32.
 - underflow (findings of rule ``range``, evidence "... underflows ..."): an op that cannot take a
   0 (``NO_ZERO``: log, log2, log10, rsqrt, reciprocal, a division's denominator; a power with a
   negative constant exponent) reading a value that is 0 in the low dtype, which turns the float32
@@ -230,7 +231,7 @@ class NumericSafety(Pass):
     float32 in the low dtype, each with its evidence; with ``range_dtype`` (bf16 beside fp16,
     dtype="auto") a finding the second dtype does not have is marked ``cleared_by`` it."""
     stage = "decide"
-    reads, writes = (OP_CLASS,), (SAFETY,)
+    reads, writes, also_reads = (OP_CLASS,), (SAFETY,), (RANGE,)
 
     def __init__(self, low_dtype: torch.dtype, margin: float = RANGE_MARGIN,
                  range_dtype: Optional[torch.dtype] = None):
@@ -331,6 +332,10 @@ class _Rules:
 
     def _unproven(self, node) -> SafetyFinding:
         """A range-expanding op ClassifyOps left fp32_only in fp16: calibration did not prove it."""
+        if proven_in_range(node, self.low, self.margin):  # it did: ClassifyOps ran before it
+            raise ValueError(f"{node.name} is calibrated inside {dtype_name(self.low)}'s range "
+                             "but classed fp32_only: ClassifyOps ran before Calibrate (run "
+                             "Calibrate first: the class of a range-expanding op rests on it)")
         r = node.meta.get(RANGE)
         seen = "not calibrated" if r is None else (
             f"absmax {r.absmax:.3g} > limit {self.limit:.3g} on "

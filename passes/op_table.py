@@ -64,7 +64,7 @@ class OpEntry:
     # it); on the others its parameters are stored in the low dtype. Empty: no low I/O.
     low_io: tuple[str, ...] = ()
     # |f(x)| >> |x| elementwise (exp, pow): fp32-only in fp16 until calibration proves the values
-    # stay in range, which NumericSafety checks (it reads this flag, never the reason's text)
+    # stay in range, which ClassifyOps checks (it reads this flag, never the reason's text)
     range_expanding: bool = False
 
     def class_for(self, low_dtype: torch.dtype, inference: bool = False) -> str:

@@ -132,3 +132,10 @@ def test_cli_explain_lists_each_pass_with_its_time_and_facts(tmp_path, capsys):
     assert abs(sum(float(r[2]) for r in rows) - float(total)) < 0.01 * int(count) + 0.01
     line = table[names.index("InsertCasts")]
     assert "precision" in line.split("->")[0] and "inserted_by" in line.split("->")[1]
+    assert "range?" in table[names.index("ClassifyOps")]  # read where calibrated
+    # with the dtype left to the cost model, each candidate's decisions are listed too
+    assert cli.main(["inspect", f"{factory}:build", "--target", "a100", "--explain"]) == 0
+    stages = [line.split()[:2] for line in capsys.readouterr().out.split("\n")[2:]
+              if line.startswith("choose:")]
+    assert ["choose:float16", "AssignPrecisionOptimal"] in stages
+    assert ["choose:bfloat16", "AssignPrecisionOptimal"] in stages

@@ -524,3 +524,18 @@ def test_convert_decoder_is_quiet_and_calibrates_decode_at_both_ends_of_the_cach
     assert decoder.decode.plan.calibration_warning is None
     ids = prompt()
     assert torch.equal(decoder.generate(ids, max_new_tokens=4)[:, :PROMPT], ids)
+
+
+def test_decode_calibration_stays_within_the_model_s_positions():
+    """A learned position embedding shorter than the cache (GPT-2's n_positions): the decode
+    graph's second calibration batch sits at its last position, not at the cache's last slot
+    (an index error there, a device assert on a GPU)."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=30)).eval()
+    ids = prompt(rows=1)
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)
+    assert decoder.decode.plan.calibration_batches == 2
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert decoder.generate(ids, max_new_tokens=6).shape == want.shape

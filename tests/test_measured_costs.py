@@ -141,7 +141,7 @@ def test_measurement_covers_each_op_in_each_native_dtype_and_a_second_conversion
     assert "(4 of 4 nodes)" in plan.estimate["source"]
     with open(table.path) as f:
         saved = json.load(f)
-    assert saved["format"] == "mpgraph-cost-table/3" and saved["key"] == table.key
+    assert saved["format"] == "mpgraph-cost-table/4" and saved["key"] == table.key
     assert "torch " + torch.__version__ in table.key and "threads" in table.key
 
 
@@ -213,7 +213,7 @@ class _ConvAndAttention(nn.Module):
     def forward(self, img, seq):
         y = torch.relu(self.bn(self.conv(img)))
         q, k, v = self.qkv(seq).view(2, 10, 3, 4, 4).permute(2, 0, 3, 1, 4)  # each (2, 4, 10, 4)
-        return y, torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return y.mean((2, 3)), torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
 def test_low_precision_variants_are_timed_in_the_layout_the_converted_graph_has(monkeypatch):
@@ -236,10 +236,15 @@ def test_low_precision_variants_are_timed_in_the_layout_the_converted_graph_has(
     path = CostTable.for_device(torch.device("cpu")).path
     if os.path.exists(path):
         os.remove(path)
-    mpgraph.calibrate(_ConvAndAttention().eval(), (torch.randn(2, 3, 8, 8), torch.randn(2, 10, 16)))
+    table = mpgraph.calibrate(_ConvAndAttention().eval(),
+                              (torch.randn(2, 3, 8, 8), torch.randn(2, 10, 16)))
     by_shape = {}
     for shape, nhwc, channels_last in seen:
         by_shape.setdefault(shape, set()).add((nhwc, channels_last))
     assert by_shape[(2, 3, 8, 8)] == {(True, True)}   # the conv's input
-    assert by_shape[(2, 8, 8, 8)] == {(True, True)}   # batch norm and ReLU after it
+    assert by_shape[(2, 8, 8, 8)] == {(True, True)}   # batch norm, ReLU and the mean after it
     assert by_shape[(2, 4, 10, 4)] == {(False, False)}, by_shape  # q, k, v: strides kept
+    # the layout is part of the key: the same op on the same shapes in NCHW is another entry
+    keys = {k.rsplit("|", 1)[0] for k in table.entries if "|" in k}
+    assert any("mean" in k and k.endswith(" nhwc") for k in keys)
+    assert any("scaled_dot_product_attention" in k and not k.endswith(" nhwc") for k in keys)

@@ -318,7 +318,7 @@ def test_every_spelling_of_an_op_that_cannot_take_a_zero_is_found(export_only):
     sqrt and a numerator take a 0 as it comes."""
     x = 10 * torch.rand(4, 8, generator=torch.Generator().manual_seed(0))
     gm = capture(_Spellings(), (x,), export_only=export_only)
-    gm = run_passes([ClassifyOps(FP16), Calibrate([(x,)]), NumericSafety(FP16)], gm)
+    gm = run_passes([Calibrate([(x,)]), ClassifyOps(FP16), NumericSafety(FP16)], gm)
     flagged = sorted(numeric_safety.op_name(n) for n in gm.graph.nodes
                      if any("input sigmoid min non-zero" in f.evidence and "underflows float16"
                             in f.evidence for f in n.meta.get(SAFETY, ())))
@@ -419,3 +419,25 @@ def test_auto_on_a100_computes_the_tiny_probability_in_bf16_which_has_the_range(
     assert "bfloat16 has the range" in plan.node("sigmoid").reason
     with torch.no_grad():
         assert _rel(gm(*inputs), model(*inputs)) < 1e-2  # measured 1.6e-3
+
+
+class _Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x) * 2
+
+
+def test_range_expanding_op_proven_in_range_is_follow_and_classify_before_calibrate_is_refused():
+    """ClassifyOps classes an exp that calibration keeps inside fp16's range as follow; run
+    before Calibrate it cannot know, and NumericSafety says so instead of reporting the op as
+    unproven."""
+    from mpgraph.errors import PassError
+    from mpgraph.ir.meta import OP_CLASS
+    x = torch.rand(4, 8)  # exp(x) <= e: far inside fp16's range
+    gm = run_passes([Calibrate([(x,)]), ClassifyOps(FP16), NumericSafety(FP16)],
+                    capture(_Exp(), (x,)))
+    exp = next(n for n in gm.graph.nodes if numeric_safety.op_name(n) == "exp")
+    assert exp.meta[OP_CLASS].op_class == "follow" and "calibration: absmax" in \
+        exp.meta[OP_CLASS].reason and not exp.meta.get(SAFETY)
+    with pytest.raises(PassError, match="ClassifyOps ran before Calibrate"):
+        run_passes([ClassifyOps(FP16), Calibrate([(x,)]), NumericSafety(FP16)],
+                   capture(_Exp(), (x,)))

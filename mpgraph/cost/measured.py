@@ -41,7 +41,7 @@ from mpgraph.ir.meta import TENSOR, Kind, TensorInfo, dtype_name, tensor_infos
 log = logging.getLogger(__name__)
 progress = logging.getLogger("mpgraph.progress")
 
-TABLE_FORMAT = "mpgraph-cost-table/3"  # 3: 4-D low-precision inputs NHWC only after convs
+TABLE_FORMAT = "mpgraph-cost-table/4"  # 4: NHWC only after convs, and marked in the key
 SETTLED = 0.05          # relative change of the running median at which a timing stops
 VARIANT_BUDGET_S = 0.5  # seconds the variants of one op may take together to settle
 MIN_CALLS, MAX_CALLS = 5, 200
@@ -207,6 +207,31 @@ def time_calls(fns: list, device: torch.device, prepares: Optional[list] = None,
             for i in range(len(fns))]
 
 
+def nhwc_values(gm: torch.fx.GraphModule) -> set:
+    """The 4-D values a low-precision plan holds channels_last: 2-D convolutions' outputs (the
+    ChannelsLast pass) and the 4-D outputs of ops reading one (batch norm, ReLU, pooling and
+    adds keep the layout), from the graph's recorded shapes."""
+    out: set = set()
+    for n in gm.graph.nodes:
+        info = n.meta.get(TENSOR)
+        if n.op.startswith("call_") and (is_conv2d(n, gm) or (
+                isinstance(info, TensorInfo) and len(info.shape) == 4
+                and any(a in out for a in n.all_input_nodes))):
+            out.add(n)
+    return out
+
+
+def reads_nhwc(n: torch.fx.Node, gm, nhwc: set) -> bool:
+    """Whether a low-precision ``n`` reads a channels_last value (a conv's input is made so)."""
+    return is_conv2d(n, gm) or any(a in nhwc for a in n.all_input_nodes)
+
+
+def measure_key(n: torch.fx.Node, gm, nhwc: set) -> str:
+    """The op key, marked where the low-precision variants read channels_last values: the same
+    op on the same shapes in the other layout is another entry."""
+    return op_key(n, gm) + (" nhwc" if reads_nhwc(n, gm, nhwc) else "")
+
+
 def _cast(value, dtype: torch.dtype, nhwc: bool = False):
     """Float32 tensors in a nest cast to ``dtype``; with ``nhwc`` the 4-D ones channels_last, as
     the ChannelsLast pass runs a low-precision convolution and the layers after it (an NCHW bf16
@@ -227,14 +252,18 @@ class _Timer(RecordingInterpreter):
         super().__init__(gm, lambda node, value: None)
         self.table, self.lows, self.deadline = table, lows, deadline
         self.keys: dict[torch.fx.Node, str] = {}
-        self.nhwc: set[torch.fx.Node] = set()  # 4-D values a low-precision graph holds NHWC
+        self.nhwc = nhwc_values(gm)  # 4-D values a low-precision graph holds channels_last
         self.done = 0
 
     def _call(self, n, args, kwargs, dtype):
         """(the op's call in ``dtype``, what to run before each call or None)."""
-        if dtype != torch.float32:
-            nhwc = n in self.nhwc
-            args, kwargs = _cast(args, dtype, nhwc), _cast(kwargs, dtype, nhwc)
+        if dtype != torch.float32:  # each argument in the layout the converted graph gives it
+            conv = is_conv2d(n, self.module)
+
+            def nhwc(arg) -> bool:
+                return conv or (isinstance(arg, torch.fx.Node) and arg in self.nhwc)
+            args = tuple(_cast(v, dtype, nhwc(a)) for v, a in zip(args, n.args))
+            kwargs = {k: _cast(v, dtype, nhwc(n.kwargs[k])) for k, v in kwargs.items()}
         if n.op == "call_module":
             import copy
             module = self.fetch_attr(n.target)
@@ -261,13 +290,8 @@ class _Timer(RecordingInterpreter):
         result = super().run_node(n)
         if not n.op.startswith("call_") or time.perf_counter() > self.deadline:
             return result
-        key = op_key(n, self.module)
+        key = measure_key(n, self.module, self.nhwc)
         self.keys[n] = key
-        info = n.meta.get(TENSOR)
-        if is_conv2d(n, self.module) or (  # layers after a conv keep its layout
-                isinstance(info, TensorInfo) and len(info.shape) == 4
-                and any(a in self.nhwc for a in n.all_input_nodes)):
-            self.nhwc.add(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         entries, fns, prepares = [], [], []
         for dtype in (torch.float32,) + self.lows:
@@ -311,11 +335,11 @@ def emulated(dtype: torch.dtype, spec) -> bool:
 def _wanted(gm: torch.fx.GraphModule, lows: tuple) -> tuple[dict, list]:
     """Each call node's key and the entries a measurement of ``gm`` would write, from the
     graph's tensor facts alone (what _Timer writes from the values it runs)."""
-    keys, wanted = {}, []
+    keys, wanted, nhwc = {}, [], nhwc_values(gm)
     for n in gm.graph.nodes:
         if not n.op.startswith("call_"):
             continue
-        keys[n] = key = op_key(n, gm)
+        keys[n] = key = measure_key(n, gm, nhwc)
         wanted += [f"{key}|{_SHORT[dtype]}" for dtype in (torch.float32,) + lows]
         info = n.meta.get(TENSOR)
         if isinstance(info, TensorInfo) and info.dtype == torch.float32 and info.numel:
@@ -361,6 +385,12 @@ class Measured(CostModel):
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype == torch.float32 or dtype in self.lows  # (the others are emulated here)
 
+    def _key(self, node, gm) -> str:
+        """A node measure did not key (a copy of the graph's): keyed as measure keys them."""
+        if getattr(self, "_layout", (None,))[0] is not gm:
+            self._layout = (gm, nhwc_values(gm))
+        return measure_key(node, gm, self._layout[1])
+
     def _get(self, key: Optional[str], dtype: torch.dtype) -> Optional[float]:
         if key is None:
             return None
@@ -369,7 +399,7 @@ class Measured(CostModel):
 
     def node_cost(self, node, gm, low) -> NodeCost:
         guess = self.fallback.node_cost(node, gm, low)
-        key = self.keys.get(node) or op_key(node, gm)
+        key = self.keys.get(node) or self._key(node, gm)
         t32 = self._get(key, torch.float32)
         if t32 is None:
             return guess

@@ -25,7 +25,7 @@ STATIC_SHAPES = "mpgraph.static_shapes"  # on gm.meta: True when exported at the
 RANGE = "mpgraph.range"              # ValueRange written by Calibrate
 SAFETY = "mpgraph.safety"            # tuple of SafetyFinding written by NumericSafety
 # on gm.meta: Reference (the float32 graph's outputs on the first calibration batch), written by
-# Calibrate for CheckConversion' value check, dropped when convert returns
+# Calibrate for CheckConversion's value check, dropped when convert returns
 REFERENCE = "mpgraph.reference"
 # on gm.meta: names of the graph inputs that were constant (all zeros, one value) in every
 # calibration batch, written by Calibrate: ranges from such data do not represent real inputs
@@ -36,7 +36,7 @@ EVAL_ONLY = "mpgraph.eval_only"
 # on gm.meta: (module paths whose own forward reads self.training, the flag at capture), written
 # by capture: a Python branch on it is fixed in the graph, and .train()/.eval() say so
 READS_TRAINING = "mpgraph.reads_training"
-CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckConversion' value check
+CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckConversion's value check
 # node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that
 # run (passes.calibrate.Observation). Calibrate takes the example batch from it, then drops it
 OBSERVED = "mpgraph.observed"
@@ -73,7 +73,7 @@ class OpInfo:
     key: str  # the table key that matched, e.g. "nn.Linear" or "aten.linear"
     params_as_values: bool = False  # see OpEntry.params_as_values
     low_io: tuple = ()              # see OpEntry.low_io: the target kinds that take the mix
-    range_expanding: bool = False   # see OpEntry.range_expanding: NumericSafety may lower it
+    range_expanding: bool = False   # see OpEntry.range_expanding
 
 
 @dataclass(frozen=True)

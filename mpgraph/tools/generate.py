@@ -37,6 +37,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mpgraph.api import convert
+from mpgraph.ir.fake import has_meta_tensors
 from mpgraph.ir.graph import fetch_attr, is_inplace, set_attr
 from mpgraph.tools.cuda_graph import GraphedModule
 from mpgraph.ir.meta import dtype_name
@@ -303,6 +304,29 @@ def _prefill_args(prompt, batch: int, max_cache_len: int, device) -> tuple:
     return ids, positions, torch.zeros(1, dtype=torch.long, device=device), mask
 
 
+def _decode_calibration(model, first: tuple, ids, max_cache_len: int) -> Optional[list]:
+    """The decode graph's calibration: one token at the first free slot (``first``) and one,
+    another token, at the last slot the model can take (its last position embedding, if fewer):
+    one batch alone shows a single position, too small a range for the rotary angles, and its
+    position input would count as constant. None (the example alone) where there is no second
+    slot or the model has no values (the meta device)."""
+    nxt, _, start, _ = first
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    last = min(max_cache_len, limit if isinstance(limit, int) and limit > 0 else max_cache_len) - 1
+    if last <= int(start) or has_meta_tensors(model):
+        return None
+    other = ids[:, :1].contiguous()
+    vocab = getattr(config, "vocab_size", None)
+    if torch.equal(other, nxt) and isinstance(vocab, int) and vocab > 1:
+        other = (nxt + 1) % vocab
+    batch, device = nxt.shape[0], nxt.device
+    mask = torch.zeros(batch, max_cache_len, dtype=torch.long, device=device)
+    mask[:, :last + 1] = 1
+    return [first, (other, torch.full((batch, 1), last, dtype=torch.long, device=device),
+                    torch.full((1,), last, dtype=torch.long, device=device), mask)]
+
+
 def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_cache_len: int,
                     batch_size: Optional[int] = None,
                     dtype: Union[str, torch.dtype, None] = None,
@@ -358,15 +382,10 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     nxt = ids[:, -1:].contiguous()
     decode_args = (nxt, positions[:, length:].contiguous(),
                    torch.full((1,), length, dtype=torch.long, device=device), mask)
-    # the decode graph is calibrated at both ends of the positions it will run at (one batch at
-    # the first would show one position: too small a range for the rotary angles, and a warning)
-    last = max_cache_len - 1
-    decode_last = (nxt, torch.full((batch, 1), last, dtype=torch.long, device=device),
-                   torch.full((1,), last, dtype=torch.long, device=device),
-                   torch.ones(batch, max_cache_len, dtype=torch.long, device=device))
     options = dict(convert_options, dtype=dtype, target=target)
     prefill = convert(step, prefill_args, calibration=prompts, **options).eval()
-    decode = convert(step, decode_args, calibration=[decode_args, decode_last], **options).eval()
+    decode = convert(step, decode_args, calibration=_decode_calibration(
+        model, decode_args, ids, max_cache_len), **options).eval()
     names = cache_names(prefill)
     if names != cache_names(decode):
         raise ValueError(f"the two graphs have different cache buffers: {names} vs "
