@@ -251,9 +251,9 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     kwargs = without_cache(model, args, kwargs)
     with stage("capture"):
         gm = capture(model, args, kwargs)
-    gm = run_passes(prepare_pipeline(args, kwargs), gm)
     device = _device_of(args, kwargs, model)
     spec = resolve_target("cuda" if device.type == "cuda" else "cpu")
+    gm = run_passes(prepare_pipeline(args, kwargs, kind=spec.kind), gm)  # the graph convert times
     lows = tuple(d for d in LOW_DTYPES if (spec.kind == Kind.GPU and spec.matmul_peak(d))
                  or (spec.kind == Kind.CPU and not emulated(d, spec)))
     table = CostTable.for_device(device)
@@ -421,7 +421,8 @@ def _device_of(args: tuple, kwargs: dict, model) -> torch.device:
 def _convert_captured(gm, model, args, kwargs, opts: Options):
     """The captured graph through the pipelines (and the tolerance search): (module, report,
     the low dtype, why everything stayed float32 if it did, how the dtype was chosen)."""
-    gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train), gm)
+    gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train,
+                                     opts.spec.kind), gm)
     simulate = elsewhere(opts.spec, args, kwargs, model)
     base = copy.deepcopy(gm) if opts.tolerance is not None else None
     from_plan = None

@@ -16,6 +16,7 @@ from mpgraph.passes.functionalize import Functionalize
 from mpgraph.passes.fuse_tanh_gelu import FuseTanhGelu
 from mpgraph.passes.insert_casts import InsertCasts
 from mpgraph.passes.lint_tensor_cores import LintTensorCores
+from mpgraph.passes.mat_vec_linear import MatVecLinear
 from mpgraph.passes.numeric_safety import NumericSafety
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.prune_for_inference import PruneForInference
@@ -25,5 +26,5 @@ from mpgraph.passes.store_weights import StoreWeights
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
            "CheckConversion", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "Functionalize",
            "FuseTanhGelu", "InsertCasts",
-           "LintTensorCores", "NumericSafety", "PropagateTensorInfo", "PruneForInference",
+           "LintTensorCores", "MatVecLinear", "NumericSafety", "PropagateTensorInfo", "PruneForInference",
            "RetargetDtypeAsserts", "StoreWeights"]

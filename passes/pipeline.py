@@ -12,8 +12,9 @@ from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
                             FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
-                            LintTensorCores, NumericSafety, RetargetDtypeAsserts, StoreWeights)
+                            LintTensorCores, MatVecLinear, NumericSafety, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
+from mpgraph.ir.meta import Kind
 
 
 STRATEGIES = ("optimal", "rules")
@@ -21,15 +22,18 @@ STRATEGIES = ("optimal", "rules")
 
 def prepare_pipeline(example_args: tuple, example_kwargs: dict,
                      calibration: Optional[Iterable] = None,
-                     progress: Optional[bool] = None, train: bool = False) -> list[Pass]:
+                     progress: Optional[bool] = None, train: bool = False,
+                     kind: Kind = Kind.GPU) -> list[Pass]:
     """Passes that run once on the captured graph, whatever is decided later: rewrites that
-    do not depend on the dtype, and calibration (the example inputs when no batches are given)."""
+    do not depend on the dtype (``kind``: the target's kernels), and calibration (the example
+    inputs when no batches are given)."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
         Functionalize(),                      # rewrite: in-place ops on intermediates out of place
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
         *([] if train else [PruneForInference()]),  # rewrite: eval dropout, asserts, guards
+        *([MatVecLinear()] if kind == Kind.CPU and not train else []),  # rewrite: 1-row linears
         Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges
     ]
 

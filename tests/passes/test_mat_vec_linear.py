@@ -1,0 +1,67 @@
+"""MatVecLinear: a linear layer on one row becomes ``mv`` for CPU plans (a decoder's step at
+batch 1 reaches the GEMV kernels), with the values ``linear`` gives; nothing else changes."""
+import torch
+import torch.nn as nn
+import transformers
+
+import mpgraph
+from conftest import GPU
+from mpgraph.frontend.capture import capture
+from mpgraph.ir.meta import Kind
+from mpgraph.passes.infra import run_passes
+from mpgraph.passes.pipeline import prepare_pipeline
+
+aten = torch.ops.aten
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _ops(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_module")]
+
+
+def _prepared(model, x, kind, export_only=False):
+    gm = capture(model, (x,), export_only=export_only, observe=True)
+    return run_passes(prepare_pipeline((x,), {}, kind=kind), gm)
+
+
+def test_one_row_linears_become_mv_on_cpu_with_the_same_values_on_both_graph_levels():
+    torch.manual_seed(0)
+    model = _Head().eval()
+    x = torch.randn(1, 1, 64)
+    for export_only in (False, True):  # nn.Linear modules (fx) and aten.linear (torch.export)
+        gm = _prepared(model, x, Kind.CPU, export_only)
+        ops = _ops(gm)
+        assert ops.count(aten.mv.default) == 2 and "a" not in ops and aten.linear.default not in ops
+        assert ops.count(aten.add.Tensor) == 1  # a's bias, added after the product
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_rows_other_than_one_and_gpu_plans_keep_linear():
+    torch.manual_seed(0)
+    model = _Head().eval()
+    assert aten.mv.default not in _ops(_prepared(model, torch.randn(2, 64), Kind.CPU))
+    assert aten.mv.default not in _ops(_prepared(model, torch.randn(1, 64), Kind.GPU))
+    converted = mpgraph.convert(model, torch.randn(1, 64), dtype="fp16", target=GPU)
+    assert aten.mv.default not in _ops(converted)  # a GPU plan: cuBLAS either way, fewer nodes
+
+
+def test_a_cpu_conversion_of_a_batch_1_classifier_head_runs_mv_and_checks_out():
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=100)).eval()
+    ids = torch.randint(0, 100, (1, 12))
+    converted = mpgraph.convert(model, ids, target="cpu")
+    # the pooler's and the classifier's one-row linears (the rows of the encoder's are 12)
+    assert _ops(converted).count(aten.mv.default) == 2
+    with torch.no_grad():
+        assert mpgraph.numerics.relative_l2(converted(ids).logits, model(ids).logits) < 2e-2
