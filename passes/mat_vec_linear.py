@@ -18,11 +18,13 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from mpgraph.ir.graph import fetch_attr
 from mpgraph.ir.meta import INSERTED_BY, OBSERVED, TENSOR, TensorInfo
+from mpgraph.passes.calibrate import value_stats
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
-_LINEAR = (aten.linear.default, F.linear, torch.nn.functional.linear)
+_LINEAR = (aten.linear.default, F.linear)
 
 
 def _one_row(node: torch.fx.Node, gm: torch.fx.GraphModule):
@@ -77,6 +79,8 @@ class MatVecLinear(Pass):
                     for a in (weight, bias):
                         if a is not None:
                             a.meta[INSERTED_BY] = self.name
+                            if OBSERVED in node.meta:  # a parameter's statistics, as capture's
+                                a.meta[OBSERVED] = value_stats(a, fetch_attr(gm, a.target), {})
                 row = graph.call_function(aten.view.default, (x, [k]))
                 y = graph.call_function(aten.mv.default, (weight, row))
                 added = [row, y]

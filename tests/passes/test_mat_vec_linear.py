@@ -65,3 +65,19 @@ def test_a_cpu_conversion_of_a_batch_1_classifier_head_runs_mv_and_checks_out():
     assert _ops(converted).count(aten.mv.default) == 2
     with torch.no_grad():
         assert mpgraph.numerics.relative_l2(converted(ids).logits, model(ids).logits) < 2e-2
+
+
+def test_without_a_bias_the_capture_run_s_statistics_carry_over():
+    """Calibrate takes capture's example run when every node has its statistics: the rewrite
+    gives its nodes (and an nn.Linear's parameters, read now by get_attr) theirs, so the graph
+    is not run again (with a bias it is: the product before the bias was never observed)."""
+    from mpgraph.ir.meta import OBSERVED
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.ReLU(), nn.Linear(32, 8, bias=False))
+    x = torch.randn(1, 64)
+    gm = capture(model.eval(), (x,), observe=True)
+    from mpgraph.passes import MatVecLinear, PruneForInference
+    gm = run_passes([PruneForInference(), MatVecLinear()], gm)
+    assert _ops(gm).count(aten.mv.default) == 2
+    assert all(OBSERVED in n.meta for n in gm.graph.nodes), \
+        [n.name for n in gm.graph.nodes if OBSERVED not in n.meta]
