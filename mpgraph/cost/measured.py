@@ -246,13 +246,14 @@ def _cast(value, dtype: torch.dtype, nhwc: bool = False):
 
 
 class _Timer(RecordingInterpreter):
-    """Runs the float32 graph on real values and times each node's unmeasured variants."""
+    """Runs the float32 graph on real values and times each node's unmeasured variants, each
+    under its key (``measure_key``) and with its arguments in the layout ``nhwc`` gives them."""
 
-    def __init__(self, gm, table: CostTable, lows: tuple, deadline: float):
+    def __init__(self, gm, table: CostTable, lows: tuple, deadline: float, keys: dict,
+                 nhwc: set):
         super().__init__(gm, lambda node, value: None)
         self.table, self.lows, self.deadline = table, lows, deadline
-        self.keys: dict[torch.fx.Node, str] = {}
-        self.nhwc = nhwc_values(gm)  # 4-D values a low-precision graph holds channels_last
+        self.keys, self.nhwc = keys, nhwc
         self.done = 0
 
     def _call(self, n, args, kwargs, dtype):
@@ -290,8 +291,7 @@ class _Timer(RecordingInterpreter):
         result = super().run_node(n)
         if not n.op.startswith("call_") or time.perf_counter() > self.deadline:
             return result
-        key = measure_key(n, self.module, self.nhwc)
-        self.keys[n] = key
+        key = self.keys[n]
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         entries, fns, prepares = [], [], []
         for dtype in (torch.float32,) + self.lows:
@@ -332,10 +332,10 @@ def emulated(dtype: torch.dtype, spec) -> bool:
     return rate is None or rate < EMULATED * spec.peak["fp32"]
 
 
-def _wanted(gm: torch.fx.GraphModule, lows: tuple) -> tuple[dict, list]:
+def _wanted(gm: torch.fx.GraphModule, lows: tuple, nhwc: set) -> tuple[dict, list]:
     """Each call node's key and the entries a measurement of ``gm`` would write, from the
     graph's tensor facts alone (what _Timer writes from the values it runs)."""
-    keys, wanted, nhwc = {}, [], nhwc_values(gm)
+    keys, wanted = {}, []
     for n in gm.graph.nodes:
         if not n.op.startswith("call_"):
             continue
@@ -354,16 +354,17 @@ def measure(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, table: CostTabl
     of its outputs) into ``table``; returns each node's key. Ops measured before (the table's
     cache) are not measured again; ``budget_s`` bounds the whole (the rest then costs what the
     roofline says)."""
-    keys, wanted = _wanted(gm, tuple(lows))
+    nhwc = nhwc_values(gm)
+    keys, wanted = _wanted(gm, tuple(lows), nhwc)
     if all(entry in table.entries for entry in wanted):  # all cached: no need to run the graph
         return keys
-    timer = _Timer(gm, table, tuple(lows), time.perf_counter() + budget_s)
+    timer = _Timer(gm, table, tuple(lows), time.perf_counter() + budget_s, keys, nhwc)
     flat = fresh(flat_inputs(gm, args, kwargs))
     with torch.no_grad(), seeded(), state_kept(gm):
         timer.run(*flat, enable_io_processing=False)
     if table.measured_now:
         table.save()
-    return timer.keys
+    return keys
 
 
 class Measured(CostModel):

@@ -288,9 +288,17 @@ def _in_place_writes(module, names) -> dict[str, list[str]]:
             for name, node in nodes.items()}
 
 
+def _mask(batch: int, upto: int, max_cache_len: int, device) -> torch.Tensor:
+    """The attention mask over the cache slots 0..upto."""
+    mask = torch.zeros(batch, max_cache_len, dtype=torch.long, device=device)
+    mask[:, :upto + 1] = 1
+    return mask
+
+
 def _prefill_args(prompt, batch: int, max_cache_len: int, device) -> tuple:
-    """The prefill graph's inputs for a calibration prompt: its rows repeated to the cache's
-    batch, positions from 0, the mask over the prompt."""
+    """The prefill graph's inputs for a prompt (the example or a calibration one): its rows
+    repeated to the cache's batch, positions from 0, the mask over the prompt and the slot
+    after it."""
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.shape[1] < 2 \
             or prompt.dtype not in (torch.int64, torch.int32) or prompt.shape[1] >= max_cache_len:
         raise ValueError("calibration takes prompts: (batch, length) integer tensors of token "
@@ -298,10 +306,17 @@ def _prefill_args(prompt, batch: int, max_cache_len: int, device) -> tuple:
     ids = prompt.to(device=device, dtype=torch.long)
     ids = ids[torch.arange(batch, device=device) % ids.shape[0]]
     length = ids.shape[1]
-    mask = torch.zeros(batch, max_cache_len, dtype=torch.long, device=device)
-    mask[:, :length + 1] = 1
     positions = torch.arange(length, device=device).expand(batch, -1).contiguous()
-    return ids, positions, torch.zeros(1, dtype=torch.long, device=device), mask
+    return (ids, positions, torch.zeros(1, dtype=torch.long, device=device),
+            _mask(batch, length, max_cache_len, device))
+
+
+def _step_args(tokens: torch.Tensor, position: int, max_cache_len: int) -> tuple:
+    """The decode graph's inputs: one token per row at cache slot ``position``."""
+    batch, device = tokens.shape[0], tokens.device
+    return (tokens, torch.full((batch, 1), position, dtype=torch.long, device=device),
+            torch.full((1,), position, dtype=torch.long, device=device),
+            _mask(batch, position, max_cache_len, device))
 
 
 def _decode_calibration(model, first: tuple, ids, max_cache_len: int) -> Optional[list]:
@@ -320,11 +335,7 @@ def _decode_calibration(model, first: tuple, ids, max_cache_len: int) -> Optiona
     vocab = getattr(config, "vocab_size", None)
     if torch.equal(other, nxt) and isinstance(vocab, int) and vocab > 1:
         other = (nxt + 1) % vocab
-    batch, device = nxt.shape[0], nxt.device
-    mask = torch.zeros(batch, max_cache_len, dtype=torch.long, device=device)
-    mask[:, :last + 1] = 1
-    return [first, (other, torch.full((batch, 1), last, dtype=torch.long, device=device),
-                    torch.full((1,), last, dtype=torch.long, device=device), mask)]
+    return [first, _step_args(other, last, max_cache_len)]
 
 
 def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_cache_len: int,
@@ -369,19 +380,11 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
                       "model.eval() (dropout off) before convert_decoder", UserWarning,
                       stacklevel=2)
     device = next(model.parameters()).device
-    ids = example_ids.to(device=device, dtype=torch.long)
-    if ids.shape[0] != batch:
-        ids = ids[torch.arange(batch, device=device) % ids.shape[0]]
-    mask = torch.zeros(batch, max_cache_len, dtype=torch.long, device=device)
-    mask[:, :length + 1] = 1
-    positions = torch.arange(length + 1, device=device).expand(batch, -1)
-    prefill_args = (ids, positions[:, :length].contiguous(),
-                    torch.zeros(1, dtype=torch.long, device=device), mask)
+    prefill_args = _prefill_args(example_ids, batch, max_cache_len, device)
+    ids = prefill_args[0]
     prompts = [_prefill_args(p, batch, max_cache_len, device) for p in calibration] \
         if calibration is not None else None
-    nxt = ids[:, -1:].contiguous()
-    decode_args = (nxt, positions[:, length:].contiguous(),
-                   torch.full((1,), length, dtype=torch.long, device=device), mask)
+    decode_args = _step_args(ids[:, -1:].contiguous(), length, max_cache_len)
     options = dict(convert_options, dtype=dtype, target=target)
     prefill = convert(step, prefill_args, calibration=prompts, **options).eval()
     decode = convert(step, decode_args, calibration=_decode_calibration(
