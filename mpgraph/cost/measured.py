@@ -18,6 +18,7 @@ measured op by op: the micro-benchmark's peaks say it loses everywhere, and the 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.fx
@@ -34,19 +35,22 @@ from torch.utils import _pytree as pytree
 from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
-from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, is_conv2d, is_inplace,
-                              seeded, state_kept, target_name)
+from mpgraph.ir.graph import (RecordingInterpreter, fetch_attr, flat_inputs, fresh, is_conv2d,
+                              is_inplace, is_view, seeded, state_kept, target_name)
 from mpgraph.ir.meta import TENSOR, Kind, TensorInfo, dtype_name, tensor_infos
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger("mpgraph.progress")
 
-TABLE_FORMAT = "mpgraph-cost-table/4"  # 4: NHWC only after convs, and marked in the key
+TABLE_FORMAT = "mpgraph-cost-table/5"  # 5: weights streamed as the graph runs, in the key
 SETTLED = 0.05          # relative change of the running median at which a timing stops
 VARIANT_BUDGET_S = 0.5  # seconds the variants of one op may take together to settle
 MIN_CALLS, MAX_CALLS = 5, 200
 SLOW_S = 0.05           # a call this long: a few calls say enough
 EMULATED = 0.5          # a low dtype below this share of float32's matmul rate is not measured
+STREAM_MIN_BYTES = 256 << 10   # a weight this large is timed as read from memory (see Layout)
+STREAM_MAX_BYTES = 256 << 20   # the copies of one weight a timing cycles through, at most
+MAX_COPIES = 64
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -221,15 +225,83 @@ def nhwc_values(gm: torch.fx.GraphModule) -> set:
     return out
 
 
+def _weight_of(a) -> Optional[torch.fx.Node]:
+    """The get_attr node an argument reads (through views: a transposed weight), else None."""
+    while isinstance(a, torch.fx.Node):
+        if a.op == "get_attr":
+            return a
+        if not (is_view(a) and a.all_input_nodes):
+            return None
+        a = a.all_input_nodes[0]
+    return None
+
+
+_GATHERS = ("embedding", "embedding_bag", "index_select", "index", "gather", "take")
+
+
+def _tensors_read(n: torch.fx.Node, gm) -> list[torch.Tensor]:
+    """The weights (parameters, buffers, constants) a node reads whole: not a gather's table
+    (an embedding reads a few rows of it), nor a view's (it reads nothing)."""
+    if is_view(n):
+        return []
+    if n.op == "call_module":
+        module = gm.get_submodule(n.target)
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            return []
+        return list(module.parameters()) + list(module.buffers())
+    t = n.target
+    if (t if isinstance(t, str) else getattr(t, "_opname", getattr(t, "__name__", ""))) in _GATHERS:
+        return []
+    out = []
+    for a in n.all_input_nodes:
+        w = _weight_of(a)
+        value = fetch_attr(gm, w.target) if w is not None else None
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+class Layout(NamedTuple):
+    """How a node's arguments sit in memory when the converted graph runs: ``nhwc``, the values
+    held channels_last (``nhwc_values``); ``streamed``, for each node reading a weight of at
+    least ``STREAM_MIN_BYTES`` in a graph whose weights outgrow it, the number of distinct
+    copies its timing cycles through. A forward reads each weight once, after every other
+    weight: from memory, not from the cache a call repeated on the same weight keeps it in.
+    Timed hot, a 768x768 float32 matrix-vector product took 27 us and a bf16 one 40 us; read
+    once in turn, as a decoder's step reads them, 83 and 75 us (2-core Xeon): the cache made
+    float32 look faster where it reads twice the bytes."""
+    nhwc: set
+    streamed: dict
+
+
+def layout(gm: torch.fx.GraphModule) -> Layout:
+    seen, total, read = set(), 0, {}
+    for n in gm.graph.nodes:
+        if n.op.startswith("call_"):
+            read[n] = _tensors_read(n, gm)
+            for t in read[n]:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * 4  # as float32; the ratio below is the same in any dtype
+    streamed = {}
+    for n, tensors in read.items():
+        size = sum(t.numel() * 4 for t in tensors)
+        if size >= STREAM_MIN_BYTES and total > size and not is_inplace(n, gm):
+            streamed[n] = min(MAX_COPIES, math.ceil(total / size))
+    return Layout(nhwc_values(gm), streamed)
+
+
 def reads_nhwc(n: torch.fx.Node, gm, nhwc: set) -> bool:
     """Whether a low-precision ``n`` reads a channels_last value (a conv's input is made so)."""
     return is_conv2d(n, gm) or any(a in nhwc for a in n.all_input_nodes)
 
 
-def measure_key(n: torch.fx.Node, gm, nhwc: set) -> str:
-    """The op key, marked where the low-precision variants read channels_last values: the same
-    op on the same shapes in the other layout is another entry."""
-    return op_key(n, gm) + (" nhwc" if reads_nhwc(n, gm, nhwc) else "")
+def measure_key(n: torch.fx.Node, gm, where: Layout) -> str:
+    """The op key, marked where the low-precision variants read channels_last values and where
+    the node's weights are read from memory (the same op in another layout, or on a weight the
+    cache holds, is another entry)."""
+    return (op_key(n, gm) + (" nhwc" if reads_nhwc(n, gm, where.nhwc) else "")
+            + (f" streamed/{where.streamed[n]}" if n in where.streamed else ""))
 
 
 def _cast(value, dtype: torch.dtype, nhwc: bool = False):
@@ -247,14 +319,37 @@ def _cast(value, dtype: torch.dtype, nhwc: bool = False):
 
 class _Timer(RecordingInterpreter):
     """Runs the float32 graph on real values and times each node's unmeasured variants, each
-    under its key (``measure_key``) and with its arguments in the layout ``nhwc`` gives them."""
+    under its key (``measure_key``), its arguments in the layout ``where`` gives them: values
+    channels_last where the plan holds them so, weights read from memory where streamed."""
 
     def __init__(self, gm, table: CostTable, lows: tuple, deadline: float, keys: dict,
-                 nhwc: set):
+                 where: Layout):
         super().__init__(gm, lambda node, value: None)
         self.table, self.lows, self.deadline = table, lows, deadline
-        self.keys, self.nhwc = keys, nhwc
+        self.keys, self.where = keys, where
         self.done = 0
+
+    def _copies(self, n, args, kwargs, module):
+        """The argument sets (and modules) a streamed node's timing cycles through: its weights
+        copied, so that each call reads a weight the calls before did not bring into cache."""
+        wanted = self.where.streamed.get(n, 1)
+        if module is not None:
+            size = sum(t.numel() * t.element_size()
+                       for t in (*module.parameters(), *module.buffers()))
+        else:
+            size = sum(v.numel() * v.element_size()
+                       for v, a in (*zip(args, n.args), *((kwargs[k], n.kwargs[k]) for k in kwargs))
+                       if isinstance(v, torch.Tensor) and _weight_of(a) is not None)
+        count = max(1, min(wanted, STREAM_MAX_BYTES // max(size, 1)))
+        if module is not None:
+            return [(module, args, kwargs)] + [(copy.deepcopy(module), args, kwargs)
+                                               for _ in range(count - 1)]
+
+        def copied(v, a):
+            return v.clone() if isinstance(v, torch.Tensor) and _weight_of(a) is not None else v
+        return [(None, args, kwargs)] + [
+            (None, tuple(copied(v, a) for v, a in zip(args, n.args)),
+             {k: copied(v, n.kwargs[k]) for k, v in kwargs.items()}) for _ in range(count - 1)]
 
     def _call(self, n, args, kwargs, dtype):
         """(the op's call in ``dtype``, what to run before each call or None)."""
@@ -262,30 +357,40 @@ class _Timer(RecordingInterpreter):
             conv = is_conv2d(n, self.module)
 
             def nhwc(arg) -> bool:
-                return conv or (isinstance(arg, torch.fx.Node) and arg in self.nhwc)
+                return conv or (isinstance(arg, torch.fx.Node) and arg in self.where.nhwc)
             args = tuple(_cast(v, dtype, nhwc(a)) for v, a in zip(args, n.args))
             kwargs = {k: _cast(v, dtype, nhwc(n.kwargs[k])) for k, v in kwargs.items()}
+        module = None
         if n.op == "call_module":
-            import copy
             module = self.fetch_attr(n.target)
             if dtype != torch.float32:
                 module = copy.deepcopy(module).to(dtype)
                 if isinstance(module, torch.nn.Conv2d):
                     module.to(memory_format=torch.channels_last)
-            call = [lambda: module(*args, **kwargs)]
-        elif n.op == "call_method":
-            call = [lambda: getattr(args[0], n.target)(*args[1:], **kwargs)]
-        else:
-            call = [lambda: n.target(*args, **kwargs)]
-        prepare = None
         if is_inplace(n, self.module) and args and isinstance(args[0], torch.Tensor):
             original, rest = args[0], args[1:]  # each call writes into a fresh copy
+            call = [None]
 
             def prepare():
                 fresh_args = (original.clone(), *rest)
                 call[0] = (lambda: getattr(fresh_args[0], n.target)(*fresh_args[1:], **kwargs)
                            if n.op == "call_method" else n.target(*fresh_args, **kwargs))
-        return (lambda: call[0]()), prepare
+            return (lambda: call[0]()), prepare
+        sets = self._copies(n, args, kwargs, module) if n in self.where.streamed \
+            else [(module, args, kwargs)]
+        turn = [len(sets) - 1]
+
+        def call():
+            module, args, kwargs = sets[turn[0]]
+            if n.op == "call_module":
+                return module(*args, **kwargs)
+            if n.op == "call_method":
+                return getattr(args[0], n.target)(*args[1:], **kwargs)
+            return n.target(*args, **kwargs)
+
+        def advance():
+            turn[0] = (turn[0] + 1) % len(sets)
+        return call, (advance if len(sets) > 1 else None)
 
     def run_node(self, n):
         result = super().run_node(n)
@@ -332,14 +437,14 @@ def emulated(dtype: torch.dtype, spec) -> bool:
     return rate is None or rate < EMULATED * spec.peak["fp32"]
 
 
-def _wanted(gm: torch.fx.GraphModule, lows: tuple, nhwc: set) -> tuple[dict, list]:
+def _wanted(gm: torch.fx.GraphModule, lows: tuple, where: Layout) -> tuple[dict, list]:
     """Each call node's key and the entries a measurement of ``gm`` would write, from the
     graph's tensor facts alone (what _Timer writes from the values it runs)."""
     keys, wanted = {}, []
     for n in gm.graph.nodes:
         if not n.op.startswith("call_"):
             continue
-        keys[n] = key = measure_key(n, gm, nhwc)
+        keys[n] = key = measure_key(n, gm, where)
         wanted += [f"{key}|{_SHORT[dtype]}" for dtype in (torch.float32,) + lows]
         info = n.meta.get(TENSOR)
         if isinstance(info, TensorInfo) and info.dtype == torch.float32 and info.numel:
@@ -354,11 +459,11 @@ def measure(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, table: CostTabl
     of its outputs) into ``table``; returns each node's key. Ops measured before (the table's
     cache) are not measured again; ``budget_s`` bounds the whole (the rest then costs what the
     roofline says)."""
-    nhwc = nhwc_values(gm)
-    keys, wanted = _wanted(gm, tuple(lows), nhwc)
+    where = layout(gm)
+    keys, wanted = _wanted(gm, tuple(lows), where)
     if all(entry in table.entries for entry in wanted):  # all cached: no need to run the graph
         return keys
-    timer = _Timer(gm, table, tuple(lows), time.perf_counter() + budget_s, keys, nhwc)
+    timer = _Timer(gm, table, tuple(lows), time.perf_counter() + budget_s, keys, where)
     flat = fresh(flat_inputs(gm, args, kwargs))
     with torch.no_grad(), seeded(), state_kept(gm):
         timer.run(*flat, enable_io_processing=False)
@@ -389,7 +494,7 @@ class Measured(CostModel):
     def _key(self, node, gm) -> str:
         """A node measure did not key (a copy of the graph's): keyed as measure keys them."""
         if getattr(self, "_layout", (None,))[0] is not gm:
-            self._layout = (gm, nhwc_values(gm))
+            self._layout = (gm, layout(gm))
         return measure_key(node, gm, self._layout[1])
 
     def _get(self, key: Optional[str], dtype: torch.dtype) -> Optional[float]:
