@@ -63,7 +63,7 @@ class MatVecLinear(Pass):
     writes = (INSERTED_BY, TENSOR, OBSERVED)  # the new nodes' facts
 
     def call(self, gm):
-        graph, done, unobserved = gm.graph, 0, False
+        graph, done, unobserved, rows = gm.graph, 0, False, {}
         for node in list(graph.nodes):
             found = _one_row(node, gm)
             if found is None:
@@ -81,24 +81,29 @@ class MatVecLinear(Pass):
                             a.meta[INSERTED_BY] = self.name
                             if OBSERVED in node.meta:  # a parameter's statistics, as capture's
                                 a.meta[OBSERVED] = value_stats(a, fetch_attr(gm, a.target), {})
-                row = graph.call_function(aten.view.default, (x, [k]))
+                row = rows.get(x)  # one row view of x for all its linears (q, k and v): the plan
+                if row is None:   # casts it once, not once per view
+                    row = rows[x] = graph.call_function(aten.view.default, (x, [k]))
+                    row.meta[TENSOR] = TensorInfo((k,), x.meta[TENSOR].dtype)
+                    row.meta[INSERTED_BY] = self.name
+                    row.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+                    if OBSERVED in x.meta:  # the capture run's statistics: the same elements
+                        row.meta[OBSERVED] = x.meta[OBSERVED]
                 y = graph.call_function(aten.mv.default, (weight, row))
-                added = [row, y]
+                added = [y]
                 if bias is not None:
                     y = graph.call_function(aten.add.Tensor, (y, bias))
                     added.append(y)
                 shaped = graph.call_function(aten.view.default, (y, list(out.shape)))
-            row.meta[TENSOR] = TensorInfo((k,), x.meta[TENSOR].dtype)
-            for v in added[1:]:
+            for v in added:
                 v.meta[TENSOR] = TensorInfo((n,), out.dtype)
             shaped.meta.update({key: v for key, v in node.meta.items()
                                 if key in (TENSOR, "nn_module_stack", "stack_trace", "val")})
             for v in added + [shaped]:
                 v.meta[INSERTED_BY] = self.name
                 v.meta.setdefault("nn_module_stack", node.meta.get("nn_module_stack"))
-            if OBSERVED in node.meta and OBSERVED in x.meta and bias is None:
-                row.meta[OBSERVED] = x.meta[OBSERVED]  # the capture run's statistics: the same
-                y.meta[OBSERVED] = shaped.meta[OBSERVED] = node.meta[OBSERVED]  # elements
+            if OBSERVED in node.meta and OBSERVED in row.meta and bias is None:
+                y.meta[OBSERVED] = shaped.meta[OBSERVED] = node.meta[OBSERVED]
             else:
                 unobserved = True
             node.replace_all_uses_with(shaped)

@@ -58,7 +58,9 @@ class StoreWeights(Pass):
             d = node.meta.get(PRECISION)
             # dtype None: not yet stored; float32: kept by an earlier StoreWeights for other
             # readers (a second instance stores bf16 copies beside fp16 ones)
-            if node.op == "get_attr" and d is not None and d.stored and node.meta.get(INSERTED_BY) is None \
+            # (a get_attr another pass added reads a parameter too: MatVecLinear's of nn.Linear)
+            if node.op == "get_attr" and d is not None and d.stored \
+                    and node.meta.get(INSERTED_BY) != self.name \
                     and (d.dtype is None or d.dtype == torch.float32):
                 by_target[node.target].append(node)
         edits = 0
@@ -114,7 +116,7 @@ class StoreWeights(Pass):
         for node in gm.graph.nodes:
             d = node.meta.get(PRECISION)
             if node.op != "get_attr" or d is None or d.dtype != self.low or d.stored \
-                    or node.meta.get(INSERTED_BY) is not None:
+                    or node.meta.get(INSERTED_BY) == self.name:
                 continue
             original = fetch_attr(gm, node.target)
             if not isinstance(original, torch.Tensor):

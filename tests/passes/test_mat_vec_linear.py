@@ -81,3 +81,30 @@ def test_without_a_bias_the_capture_run_s_statistics_carry_over():
     assert _ops(gm).count(aten.mv.default) == 2
     assert all(OBSERVED in n.meta for n in gm.graph.nodes), \
         [n.name for n in gm.graph.nodes if OBSERVED not in n.meta]
+
+
+class _QKV(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        h = nn.functional.layer_norm(x, (64,))  # float32 (numeric safety): each linear casts it
+        return self.q(h) * torch.sigmoid(self.k(h)) + self.v(h)
+
+
+def test_linears_reading_one_row_share_its_view_and_its_cast():
+    """q, k and v read the same row: one view of it, so a low-precision plan casts it once
+    (three views of a float32 value were three casts); the nn.Linear weights the rewrite reads
+    by get_attr are stored in bf16 (they were left float32: mv crashed in the check)."""
+    from conftest import casts
+    torch.manual_seed(0)
+    model = _QKV().eval()
+    x = torch.randn(1, 64)
+    converted = mpgraph.convert(model, x, target="cpu", dtype="bf16", strategy="rules")
+    mvs = [n for n in converted.graph.nodes if n.target is aten.mv.default]
+    assert len(mvs) == 3 and len({n.args[1] for n in mvs}) == 1
+    assert [c.args[0].target for c in casts(converted)].count(aten.view.default) == 1
+    assert "3 weights (0.01M values) stored as bfloat16" in converted.plan.summary()
+    with torch.no_grad():
+        assert mpgraph.numerics.relative_l2(converted(x), model(x)) < 2e-2
