@@ -9,6 +9,11 @@ there); the step 15.5 -> 13.4 ms a token (8 interleaved rounds). Each output is 
 either way (float32 accumulation for bf16). CPU targets only: on a GPU both reach cuBLAS and the
 reshapes are nodes that cost host time in eager mode. A bias is added after (bf16 ``addmv``
 with a bias leaves the fast GEMV path).
+
+Only where the graph fixes the row count: a torch.export graph whose value there has concrete
+sizes (export holds a dimension that is 1 in the example at 1, and its input guard rejects
+another size). A torch.fx graph runs any shape: a batch-1 example must not make the converted
+module fail on 4 rows, or return (1, n) for an input of shape (k,).
 """
 from __future__ import annotations
 
@@ -16,45 +21,36 @@ import math
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
-from mpgraph.ir.graph import fetch_attr
+from mpgraph.ir.graph import mutated_nodes
 from mpgraph.ir.meta import INSERTED_BY, OBSERVED, TENSOR, TensorInfo
-from mpgraph.passes.calibrate import value_stats
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
-_LINEAR = (aten.linear.default, F.linear)
 
 
-def _one_row(node: torch.fx.Node, gm: torch.fx.GraphModule):
-    """(x, weight, bias, output info) of a linear call on one row, else None; weight and bias
-    are nodes, or for an nn.Linear module the attribute names to read them from."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if not isinstance(module, torch.nn.Linear) or type(module).forward is not \
-                torch.nn.Linear.forward or len(node.args) != 1 or node.kwargs:
-            return None
-        x = node.args[0]
-        weight = f"{node.target}.weight"
-        bias = f"{node.target}.bias" if module.bias is not None else None
-        wshape = tuple(module.weight.shape)
-    elif node.op == "call_function" and node.target in _LINEAR and not node.kwargs \
-            and 2 <= len(node.args) <= 3:
-        x, weight = node.args[:2]
-        bias = node.args[2] if len(node.args) == 3 else None
-        if not isinstance(weight, torch.fx.Node) \
-                or not (bias is None or isinstance(bias, torch.fx.Node)) \
-                or not isinstance(weight.meta.get(TENSOR), TensorInfo):
-            return None
-        wshape = weight.meta[TENSOR].shape
-    else:
+def _fixed_rows(x: torch.fx.Node) -> bool:
+    """Whether the graph fixes every dimension of ``x`` but the last (export's sizes are ints)."""
+    val = x.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() >= 1 \
+        and all(type(d) is int for d in val.shape[:-1])
+
+
+def _one_row(node: torch.fx.Node):
+    """(x, weight, bias, weight shape, output info) of a linear call on one row, else None."""
+    if node.op != "call_function" or node.target is not aten.linear.default or node.kwargs \
+            or not 2 <= len(node.args) <= 3:
         return None
-    xi, out = (a.meta.get(TENSOR) if isinstance(a, torch.fx.Node) else None for a in (x, node))
-    if not all(isinstance(i, TensorInfo) for i in (xi, out)) or len(wshape) != 2 \
+    x, weight = node.args[:2]
+    bias = node.args[2] if len(node.args) == 3 else None
+    if not isinstance(x, torch.fx.Node) or not isinstance(weight, torch.fx.Node) \
+            or not (bias is None or isinstance(bias, torch.fx.Node)) or not _fixed_rows(x):
+        return None
+    xi, wi, out = (a.meta.get(TENSOR) for a in (x, weight, node))
+    if not all(isinstance(i, TensorInfo) for i in (xi, wi, out)) or len(wi.shape) != 2 \
             or not xi.dtype.is_floating_point or not xi.shape or math.prod(xi.shape[:-1]) != 1:
         return None
-    return x, weight, bias, wshape, out
+    return x, weight, bias, wi.shape, out
 
 
 class MatVecLinear(Pass):
@@ -64,31 +60,26 @@ class MatVecLinear(Pass):
 
     def call(self, gm):
         graph, done, unobserved, rows = gm.graph, 0, False, {}
+        written = mutated_nodes(graph, gm)
         for node in list(graph.nodes):
-            found = _one_row(node, gm)
+            found = _one_row(node)
             if found is None:
                 continue
             x, weight, bias, (n, k), out = found
             with graph.inserting_before(node):
-                if isinstance(weight, str):  # an nn.Linear: read its parameters
-                    weight = graph.get_attr(weight)
-                    weight.meta[TENSOR] = TensorInfo((n, k), out.dtype)
-                    bias = graph.get_attr(bias) if bias is not None else None
-                    if bias is not None:
-                        bias.meta[TENSOR] = TensorInfo((n,), out.dtype)
-                    for a in (weight, bias):
-                        if a is not None:
-                            a.meta[INSERTED_BY] = self.name
-                            if OBSERVED in node.meta:  # a parameter's statistics, as capture's
-                                a.meta[OBSERVED] = value_stats(a, fetch_attr(gm, a.target), {})
-                row = rows.get(x)  # one row view of x for all its linears (q, k and v): the plan
-                if row is None:   # casts it once, not once per view
-                    row = rows[x] = graph.call_function(aten.view.default, (x, [k]))
+                # one row view of x for all its linears (q, k and v), so that a plan casts it
+                # once; not where x is written in place (a view taken before the write would
+                # give a later linear the old values once cast)
+                row = rows.get(x) if x not in written else None
+                if row is None:
+                    row = graph.call_function(aten.view.default, (x, [k]))
                     row.meta[TENSOR] = TensorInfo((k,), x.meta[TENSOR].dtype)
                     row.meta[INSERTED_BY] = self.name
                     row.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
                     if OBSERVED in x.meta:  # the capture run's statistics: the same elements
                         row.meta[OBSERVED] = x.meta[OBSERVED]
+                    if x not in written:
+                        rows[x] = row
                 y = graph.call_function(aten.mv.default, (weight, row))
                 added = [y]
                 if bias is not None:

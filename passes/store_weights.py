@@ -63,9 +63,24 @@ class StoreWeights(Pass):
                     and node.meta.get(INSERTED_BY) != self.name \
                     and (d.dtype is None or d.dtype == torch.float32):
                 by_target[node.target].append(node)
+        # tensors a module also reads in float32 (an embedding whose table an output projection
+        # reads too) or held under another name: converting them in place would change them
+        # for those readers
+        held = defaultdict(int)
+        for _, t in list(gm.named_parameters(remove_duplicate=False)) + \
+                list(gm.named_buffers(remove_duplicate=False)):
+            held[id(t)] += 1
+        called = set()
+        for n in gm.graph.nodes:
+            d = n.meta.get(PRECISION)
+            if n.op == "call_module" and (d is None or d.dtype != self.low
+                                          or d.param_dtype not in (None, self.low)):
+                module = gm.get_submodule(n.target)
+                called |= {id(t) for t in (*module.parameters(), *module.buffers())}
         edits = 0
         for target, nodes in by_target.items():
-            low_users, other = [], False
+            original = fetch_attr(gm, target)
+            low_users, other = [], id(original) in called or held[id(original)] > 1
             for node in nodes:
                 for user in node.users:
                     need = required_dtype(user, node, gm, self.keep_io_types)
@@ -73,7 +88,6 @@ class StoreWeights(Pass):
                         low_users.append((node, user))
                     else:
                         other = True
-            original = fetch_attr(gm, target)
             if not low_users:
                 for node in nodes:
                     node.meta[PRECISION] = Decision(torch.float32, "parameter read in float32",
@@ -130,6 +144,7 @@ class StoreWeights(Pass):
         return len(done)
 
     def _modules(self, gm, records) -> int:
+        copied = {r.name for r in records if r.shared}  # low copies beside their originals
         calls = defaultdict(list)
         for node in gm.graph.nodes:
             if node.op == "call_module":
@@ -159,6 +174,10 @@ class StoreWeights(Pass):
             if shared:  # float32 readers elsewhere: a converted copy serves the low calls
                 new_target = _free_name(gm, target, self.low)
                 module = copy.deepcopy(module)
+                for name, _ in list(module.named_buffers()):  # not _get_attrs' low copies
+                    if f"{target}.{name}" in copied:
+                        owner, leaf = owner_of(module, name)
+                        owner._buffers.pop(leaf)
                 gm.add_submodule(new_target, module)
                 for n in low:
                     n.target = new_target

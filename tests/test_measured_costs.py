@@ -252,8 +252,9 @@ def test_low_precision_variants_are_timed_in_the_layout_the_converted_graph_has(
 
 
 class _Stack(nn.Module):
-    """Four 512x512 layers (1 MiB each in float32), two as modules and two functional (their
-    weights get_attr nodes, one read transposed through a view), and a small head."""
+    """Four 512x512 layers (1 MiB each in float32), two nn.Linear and two functional (their
+    weights get_attr nodes, one read transposed through a view), a small head, an embedding
+    (a gather: reads a row of its table) and two weights read through a list (cat)."""
 
     def __init__(self):
         super().__init__()
@@ -262,33 +263,28 @@ class _Stack(nn.Module):
         self.w2 = nn.Parameter(torch.randn(512, 512) / 23)
         self.head = nn.Linear(512, 4)
         self.emb = nn.Embedding(1000, 512)
+        self.u, self.v = nn.Parameter(torch.randn(4, 512)), nn.Parameter(torch.randn(4, 512))
 
     def forward(self, x, ids):
         x = self.b(self.a(x)) + self.emb(ids)
         x = torch.nn.functional.linear(x, self.w1)
-        return self.head(x @ self.w2.t())
+        return self.head(x @ self.w2.t()) + (x @ torch.cat([self.u, self.v]).t()).sum()
 
 
-def test_weights_are_timed_as_read_from_memory_when_the_graph_has_more_than_one(monkeypatch):
-    """A forward reads each weight once, after all the others: timed repeatedly on the same
-    weight, a matrix-vector product reads it from cache (a 768x768 float32 one 27 us where it
-    runs in 83 us; bf16 40 vs 75 us: float32 looked faster). A streamed node's calls cycle
-    through copies of its weights, as many as the graph's weights are times its own, and the
-    count is part of the key; an embedding (reads a few rows) and a graph with one weight are
-    timed as they are."""
+def _streamed_run(model, args, monkeypatch):
+    """(the measured table's keys, the storages each op read a 512x512 float32 tensor from)."""
     from mpgraph.cost import measured
     path = CostTable.for_device(torch.device("cpu")).path
     if os.path.exists(path):
         os.remove(path)
-    model = _Stack().eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    read = []
+    read = {}
 
     class Spy(TorchDispatchMode):  # which copy of a 512x512 float32 weight each kernel reads
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            read.extend((str(func), a.untyped_storage().data_ptr()) for a in args
-                        if isinstance(a, torch.Tensor) and a.shape == (512, 512)
-                        and a.dtype == torch.float32)
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.shape in ((512, 512), (512, 512)[::-1]) \
+                        and a.dtype == torch.float32:
+                    read.setdefault(str(func), set()).add(a.untyped_storage().data_ptr())
             return func(*args, **(kwargs or {}))
 
     real = measured.time_calls
@@ -299,24 +295,38 @@ def test_weights_are_timed_as_read_from_memory_when_the_graph_has_more_than_one(
 
     monkeypatch.setattr(measured, "time_calls", spied)
     monkeypatch.setattr(mpgraph.api, "emulated", lambda dtype, spec: False)
-    table = mpgraph.calibrate(model, (torch.randn(1, 512), torch.tensor([[3]])))
-    # the weights the graph reads whole (not the embedding's table): 4 of 512x512, 2 biases,
-    # the head; 5 times one 512x512 weight
-    copies = -(-(4 * 512 * 512 + 2 * 512 + 4 * 512 + 4) // (512 * 512))
-    keys = {k.rsplit("|", 1)[0] for k in table.entries if "|" in k}
-    streamed = sorted(k for k in keys if " streamed/" in k)
-    # the three one-row linears (as mv: one key) and the matmul through the transposed view;
-    # not the view itself, the embedding, the bias adds nor the small head
-    assert [k.split(" (")[0] for k in streamed] == \
-        ["call_function aten.mv.default", "call_function matmul"], streamed
-    assert all(k.endswith(f" streamed/{copies}") for k in streamed), streamed
-    by_op = {}
-    for name, ptr in read:
-        by_op.setdefault(name, set()).add(ptr)
-    assert len(by_op["aten.mv.default"]) >= copies and len(by_op["aten.mm.default"]) >= copies, \
-        {k: len(v) for k, v in by_op.items()}
+    table = mpgraph.calibrate(model, args)
+    return {k.rsplit("|", 1)[0] for k in table.entries if "|" in k}, read
+
+
+def test_weights_are_timed_as_read_from_memory_when_the_graph_has_more_than_one(monkeypatch):
+    """A forward reads each weight once, after all the others: timed repeatedly on the same
+    weight, a matrix-vector product reads it from cache (a 768x768 float32 one 27 us where it
+    runs in 83 us; bf16 40 vs 75 us: float32 looked faster). A streamed node's calls cycle
+    through copies of its weights, as many as the graph's weights over its own, and the count
+    is part of the key; a gather (reads a few rows), a node given its weights in a list, and a
+    graph with one weight are timed as they are."""
+    from mpgraph.cost import measured
+    model = _Stack().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # the weights read whole as arguments (not the embedding's table nor u, v): 4 of 512x512,
+    # 2 biases, the head; 4.0 times one 512x512 weight, 4.0 times an nn.Linear's
+    copies = round((4 * 512 * 512 + 2 * 512 + 4 * 512 + 4) / (512 * 512))
+    assert copies == 4
+    # two nn.Linear modules (one key, each call on copies of the module), F.linear and the
+    # matmul through the transposed view; not the view itself, the embedding, the bias adds,
+    # the small head, nor the cat's matmul
+    for rows in (1, 4):
+        keys, read = _streamed_run(model, (torch.randn(1, rows, 512), torch.tensor([[3] * rows])),
+                                   monkeypatch)
+        streamed = sorted(k for k in keys if " streamed/" in k)
+        assert [k.split(" (")[0].split("(")[0] for k in streamed] == \
+            ["call_function linear", "call_function matmul", "call_module Linear"], streamed
+        assert all(k.endswith(f" streamed/{copies}") for k in streamed), streamed
+        # addmm is the modules' alone (F.linear has no bias: mm): their copies counted
+        assert len(read["aten.addmm.default"]) >= copies and len(read["aten.mm.default"]) >= copies, \
+            {k: len(v) for k, v in read.items()}
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
     single = nn.Linear(512, 512).eval()  # one weight: repeated calls read it as the model does
-    keys = measured.layout(torch.fx.symbolic_trace(single)).streamed
-    assert keys == {}
+    assert measured.layout(torch.fx.symbolic_trace(single)).streamed == {}

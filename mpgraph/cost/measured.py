@@ -48,8 +48,8 @@ VARIANT_BUDGET_S = 0.5  # seconds the variants of one op may take together to se
 MIN_CALLS, MAX_CALLS = 5, 200
 SLOW_S = 0.05           # a call this long: a few calls say enough
 EMULATED = 0.5          # a low dtype below this share of float32's matmul rate is not measured
-STREAM_MIN_BYTES = 256 << 10   # a weight this large is timed as read from memory (see Layout)
-STREAM_MAX_BYTES = 256 << 20   # the copies of one weight a timing cycles through, at most
+STREAM_MIN_BYTES = 256 << 10   # weights this large are timed as read from memory (see Layout)
+STREAM_MAX_BYTES = 256 << 20   # the copies a timing cycles through, at most, per timed dtype
 MAX_COPIES = 64
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -226,13 +226,17 @@ def nhwc_values(gm: torch.fx.GraphModule) -> set:
 
 
 def _weight_of(a) -> Optional[torch.fx.Node]:
-    """The get_attr node an argument reads (through views: a transposed weight), else None."""
+    """The get_attr node an argument is, whole (through views keeping every element: a
+    transposed weight; not a row picked from a table), else None."""
     while isinstance(a, torch.fx.Node):
         if a.op == "get_attr":
             return a
-        if not (is_view(a) and a.all_input_nodes):
+        source = a.all_input_nodes[0] if is_view(a) and a.all_input_nodes else None
+        mine, theirs = (getattr(v.meta.get(TENSOR), "numel", None) for v in (a, source)) \
+            if source is not None else (None, None)
+        if mine is None or mine != theirs:
             return None
-        a = a.all_input_nodes[0]
+        a = source
     return None
 
 
@@ -240,20 +244,20 @@ _GATHERS = ("embedding", "embedding_bag", "index_select", "index", "gather", "ta
 
 
 def _tensors_read(n: torch.fx.Node, gm) -> list[torch.Tensor]:
-    """The weights (parameters, buffers, constants) a node reads whole: not a gather's table
-    (an embedding reads a few rows of it), nor a view's (it reads nothing)."""
-    if is_view(n):
-        return []
+    """The weights (parameters, buffers, constants) a node reads whole, as its own arguments
+    (what a timing can give it copies of): not a gather's table (an embedding reads a few rows
+    of it), nor a view's (it reads nothing)."""
     if n.op == "call_module":
         module = gm.get_submodule(n.target)
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
             return []
         return list(module.parameters()) + list(module.buffers())
     t = n.target
-    if (t if isinstance(t, str) else getattr(t, "_opname", getattr(t, "__name__", ""))) in _GATHERS:
+    if is_view(n) or (t if isinstance(t, str)
+                      else getattr(t, "_opname", getattr(t, "__name__", ""))) in _GATHERS:
         return []
     out = []
-    for a in n.all_input_nodes:
+    for a in (*n.args, *n.kwargs.values()):
         w = _weight_of(a)
         value = fetch_attr(gm, w.target) if w is not None else None
         if isinstance(value, torch.Tensor):
@@ -261,15 +265,20 @@ def _tensors_read(n: torch.fx.Node, gm) -> list[torch.Tensor]:
     return out
 
 
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class Layout(NamedTuple):
     """How a node's arguments sit in memory when the converted graph runs: ``nhwc``, the values
-    held channels_last (``nhwc_values``); ``streamed``, for each node reading a weight of at
-    least ``STREAM_MIN_BYTES`` in a graph whose weights outgrow it, the number of distinct
-    copies its timing cycles through. A forward reads each weight once, after every other
-    weight: from memory, not from the cache a call repeated on the same weight keeps it in.
-    Timed hot, a 768x768 float32 matrix-vector product took 27 us and a bf16 one 40 us; read
-    once in turn, as a decoder's step reads them, 83 and 75 us (2-core Xeon): the cache made
-    float32 look faster where it reads twice the bytes."""
+    held channels_last (``nhwc_values``); ``streamed``, for each node reading weights of at
+    least ``STREAM_MIN_BYTES`` in a graph with other weights, the number of distinct copies its
+    timing cycles through: the graph's weights over its own, rounded (at least 2, at most
+    ``MAX_COPIES``; and ``STREAM_MAX_BYTES`` of copies per timed dtype). A forward reads each
+    weight once, after the other weights: from memory, not from the cache a call repeated on
+    the same weight keeps it in. Timed hot, a 768x768 float32 matrix-vector product took 27 us
+    and a bf16 one 40 us; read once in turn, as a decoder's step reads them, 83 and 75 us
+    (2-core Xeon): the cache made float32 look faster where it reads twice the bytes."""
     nhwc: set
     streamed: dict
 
@@ -282,12 +291,12 @@ def layout(gm: torch.fx.GraphModule) -> Layout:
             for t in read[n]:
                 if id(t) not in seen:
                     seen.add(id(t))
-                    total += t.numel() * 4  # as float32; the ratio below is the same in any dtype
+                    total += _bytes(t)
     streamed = {}
     for n, tensors in read.items():
-        size = sum(t.numel() * 4 for t in tensors)
+        size = sum(_bytes(t) for t in {id(t): t for t in tensors}.values())
         if size >= STREAM_MIN_BYTES and total > size and not is_inplace(n, gm):
-            streamed[n] = min(MAX_COPIES, math.ceil(total / size))
+            streamed[n] = min(MAX_COPIES, max(2, round(total / size)))
     return Layout(nhwc_values(gm), streamed)
 
 
@@ -342,8 +351,12 @@ class _Timer(RecordingInterpreter):
                        if isinstance(v, torch.Tensor) and _weight_of(a) is not None)
         count = max(1, min(wanted, STREAM_MAX_BYTES // max(size, 1)))
         if module is not None:
-            return [(module, args, kwargs)] + [(copy.deepcopy(module), args, kwargs)
-                                               for _ in range(count - 1)]
+            try:
+                return [(module, args, kwargs)] + [(copy.deepcopy(module), args, kwargs)
+                                                   for _ in range(count - 1)]
+            except Exception as e:  # noqa: BLE001 - a module that cannot be copied: timed hot
+                log.debug("%s: no copies to stream (%s)", n.name, e)
+                return [(module, args, kwargs)]
 
         def copied(v, a):
             return v.clone() if isinstance(v, torch.Tensor) and _weight_of(a) is not None else v

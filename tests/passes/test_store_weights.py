@@ -74,3 +74,57 @@ def test_parameter_read_in_both_precisions_keeps_both_copies():
     assert gm.w.dtype == torch.float32 and gm.w_bfloat16.dtype == BF16
     assert [w.shared for w in gm.plan.weights] == [True]
     torch.testing.assert_close(gm(x), model(x), atol=0.1, rtol=2e-2)
+
+
+class _TiedProjection(nn.Module):
+    """An output projection that reads the embedding's table (weight tying written as
+    F.linear, as in many language models): one tensor, read by a module and by a get_attr."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(1000, 128), nn.Linear(128, 128)
+
+    def forward(self, ids):
+        return nn.functional.linear(torch.tanh(self.fc(self.emb(ids))), self.emb.weight)
+
+
+def test_a_parameter_a_module_also_reads_is_copied_not_converted_in_place():
+    """Stored bf16 in place for the projection, the table changed under the embedding module,
+    which runs float32: 'the converted graph does not match its plan: emb: produced
+    torch.bfloat16, plan says torch.float32'."""
+    import mpgraph
+    torch.manual_seed(0)
+    model = _TiedProjection().eval()
+    ids = torch.tensor([[5, 7]])
+    gm = convert(model, (ids,), dtype=BF16)
+    assert gm.emb.weight.dtype == torch.float32   # the embedding's, kept
+    low = [t for n, t in gm.named_buffers() if n.startswith("emb.weight_")]
+    assert [t.dtype for t in low] == [BF16]        # the projection's copy
+    with torch.no_grad():
+        assert mpgraph.numerics.relative_l2(gm(ids), model(ids)) < 2e-2
+
+
+class _CalledAndRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Linear(64, 64)
+
+    def forward(self, x, y, z):
+        return self.c(y) + nn.functional.linear(x, self.c.weight) + self.c(z)
+
+
+def test_a_module_copy_does_not_carry_the_low_copy_made_for_a_get_attr_reader():
+    """One call of ``c`` float32, one bf16, and its weight read by F.linear in bf16: the
+    weight's bf16 copy (for F.linear) and the module's bf16 copy (for the bf16 call); the
+    module copy once also carried the first copy, converted again and read by nothing."""
+    import mpgraph
+    torch.manual_seed(0)
+    model = _CalledAndRead().eval()
+    args = tuple(torch.randn(4, 64) for _ in range(3))
+    gm = convert(model, args, dtype=BF16, overrides={"c_1": "fp32"})
+    tensors = {n: t.dtype for n, t in list(gm.named_parameters()) + list(gm.named_buffers())}
+    assert tensors == {"c.weight": torch.float32, "c.bias": torch.float32,
+                       "c.weight_bfloat16": BF16, "c_bfloat16.weight": BF16,
+                       "c_bfloat16.bias": BF16}, tensors
+    with torch.no_grad():
+        assert mpgraph.numerics.relative_l2(gm(*args), model(*args)) < 2e-2
