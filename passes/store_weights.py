@@ -33,6 +33,15 @@ def _add_copy(root: torch.nn.Module, target: str, value: torch.Tensor) -> None:
     owner.register_buffer(leaf, value.detach(), persistent=False)
 
 
+def _holders(root: torch.nn.Module) -> dict[int, int]:
+    """How many names each tensor of ``root`` is held under (tied weights: more than one)."""
+    held: dict[int, int] = defaultdict(int)
+    for _, t in list(root.named_parameters(remove_duplicate=False)) + \
+            list(root.named_buffers(remove_duplicate=False)):
+        held[id(t)] += 1
+    return held
+
+
 def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
     return free_attr_name(root, f"{target}_{dtype_name(dtype)}")
 
@@ -66,10 +75,7 @@ class StoreWeights(Pass):
         # tensors a module also reads in float32 (an embedding whose table an output projection
         # reads too) or held under another name: converting them in place would change them
         # for those readers
-        held = defaultdict(int)
-        for _, t in list(gm.named_parameters(remove_duplicate=False)) + \
-                list(gm.named_buffers(remove_duplicate=False)):
-            held[id(t)] += 1
+        held = _holders(gm)
         called = set()
         for n in gm.graph.nodes:
             d = n.meta.get(PRECISION)
@@ -151,10 +157,7 @@ class StoreWeights(Pass):
                 calls[node.target].append(node)
         # tensors held in more than one place (tied weights) or also read by get_attr nodes:
         # converting them inside a module in place would change them for those other readers
-        places = defaultdict(int)
-        for _, t in list(gm.named_parameters(remove_duplicate=False)) + \
-                list(gm.named_buffers(remove_duplicate=False)):
-            places[id(t)] += 1
+        places = _holders(gm)
         elsewhere = {id(t) for t in (fetch_attr(gm, n.target) for n in gm.graph.nodes
                                      if n.op == "get_attr") if isinstance(t, torch.Tensor)}
         elsewhere |= {i for i, n in places.items() if n > 1}

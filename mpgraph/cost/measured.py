@@ -231,10 +231,11 @@ def _weight_of(a) -> Optional[torch.fx.Node]:
     while isinstance(a, torch.fx.Node):
         if a.op == "get_attr":
             return a
-        source = a.all_input_nodes[0] if is_view(a) and a.all_input_nodes else None
-        mine, theirs = (getattr(v.meta.get(TENSOR), "numel", None) for v in (a, source)) \
-            if source is not None else (None, None)
-        if mine is None or mine != theirs:
+        if not (is_view(a) and a.all_input_nodes):
+            return None
+        source = a.all_input_nodes[0]
+        mine, theirs = (getattr(v.meta.get(TENSOR), "numel", None) for v in (a, source))
+        if mine is None or mine != theirs:  # a view onto some of the elements: a row, a slice
             return None
         a = source
     return None
@@ -343,11 +344,10 @@ class _Timer(RecordingInterpreter):
         copied, so that each call reads a weight the calls before did not bring into cache."""
         wanted = self.where.streamed.get(n, 1)
         if module is not None:
-            size = sum(t.numel() * t.element_size()
-                       for t in (*module.parameters(), *module.buffers()))
+            size = sum(_bytes(t) for t in (*module.parameters(), *module.buffers()))
         else:
-            size = sum(v.numel() * v.element_size()
-                       for v, a in (*zip(args, n.args), *((kwargs[k], n.kwargs[k]) for k in kwargs))
+            pairs = (*zip(args, n.args), *((kwargs[k], n.kwargs[k]) for k in kwargs))
+            size = sum(_bytes(v) for v, a in pairs
                        if isinstance(v, torch.Tensor) and _weight_of(a) is not None)
         count = max(1, min(wanted, STREAM_MAX_BYTES // max(size, 1)))
         if module is not None:
