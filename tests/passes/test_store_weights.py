@@ -1,6 +1,8 @@
 import torch
 import torch.nn as nn
 
+import mpgraph
+
 from mpgraph.ir.meta import INSERTED_BY
 
 from conftest import convert_rules, MLP, casts
@@ -92,7 +94,6 @@ def test_a_parameter_a_module_also_reads_is_copied_not_converted_in_place():
     """Stored bf16 in place for the projection, the table changed under the embedding module,
     which runs float32: 'the converted graph does not match its plan: emb: produced
     torch.bfloat16, plan says torch.float32'."""
-    import mpgraph
     torch.manual_seed(0)
     model = _TiedProjection().eval()
     ids = torch.tensor([[5, 7]])
@@ -117,7 +118,6 @@ def test_a_module_copy_does_not_carry_the_low_copy_made_for_a_get_attr_reader():
     """One call of ``c`` float32, one bf16, and its weight read by F.linear in bf16: the
     weight's bf16 copy (for F.linear) and the module's bf16 copy (for the bf16 call); the
     module copy once also carried the first copy, converted again and read by nothing."""
-    import mpgraph
     torch.manual_seed(0)
     model = _CalledAndRead().eval()
     args = tuple(torch.randn(4, 64) for _ in range(3))
