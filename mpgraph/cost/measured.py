@@ -84,7 +84,9 @@ class CostTable:
         """This machine's table from the cache (empty when ``fresh`` or none is there)."""
         device = torch.device(device)
         _, key = machine_key(device)
-        path = os.path.join(cache_dir(), f"costs-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
+        # one file per machine and format: another mpgraph version on this machine keeps its own
+        name = hashlib.sha1(f"{key}|{TABLE_FORMAT}".encode()).hexdigest()[:12]
+        path = os.path.join(cache_dir(), f"costs-{name}.json")
         entries = {}
         if not fresh and os.path.exists(path):
             try:
