@@ -352,13 +352,9 @@ class _Timer(RecordingInterpreter):
             size = sum(_bytes(v) for v, a in pairs
                        if isinstance(v, torch.Tensor) and _weight_of(a) is not None)
         count = max(1, min(wanted, STREAM_MAX_BYTES // max(size, 1)))
-        if module is not None:
-            try:
-                return [(module, args, kwargs)] + [(copy.deepcopy(module), args, kwargs)
-                                                   for _ in range(count - 1)]
-            except Exception as e:  # noqa: BLE001 - a module that cannot be copied: timed hot
-                log.debug("%s: no copies to stream (%s)", n.name, e)
-                return [(module, args, kwargs)]
+        if module is not None:  # (deep-copyable: capture copied the model it belongs to)
+            return [(module, args, kwargs)] + [(copy.deepcopy(module), args, kwargs)
+                                               for _ in range(count - 1)]
 
         def copied(v, a):
             return v.clone() if isinstance(v, torch.Tensor) and _weight_of(a) is not None else v
