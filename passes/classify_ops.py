@@ -6,7 +6,7 @@ from dataclasses import replace
 import torch
 
 from mpgraph.ir.modules import TrainingBatchNorm
-from mpgraph.ir.meta import OP_CLASS, RANGE, OpInfo
+from mpgraph.ir.meta import LINEAR_BIAS, OP_CLASS, RANGE, OpInfo
 from mpgraph.passes.numeric_safety import proven_in_range
 from mpgraph.passes.op_table import FOLLOW, FP32_ONLY, UNKNOWN, OpTable
 from mpgraph.passes.infra import Pass, PassResult
@@ -36,7 +36,7 @@ class ClassifyOps(Pass):
     its calibrated values stay in fp16's range (``mpgraph.range``, when Calibrate ran before)
     it is ``follow``, else NumericSafety says why it stays float32."""
     stage = "decide"
-    writes, also_reads = (OP_CLASS,), (RANGE,)
+    writes, also_reads = (OP_CLASS,), (RANGE, LINEAR_BIAS)
 
     def __init__(self, low_dtype: torch.dtype, table: OpTable | None = None):
         self.low = low_dtype
@@ -60,5 +60,8 @@ class ClassifyOps(Pass):
                     and info.range_expanding and self.low == torch.float16 else None
                 if proof:
                     info = replace(info, op_class=FOLLOW, reason=f"{info.reason}; {proof}")
+                if node.meta.get(LINEAR_BIAS) and info.params_as_values:
+                    info = replace(info, params_as_values=False,
+                                   reason=f"{info.reason}; here a linear layer's bias, a weight")
             node.meta[OP_CLASS] = info
         return PassResult(gm, False)

@@ -8,7 +8,13 @@ transposed weight); ``mv`` reaches the GEMV kernels, which stream the weight onc
 there); the step 15.5 -> 13.4 ms a token (8 interleaved rounds). Each output is one dot product
 either way (float32 accumulation for bf16). CPU targets only: on a GPU both reach cuBLAS and the
 reshapes are nodes that cost host time in eager mode. A bias is added after (bf16 ``addmv``
-with a bias leaves the fast GEMV path).
+with a bias leaves the fast GEMV path); the add is marked (``LINEAR_BIAS``) so that the plan
+treats its parameter as the layer's weight it is.
+
+GPT-2's Conv1D, ``addmm(b, x, W)`` with W stored k x n, becomes ``mv(t(W), x) + b``: in float32
+MKL's GEMV reads the transposed view at ~40 GB/s (a 768x3072 weight 215-227 us, ``addmm`` 370-390
+us), and StoreWeights stores a low-precision copy transposed (``read_transposed``) so that the
+GEMV reads contiguous rows (bf16 260 us, 150 us split, ``addmm`` 400-410 us).
 
 Only where the graph fixes the row count: a torch.export graph whose value there has concrete
 sizes (export holds a dimension that is 1 in the example at 1, and its input guard rejects
@@ -22,8 +28,9 @@ import math
 import torch
 import torch.fx
 
+from mpgraph.cost.measured import weight_of
 from mpgraph.ir.graph import mutated_nodes
-from mpgraph.ir.meta import INSERTED_BY, OBSERVED, TENSOR, TensorInfo
+from mpgraph.ir.meta import INSERTED_BY, LINEAR_BIAS, OBSERVED, TENSOR, TensorInfo
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
@@ -37,26 +44,39 @@ def _fixed_rows(x: torch.fx.Node) -> bool:
 
 
 def _one_row(node: torch.fx.Node):
-    """(x, weight, bias, weight shape, output info) of a linear call on one row, else None."""
-    if node.op != "call_function" or node.target is not aten.linear.default or node.kwargs \
-            or not 2 <= len(node.args) <= 3:
+    """(x, weight, bias, transposed, the product's output info) of a linear on one row, else
+    None: ``linear(x, W, b)`` (W is n x k), and ``addmm(b, x, W)`` / ``mm(x, W)`` on a weight
+    (W is k x n: GPT-2's Conv1D), ``transposed``, which becomes ``mv(t(W), x)``."""
+    if node.op != "call_function" or node.kwargs:
         return None
-    x, weight = node.args[:2]
-    bias = node.args[2] if len(node.args) == 3 else None
+    args, bias = node.args, None
+    if node.target is aten.linear.default and 2 <= len(args) <= 3:
+        (x, weight), transposed = args[:2], False
+        bias = args[2] if len(args) == 3 else None
+    elif node.target is aten.addmm.default and len(args) == 3:
+        (bias, x, weight), transposed = args, True
+    elif node.target is aten.mm.default and len(args) == 2:
+        (x, weight), transposed = args, True
+    else:
+        return None
     if not isinstance(x, torch.fx.Node) or not isinstance(weight, torch.fx.Node) \
-            or not (bias is None or isinstance(bias, torch.fx.Node)) or not _fixed_rows(x):
+            or not (bias is None or isinstance(bias, torch.fx.Node)) or not _fixed_rows(x) \
+            or (transposed and weight_of(weight) is None):
         return None
     xi, wi, out = (a.meta.get(TENSOR) for a in (x, weight, node))
     if not all(isinstance(i, TensorInfo) for i in (xi, wi, out)) or len(wi.shape) != 2 \
             or not xi.dtype.is_floating_point or not xi.shape or math.prod(xi.shape[:-1]) != 1:
         return None
-    return x, weight, bias, wi.shape, out
+    n = wi.shape[1] if transposed else wi.shape[0]
+    if bias is not None and getattr(bias.meta.get(TENSOR), "shape", None) != (n,):
+        return None  # (addmm's bias may broadcast from another shape)
+    return x, weight, bias, transposed, out
 
 
 class MatVecLinear(Pass):
     stage = "prepare"
     rewrites = True
-    writes = (INSERTED_BY, TENSOR, OBSERVED)  # the new nodes' facts
+    writes = (INSERTED_BY, TENSOR, OBSERVED, LINEAR_BIAS)  # the new nodes' facts
 
     def call(self, gm):
         graph, done, unobserved, rows = gm.graph, 0, False, {}
@@ -65,7 +85,8 @@ class MatVecLinear(Pass):
             found = _one_row(node)
             if found is None:
                 continue
-            x, weight, bias, (n, k), out = found
+            x, weight, bias, transposed, out = found
+            n, k = weight.meta[TENSOR].shape[::-1] if transposed else weight.meta[TENSOR].shape
             with graph.inserting_before(node):
                 # one row view of x for all its linears (q, k and v), so that a plan casts it
                 # once; not where x is written in place (a view taken before the write would
@@ -80,10 +101,14 @@ class MatVecLinear(Pass):
                         row.meta[OBSERVED] = x.meta[OBSERVED]
                     if x not in written:
                         rows[x] = row
+                if transposed:  # k x n read as n x k (StoreWeights stores it so, contiguous)
+                    weight = self._transposed(graph, weight, node)
+                    unobserved |= OBSERVED not in weight.meta
                 y = graph.call_function(aten.mv.default, (weight, row))
                 added = [y]
                 if bias is not None:
                     y = graph.call_function(aten.add.Tensor, (y, bias))
+                    y.meta[LINEAR_BIAS] = True
                     added.append(y)
                 shaped = graph.call_function(aten.view.default, (y, list(out.shape)))
             for v in added:
@@ -105,3 +130,12 @@ class MatVecLinear(Pass):
             for node in graph.nodes:
                 node.meta.pop(OBSERVED, None)
         return PassResult(gm, done > 0)
+
+    def _transposed(self, graph, weight: torch.fx.Node, node: torch.fx.Node) -> torch.fx.Node:
+        t = graph.call_function(aten.t.default, (weight,))
+        k, n = weight.meta[TENSOR].shape
+        t.meta.update({TENSOR: TensorInfo((n, k), weight.meta[TENSOR].dtype),
+                       INSERTED_BY: self.name, "nn_module_stack": node.meta.get("nn_module_stack")})
+        if OBSERVED in weight.meta:  # the same elements
+            t.meta[OBSERVED] = weight.meta[OBSERVED]
+        return t

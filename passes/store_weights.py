@@ -15,13 +15,19 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.graph import fetch_attr, free_attr_name, owner_of, set_attr, with_data
+from mpgraph.ir.graph import (fetch_attr, free_attr_name, owner_of, read_transposed, set_attr,
+                              with_data)
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo,
                           WeightRecord, dtype_name)
 from mpgraph.passes.infra import Pass, PassResult
 
 
-def _converted(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _converted(value: torch.Tensor, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
+    """``value`` in ``dtype``; ``transposed``: a 2-D one stored column-major (``read_transposed``)."""
+    if transposed and value.dim() == 2:
+        data = torch.empty_strided(value.shape, (1, value.shape[0]), dtype=dtype,
+                                   device=value.device)
+        return with_data(value, data.copy_(value.detach()) if value.device.type != "meta" else data)
     return with_data(value, value.detach().to(dtype))
 
 
@@ -99,7 +105,7 @@ class StoreWeights(Pass):
                     node.meta[PRECISION] = Decision(torch.float32, "parameter read in float32",
                                                     stored=True)
                 continue
-            low_value = _converted(original, self.low)
+            low_value = _converted(original, self.low, read_transposed(nodes))
             if not other:
                 set_attr(gm, target, low_value)
                 for node in nodes:

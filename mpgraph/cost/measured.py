@@ -19,6 +19,7 @@ measured op by op: the micro-benchmark's peaks say it loses everywhere, and the 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -35,8 +36,10 @@ from torch.utils import _pytree as pytree
 from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
+from mpgraph.ir.kernels import mv_splits, split_mv
 from mpgraph.ir.graph import (RecordingInterpreter, fetch_attr, flat_inputs, fresh, is_conv2d,
-                              is_inplace, is_view, seeded, state_kept, target_name)
+                              is_inplace, is_view, read_transposed, seeded, state_kept,
+                              target_name)
 from mpgraph.ir.meta import TENSOR, Kind, TensorInfo, dtype_name, tensor_infos
 
 log = logging.getLogger(__name__)
@@ -227,7 +230,7 @@ def nhwc_values(gm: torch.fx.GraphModule) -> set:
     return out
 
 
-def _weight_of(a) -> Optional[torch.fx.Node]:
+def weight_of(a) -> Optional[torch.fx.Node]:
     """The get_attr node an argument is, whole (through views keeping every element: a
     transposed weight; not a row picked from a table), else None."""
     while isinstance(a, torch.fx.Node):
@@ -261,7 +264,7 @@ def _tensors_read(n: torch.fx.Node, gm) -> list[torch.Tensor]:
         return []
     out = []
     for a in (*n.args, *n.kwargs.values()):
-        w = _weight_of(a)
+        w = weight_of(a)
         value = fetch_attr(gm, w.target) if w is not None else None
         if isinstance(value, torch.Tensor):
             out.append(value)
@@ -303,16 +306,51 @@ def layout(gm: torch.fx.GraphModule) -> Layout:
     return Layout(nhwc_values(gm), streamed)
 
 
+def _mv_splits(n: torch.fx.Node) -> dict[str, tuple[int, int, bool]]:
+    """``mv_splits`` of a matrix-vector product node's weight, else nothing."""
+    if n.op != "call_function" or n.target is not torch.ops.aten.mv.default \
+            or not isinstance(n.args[0], torch.fx.Node):
+        return {}
+    info = n.args[0].meta.get(TENSOR)
+    return mv_splits(info.shape[0]) if isinstance(info, TensorInfo) and len(info.shape) == 2 \
+        else {}
+
+
+def kernel_variants(n: torch.fx.Node, where: Layout) -> dict[str, Callable]:
+    """Other kernels the low-precision ``n`` can run as, each timed beside the op itself (the
+    suffix of its entries' keys -> the function): a matrix-vector product over a weight read
+    from memory as ``split_mv`` (bf16 GEMVs 1.4-2x faster so on a 2-core AMX Xeon)."""
+    if n not in where.streamed:
+        return {}
+    return {name: functools.partial(split_mv, parts=p, block=b, rest=r)
+            for name, (p, b, r) in _mv_splits(n).items()}
+
+
 def reads_nhwc(n: torch.fx.Node, gm, nhwc: set) -> bool:
     """Whether a low-precision ``n`` reads a channels_last value (a conv's input is made so)."""
     return is_conv2d(n, gm) or any(a in nhwc for a in n.all_input_nodes)
 
 
+def _transposed_weight(a) -> bool:
+    """Whether ``a`` is the transpose of a weight whose low-precision copy StoreWeights stores
+    transposed (``read_transposed``): in float32 a strided view, in low precision contiguous."""
+    return isinstance(a, torch.fx.Node) and a.op == "call_function" \
+        and a.target is torch.ops.aten.t.default and isinstance(a.args[0], torch.fx.Node) \
+        and a.args[0].op == "get_attr" and read_transposed([a.args[0]])
+
+
+def _as_stored(value, a):
+    """A low-precision argument as the converted graph holds it (``_transposed_weight``)."""
+    return value.contiguous() if isinstance(value, torch.Tensor) and _transposed_weight(a) \
+        else value
+
+
 def measure_key(n: torch.fx.Node, gm, where: Layout) -> str:
-    """The op key, marked where the low-precision variants read channels_last values and where
-    the node's weights are read from memory (the same op in another layout, or on a weight the
-    cache holds, is another entry)."""
+    """The op key, marked where the low-precision variants read channels_last values, where
+    they read a weight stored transposed and where the node's weights are read from memory (the
+    same op in another layout, or on a weight the cache holds, is another entry)."""
     return (op_key(n, gm) + (" nhwc" if reads_nhwc(n, gm, where.nhwc) else "")
+            + (" transposed" if any(_transposed_weight(a) for a in n.args) else "")
             + (f" streamed/{where.streamed[n]}" if n in where.streamed else ""))
 
 
@@ -327,6 +365,8 @@ def _cast(value, dtype: torch.dtype, nhwc: bool = False):
         return v.to(dtype, memory_format=torch.channels_last) if nhwc and v.dim() == 4 \
             else v.to(dtype)
     return pytree.tree_map(one, value)
+
+
 
 
 class _Timer(RecordingInterpreter):
@@ -350,26 +390,27 @@ class _Timer(RecordingInterpreter):
         else:
             pairs = (*zip(args, n.args), *((kwargs[k], n.kwargs[k]) for k in kwargs))
             size = sum(_bytes(v) for v, a in pairs
-                       if isinstance(v, torch.Tensor) and _weight_of(a) is not None)
+                       if isinstance(v, torch.Tensor) and weight_of(a) is not None)
         count = max(1, min(wanted, STREAM_MAX_BYTES // max(size, 1)))
         if module is not None:  # (deep-copyable: capture copied the model it belongs to)
             return [(module, args, kwargs)] + [(copy.deepcopy(module), args, kwargs)
                                                for _ in range(count - 1)]
 
         def copied(v, a):
-            return v.clone() if isinstance(v, torch.Tensor) and _weight_of(a) is not None else v
+            return v.clone() if isinstance(v, torch.Tensor) and weight_of(a) is not None else v
         return [(None, args, kwargs)] + [
             (None, tuple(copied(v, a) for v, a in zip(args, n.args)),
              {k: copied(v, n.kwargs[k]) for k, v in kwargs.items()}) for _ in range(count - 1)]
 
-    def _call(self, n, args, kwargs, dtype):
-        """(the op's call in ``dtype``, what to run before each call or None)."""
+    def _call(self, n, args, kwargs, dtype, kernel=None):
+        """(the op's call in ``dtype`` (through ``kernel`` instead of the op where given), what
+        to run before each call or None)."""
         if dtype != torch.float32:  # each argument in the layout the converted graph gives it
             conv = is_conv2d(n, self.module)
 
             def nhwc(arg) -> bool:
                 return conv or (isinstance(arg, torch.fx.Node) and arg in self.where.nhwc)
-            args = tuple(_cast(v, dtype, nhwc(a)) for v, a in zip(args, n.args))
+            args = tuple(_as_stored(_cast(v, dtype, nhwc(a)), a) for v, a in zip(args, n.args))
             kwargs = {k: _cast(v, dtype, nhwc(n.kwargs[k])) for k, v in kwargs.items()}
         module = None
         if n.op == "call_module":
@@ -397,7 +438,7 @@ class _Timer(RecordingInterpreter):
                 return module(*args, **kwargs)
             if n.op == "call_method":
                 return getattr(args[0], n.target)(*args[1:], **kwargs)
-            return n.target(*args, **kwargs)
+            return (kernel or n.target)(*args, **kwargs)
 
         def advance():
             turn[0] = (turn[0] + 1) % len(sets)
@@ -416,6 +457,23 @@ class _Timer(RecordingInterpreter):
                 try:
                     fn, prepare = self._call(n, args, kwargs, dtype)
                 except Exception as e:  # noqa: BLE001 - a module that cannot take the dtype
+                    log.debug("%s in %s: %s", n.name, dtype, e)
+                    self.table.entries[entry] = None
+                    continue
+                entries.append(entry)
+                fns.append(fn)
+                prepares.append(prepare)
+        for dtype in self.lows:  # other kernels, timed beside the op itself (interleaved)
+            variants = {f"{key}|{_SHORT[dtype]} {name}": kernel
+                        for name, kernel in kernel_variants(n, self.where).items()}
+            if all(entry in self.table.entries for entry in variants):
+                continue
+            if f"{key}|{_SHORT[dtype]}" not in entries:
+                variants[f"{key}|{_SHORT[dtype]}"] = None
+            for entry, kernel in variants.items():
+                try:
+                    fn, prepare = self._call(n, args, kwargs, dtype, kernel)
+                except Exception as e:  # noqa: BLE001
                     log.debug("%s in %s: %s", n.name, dtype, e)
                     self.table.entries[entry] = None
                     continue
@@ -457,6 +515,8 @@ def _wanted(gm: torch.fx.GraphModule, lows: tuple, where: Layout) -> tuple[dict,
             continue
         keys[n] = key = measure_key(n, gm, where)
         wanted += [f"{key}|{_SHORT[dtype]}" for dtype in (torch.float32,) + lows]
+        wanted += [f"{key}|{_SHORT[dtype]} {name}" for name in kernel_variants(n, where)
+                   for dtype in lows]
         info = n.meta.get(TENSOR)
         if isinstance(info, TensorInfo) and info.dtype == torch.float32 and info.numel:
             wanted += [f"cast {list(info.shape)} {a}->{b}" for d in lows
@@ -525,7 +585,12 @@ class Measured(CostModel):
         tlow = self._get(key, low)
         if tlow is None:  # an op that could not run alone in this dtype: the roofline's ratio
             tlow = t32 * guess.t_low / guess.t_fp32 if guess.t_fp32 else math.inf
-        return NodeCost(guess.flops, guess.bytes_fp32, guess.bytes_low, t32, tlow)
+        kernel = ""
+        for name in _mv_splits(node):  # a kernel timed faster than the op (kernel_variants)
+            t = self.table.entries.get(f"{key}|{_SHORT[low]} {name}")
+            if t is not None and t < tlow:
+                tlow, kernel = float(t), name
+        return NodeCost(guess.flops, guess.bytes_fp32, guess.bytes_low, t32, tlow, kernel)
 
     def cast_cost(self, node, low) -> tuple[float, float]:
         info = node.meta.get(TENSOR)

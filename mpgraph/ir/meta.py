@@ -40,6 +40,9 @@ CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckCo
 # node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that
 # run (passes.calibrate.Observation). Calibrate takes the example batch from it, then drops it
 OBSERVED = "mpgraph.observed"
+# node.meta: True on the add MatVecLinear splits off a linear's product (``mv`` then the bias):
+# its parameter is the layer's bias, a weight, not a value joined to activations
+LINEAR_BIAS = "mpgraph.linear_bias"
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,8 @@ def _storage_bytes(tensors) -> tuple[int, int]:
 def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
                   must_share: tuple = ()) -> Sharing:
     """Point ``decode``'s tensors at ``prefill``'s where both have the name with the same shape
-    and dtype (and, for parameters, neither needs grad). ``must_share``: names that must be
+    and dtype (and, for parameters, neither needs grad); where their layouts differ, the
+    prefill graph's at the decode graph's. ``must_share``: names that must be
     shared (the cache): a difference there is a ValueError."""
     ours, theirs = _tensors(prefill), _tensors(decode)
     separate = _storage_bytes(list(ours.values()))[1] + _storage_bytes(list(theirs.values()))[1]
@@ -178,7 +179,10 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
             if src is not t:
                 saved += t.untyped_storage().nbytes() if t.untyped_storage().data_ptr() != \
                     src.untyped_storage().data_ptr() else 0
-                set_attr(decode, name, src)
+                if src.stride() == t.stride():
+                    set_attr(decode, name, src)
+                else:  # the layout the decode plan stored it in (a Conv1D weight transposed
+                    set_attr(prefill, name, t)  # for its GEMV) is the one read per token
             shared.append(name)
         else:
             if name in must_share:
@@ -188,7 +192,8 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
     for name in ours:
         if name not in theirs:
             unshared.append((name, "only in the prefill graph"))
-    count, stored = _storage_bytes(list(ours.values()) + list(_tensors(decode).values()))
+    count, stored = _storage_bytes(list(_tensors(prefill).values())
+                                   + list(_tensors(decode).values()))
     return Sharing(shared, unshared, saved, stored, separate, count)
 
 
