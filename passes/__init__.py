@@ -21,11 +21,10 @@ from mpgraph.passes.numeric_safety import NumericSafety
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.prune_for_inference import PruneForInference
 from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
-from mpgraph.passes.split_mat_vec import SplitMatVec
 from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
            "CheckConversion", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "Functionalize",
            "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "MatVecLinear", "NumericSafety", "PropagateTensorInfo", "PruneForInference",
-           "RetargetDtypeAsserts", "SplitMatVec", "StoreWeights"]
+           "RetargetDtypeAsserts", "StoreWeights"]

@@ -12,8 +12,7 @@ from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
                             FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
-                            LintTensorCores, MatVecLinear, NumericSafety, RetargetDtypeAsserts,
-                            SplitMatVec, StoreWeights)
+                            LintTensorCores, MatVecLinear, NumericSafety, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
 from mpgraph.ir.meta import Kind
 
@@ -82,7 +81,6 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
         *([] if train else [StoreWeights(low_dtype, keep_io_types)]),  # rewrite: weights stored once
         *([StoreWeights(range_dtype, keep_io_types)] if range_dtype and not train else []),  # bf16
         InsertCasts(keep_io_types),           # rewrite: shared casts
-        SplitMatVec(low_dtype),               # rewrite: GEMVs as the kernel timed faster
         ChannelsLast(),                       # rewrite: NHWC layout for low-precision 2-D convs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts
     ]

@@ -19,7 +19,6 @@ measured op by op: the micro-benchmark's peaks say it loses everywhere, and the 
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import json
 import logging
@@ -36,7 +35,6 @@ from torch.utils import _pytree as pytree
 from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
-from mpgraph.ir.kernels import mv_splits, split_mv
 from mpgraph.ir.graph import (RecordingInterpreter, fetch_attr, flat_inputs, fresh, is_conv2d,
                               is_inplace, is_view, read_transposed, seeded, state_kept,
                               target_name)
@@ -306,26 +304,6 @@ def layout(gm: torch.fx.GraphModule) -> Layout:
     return Layout(nhwc_values(gm), streamed)
 
 
-def _mv_splits(n: torch.fx.Node) -> dict[str, tuple[int, int, bool]]:
-    """``mv_splits`` of a matrix-vector product node's weight, else nothing."""
-    if n.op != "call_function" or n.target is not torch.ops.aten.mv.default \
-            or not isinstance(n.args[0], torch.fx.Node):
-        return {}
-    info = n.args[0].meta.get(TENSOR)
-    return mv_splits(info.shape[0]) if isinstance(info, TensorInfo) and len(info.shape) == 2 \
-        else {}
-
-
-def kernel_variants(n: torch.fx.Node, where: Layout) -> dict[str, Callable]:
-    """Other kernels the low-precision ``n`` can run as, each timed beside the op itself (the
-    suffix of its entries' keys -> the function): a matrix-vector product over a weight read
-    from memory as ``split_mv`` (bf16 GEMVs 1.4-2x faster so on a 2-core AMX Xeon)."""
-    if n not in where.streamed:
-        return {}
-    return {name: functools.partial(split_mv, parts=p, block=b, rest=r)
-            for name, (p, b, r) in _mv_splits(n).items()}
-
-
 def reads_nhwc(n: torch.fx.Node, gm, nhwc: set) -> bool:
     """Whether a low-precision ``n`` reads a channels_last value (a conv's input is made so)."""
     return is_conv2d(n, gm) or any(a in nhwc for a in n.all_input_nodes)
@@ -367,8 +345,6 @@ def _cast(value, dtype: torch.dtype, nhwc: bool = False):
     return pytree.tree_map(one, value)
 
 
-
-
 class _Timer(RecordingInterpreter):
     """Runs the float32 graph on real values and times each node's unmeasured variants, each
     under its key (``measure_key``), its arguments in the layout ``where`` gives them: values
@@ -402,9 +378,8 @@ class _Timer(RecordingInterpreter):
             (None, tuple(copied(v, a) for v, a in zip(args, n.args)),
              {k: copied(v, n.kwargs[k]) for k, v in kwargs.items()}) for _ in range(count - 1)]
 
-    def _call(self, n, args, kwargs, dtype, kernel=None):
-        """(the op's call in ``dtype`` (through ``kernel`` instead of the op where given), what
-        to run before each call or None)."""
+    def _call(self, n, args, kwargs, dtype):
+        """(the op's call in ``dtype``, what to run before each call or None)."""
         if dtype != torch.float32:  # each argument in the layout the converted graph gives it
             conv = is_conv2d(n, self.module)
 
@@ -438,7 +413,7 @@ class _Timer(RecordingInterpreter):
                 return module(*args, **kwargs)
             if n.op == "call_method":
                 return getattr(args[0], n.target)(*args[1:], **kwargs)
-            return (kernel or n.target)(*args, **kwargs)
+            return n.target(*args, **kwargs)
 
         def advance():
             turn[0] = (turn[0] + 1) % len(sets)
@@ -457,23 +432,6 @@ class _Timer(RecordingInterpreter):
                 try:
                     fn, prepare = self._call(n, args, kwargs, dtype)
                 except Exception as e:  # noqa: BLE001 - a module that cannot take the dtype
-                    log.debug("%s in %s: %s", n.name, dtype, e)
-                    self.table.entries[entry] = None
-                    continue
-                entries.append(entry)
-                fns.append(fn)
-                prepares.append(prepare)
-        for dtype in self.lows:  # other kernels, timed beside the op itself (interleaved)
-            variants = {f"{key}|{_SHORT[dtype]} {name}": kernel
-                        for name, kernel in kernel_variants(n, self.where).items()}
-            if all(entry in self.table.entries for entry in variants):
-                continue
-            if f"{key}|{_SHORT[dtype]}" not in entries:
-                variants[f"{key}|{_SHORT[dtype]}"] = None
-            for entry, kernel in variants.items():
-                try:
-                    fn, prepare = self._call(n, args, kwargs, dtype, kernel)
-                except Exception as e:  # noqa: BLE001
                     log.debug("%s in %s: %s", n.name, dtype, e)
                     self.table.entries[entry] = None
                     continue
@@ -515,8 +473,6 @@ def _wanted(gm: torch.fx.GraphModule, lows: tuple, where: Layout) -> tuple[dict,
             continue
         keys[n] = key = measure_key(n, gm, where)
         wanted += [f"{key}|{_SHORT[dtype]}" for dtype in (torch.float32,) + lows]
-        wanted += [f"{key}|{_SHORT[dtype]} {name}" for name in kernel_variants(n, where)
-                   for dtype in lows]
         info = n.meta.get(TENSOR)
         if isinstance(info, TensorInfo) and info.dtype == torch.float32 and info.numel:
             wanted += [f"cast {list(info.shape)} {a}->{b}" for d in lows
@@ -585,12 +541,7 @@ class Measured(CostModel):
         tlow = self._get(key, low)
         if tlow is None:  # an op that could not run alone in this dtype: the roofline's ratio
             tlow = t32 * guess.t_low / guess.t_fp32 if guess.t_fp32 else math.inf
-        kernel = ""
-        for name in _mv_splits(node):  # a kernel timed faster than the op (kernel_variants)
-            t = self.table.entries.get(f"{key}|{_SHORT[low]} {name}")
-            if t is not None and t < tlow:
-                tlow, kernel = float(t), name
-        return NodeCost(guess.flops, guess.bytes_fp32, guess.bytes_low, t32, tlow, kernel)
+        return NodeCost(guess.flops, guess.bytes_fp32, guess.bytes_low, t32, tlow)
 
     def cast_cost(self, node, low) -> tuple[float, float]:
         info = node.meta.get(TENSOR)

@@ -20,16 +20,13 @@ from mpgraph.ir.meta import Kind
 
 @dataclass(frozen=True)
 class NodeCost:
-    """What a node costs: its FLOPs, bytes moved and seconds in float32 and in the low dtype;
-    ``kernel_low``, where the low time is another kernel's than the op's own (``"split/8"``: the
-    ``kernels.split_mv`` a matrix-vector product is lowered to where it timed faster)."""
+    """What a node costs: its FLOPs, bytes moved and seconds in float32 and in the low dtype."""
 
     flops: float
     bytes_fp32: float
     bytes_low: float
     t_fp32: float
     t_low: float
-    kernel_low: str = ""
 
 
 class CostModel:
