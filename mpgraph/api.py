@@ -23,7 +23,8 @@ from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, st
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
-from mpgraph.ir.modules import DropoutRate, TrainingBatchNorm, WeightCopies, refuse_hooks
+from mpgraph.ir.modules import (DropoutRate, TrainingBatchNorm, WeightCopies, planned_layout,
+                                refuse_hooks)
 from mpgraph.ir.meta import (CONSTANT_INPUTS, PRECISION, REFERENCE, TENSOR, Kind, dtype_name,
                              is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
@@ -136,8 +137,7 @@ def _attach_plan(gm, record: Plan, opts: "Options", abstract) -> None:
     gm.meta.setdefault("_user_preserved_attributes", {})["plan"] = gm.plan
     if abstract is None:  # the dtype and layout of every tensor as planned: kept on assignment
         gm.planned_tensors = {
-            path: (t.dtype, t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
-                   and not t.is_contiguous())
+            path: (t.dtype, planned_layout(t))
             for path, t in list(gm.named_parameters(remove_duplicate=False))
             + list(gm.named_buffers(remove_duplicate=False))}
         gm.meta["_user_preserved_attributes"]["planned_tensors"] = gm.planned_tensors

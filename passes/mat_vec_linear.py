@@ -45,6 +45,19 @@ def _fixed_rows(x: torch.fx.Node) -> bool:
         and all(type(d) is int for d in val.shape[:-1])
 
 
+def _transpose_of(node: torch.fx.Node):
+    """The 2-D value ``node`` transposes (``t``, ``transpose(0, 1)``), else None."""
+    if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    info = node.args[0].meta.get(TENSOR)
+    if not isinstance(info, TensorInfo) or len(info.shape) != 2:
+        return None
+    if node.target is aten.t.default or (node.target is aten.transpose.int
+                                        and sorted(d % 2 for d in node.args[1:3]) == [0, 1]):
+        return node.args[0]
+    return None
+
+
 def _one_row(node: torch.fx.Node):
     """(x, weight, bias, transposed, the product's output info) of a linear on one row, else
     None: ``linear(x, W, b)`` (W is n x k), and ``addmm(b, x, W)`` / ``mm(x, W)`` on a weight
@@ -61,6 +74,8 @@ def _one_row(node: torch.fx.Node):
         (x, weight), transposed = args, True
     else:
         return None
+    if transposed and isinstance(weight, torch.fx.Node) and _transpose_of(weight) is not None:
+        weight, transposed = _transpose_of(weight), False  # x @ W.t(): mv(W, x), no t(t(W))
     if not isinstance(x, torch.fx.Node) or not isinstance(weight, torch.fx.Node) \
             or not (bias is None or isinstance(bias, torch.fx.Node)) or not _fixed_rows(x) \
             or (transposed and weight_of(weight) is None):
@@ -125,7 +140,10 @@ class MatVecLinear(Pass):
             else:
                 unobserved = True
             node.replace_all_uses_with(shaped)
+            read = node.args[2 if node.target is aten.addmm.default else 1]
             graph.erase_node(node)
+            if read is not weight and not read.users:  # the model's own t(W), read no more
+                graph.erase_node(read)
             done += 1
         if unobserved:  # statistics the capture run did not take (mv before its bias): Calibrate
             gm.meta.pop(OBSERVED, None)  # runs the graph again

@@ -311,7 +311,8 @@ def reads_nhwc(n: torch.fx.Node, gm, nhwc: set) -> bool:
 
 def _transposed_weight(a) -> bool:
     """Whether ``a`` is the transpose of a weight whose low-precision copy StoreWeights stores
-    transposed (``read_transposed``): in float32 a strided view, in low precision contiguous."""
+    transposed (``read_transposed``): in float32 a strided view of the parameter, in the low
+    dtype contiguous rows of the stored copy."""
     return isinstance(a, torch.fx.Node) and a.op == "call_function" \
         and a.target is torch.ops.aten.t.default and isinstance(a.args[0], torch.fx.Node) \
         and a.args[0].op == "get_attr" and read_transposed([a.args[0]])

@@ -334,14 +334,16 @@ def with_data(value: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
 
 
 def read_transposed(weights: list[torch.fx.Node]) -> bool:
-    """Whether every reader of a weight's get_attr nodes ``weights`` is a 2-D transpose
-    (MatVecLinear's ``t`` of a k x n weight before ``mv``: GPT-2's Conv1D): its low-precision
-    copy is then stored transposed (column-major), so that ``t`` gives each reader contiguous
-    rows, and the measured costs time the reader so (a bf16 768x3072 GEMV from memory over the
-    strided transpose 532-573 us, over contiguous rows 242-248 us, 2-core AMX Xeon)."""
+    """Whether a weight's get_attr nodes ``weights`` are read only by MatVecLinear's ``t`` of a
+    k x n weight (GPT-2's Conv1D) before ``mv``: its low-precision copy is then stored
+    transposed (column-major), so that ``t`` gives the GEMV contiguous rows, and the measured
+    costs time the GEMV so (a bf16 768x3072 GEMV from memory over the strided transpose 532-573
+    us, over contiguous rows 242-248 us, 2-core AMX Xeon)."""
     users = [u for w in weights for u in w.users]
-    return bool(users) and all(u.op == "call_function" and u.target is torch.ops.aten.t.default
-                               for u in users)
+    return bool(users) and all(
+        u.op == "call_function" and u.target is torch.ops.aten.t.default
+        and u.meta.get(INSERTED_BY) == "MatVecLinear" and u.users
+        and all(r.target is torch.ops.aten.mv.default for r in u.users) for u in users)
 
 
 def is_conv2d(node: torch.fx.Node, gm) -> bool:

@@ -362,6 +362,26 @@ def pytree_copies_quiet():
         yield
 
 
+def planned_layout(t: torch.Tensor) -> str:
+    """The memory layout a plan stored a tensor in: "channels_last" (ChannelsLast's conv
+    weights), "transposed" (StoreWeights' column-major copy of a GEMV's weight), or ""."""
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) \
+            and not t.is_contiguous():
+        return "channels_last"
+    if t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous():
+        return "transposed"
+    return ""
+
+
+def _in_layout(t: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Tensor:
+    if layout == "transposed" and t.dim() == 2:
+        return torch.empty_strided(t.shape, (1, t.shape[0]), dtype=dtype,
+                                   device=t.device).copy_(t.detach())
+    memory = torch.channels_last if layout == "channels_last" and t.dim() == 4 \
+        else torch.preserve_format
+    return t.detach().to(dtype=dtype, memory_format=memory)
+
+
 class ConvertedModule(torch.fx.GraphModule):
     """The class of what capture and convert return: a GraphModule whose parameters carry the
     plan's dtypes (low ones for low nodes, float32 for the rest, read through the graph's
@@ -387,13 +407,25 @@ class ConvertedModule(torch.fx.GraphModule):
             self.restore_planned_dtypes()
         return result
 
+    def state_dict(self, *args, **kwargs):
+        """The model's state dict, each tensor contiguous: the plan stores some weights in the
+        layout its kernels read fastest (channels_last convolutions, a GEMV's weight
+        transposed), and safetensors (``save_pretrained``) saves contiguous tensors only.
+        ``load_state_dict`` copies values back into the planned layout."""
+        out = super().state_dict(*args, **kwargs)
+        if not kwargs.get("keep_vars", False):
+            for key, value in out.items():
+                if isinstance(value, torch.Tensor) and not value.is_contiguous():
+                    out[key] = value.contiguous()
+        return out
+
     def restore_planned_dtypes(self, prefix: str = "") -> list[str]:
         """Tensors (under ``prefix``) that were replaced by ones of another dtype or layout than
         the plan stored (``load_state_dict(assign=True)``, a submodule swapped in) converted back
         to the plan's; returns their paths."""
         planned = self.__dict__.get("planned_tensors") or {}
         fixed = []
-        for path, (dtype, channels_last) in planned.items():
+        for path, (dtype, layout) in planned.items():
             if not path.startswith(prefix):
                 continue
             owner_path, _, leaf = path.rpartition(".")
@@ -404,10 +436,8 @@ class ConvertedModule(torch.fx.GraphModule):
             t = owner._parameters.get(leaf, owner._buffers.get(leaf))
             if not isinstance(t, torch.Tensor) or t.is_meta:
                 continue
-            layout = torch.channels_last if channels_last and t.dim() == 4 else torch.preserve_format
-            if t.dtype != dtype or (channels_last and t.dim() == 4
-                                    and not t.is_contiguous(memory_format=torch.channels_last)):
-                data = t.detach().to(dtype=dtype, memory_format=layout)
+            if t.dtype != dtype or (layout and planned_layout(t) != layout):
+                data = _in_layout(t, dtype, layout)
                 if leaf in owner._parameters:
                     owner._parameters[leaf] = torch.nn.Parameter(data, t.requires_grad)
                 else:

@@ -117,7 +117,8 @@ def cache_names(module: torch.nn.Module) -> list[str]:
 class Sharing:
     """What the decode graph shares with the prefill graph (tensors by attribute name)."""
 
-    shared: list                  # names pointed at the prefill graph's tensor
+    shared: list                  # names both graphs hold one tensor for (the prefill graph's;
+    #                               the decode graph's where the two layouts differed)
     unshared: list                # (name, why): tensors each graph keeps its own copy of
     bytes_shared: int             # bytes the decode graph would otherwise hold twice
     bytes_stored: int             # bytes both graphs hold together (each storage counted once)
@@ -154,11 +155,26 @@ def _storage_bytes(tensors) -> tuple[int, int]:
     return len(seen), sum(seen.values())
 
 
+_ANY_LAYOUT = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.mv.default,
+               torch.ops.aten.t.default, torch.ops.aten.linear.default,
+               torch.ops.aten.matmul.default}
+
+
+def _reads_any_layout(gm: torch.nn.Module, name: str) -> bool:
+    """Whether every reader of the tensor at ``name`` in ``gm``'s graph takes it in any strides
+    (a matmul; a transpose feeding one is a view, and the matmul takes that)."""
+    readers = [u for n in gm.graph.nodes if n.op == "get_attr" and n.target == name
+               for u in n.users]
+    return bool(readers) and all(u.op == "call_function" and u.target in _ANY_LAYOUT
+                                 for u in readers)
+
+
 def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
                   must_share: tuple = ()) -> Sharing:
     """Point ``decode``'s tensors at ``prefill``'s where both have the name with the same shape
-    and dtype (and, for parameters, neither needs grad); where their layouts differ, the
-    prefill graph's at the decode graph's. ``must_share``: names that must be
+    and dtype; where their layouts differ (a weight the decode plan stores transposed for its
+    GEMV), the prefill graph's at the decode graph's, if the prefill graph's readers of it take
+    any strides (matmuls, transposes). ``must_share``: names that must be
     shared (the cache): a difference there is a ValueError."""
     ours, theirs = _tensors(prefill), _tensors(decode)
     separate = _storage_bytes(list(ours.values()))[1] + _storage_bytes(list(theirs.values()))[1]
@@ -175,6 +191,9 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
                    f"{dtype_name(src.dtype)}")
         elif src.device != t.device:
             why = f"on {t.device}, the prefill graph's on {src.device}"
+        elif src.stride() != t.stride() and not _reads_any_layout(prefill, name):
+            why = (f"the decode plan stores it with strides {t.stride()}, the prefill plan with "
+                   f"{src.stride()}, which one of its ops reads as laid out")
         if why is None:
             if src is not t:
                 saved += t.untyped_storage().nbytes() if t.untyped_storage().data_ptr() != \

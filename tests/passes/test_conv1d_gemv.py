@@ -154,3 +154,76 @@ def test_sharing_between_graphs_that_store_a_weight_in_two_layouts_takes_the_dec
     with torch.no_grad():
         for gm, x in ((prefill, torch.randn(1, 8, 256)), (decode, torch.randn(1, 1, 256))):
             assert mpgraph.numerics.relative_l2(gm(x), model(x)) < 2e-2
+
+
+class _TransposedByTheModel(nn.Module):
+    """``x @ W.t()`` written out: the GEMV reads W's rows as they are, with no t(t(W))."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(512, 256) * 0.05)
+
+    def forward(self, x):
+        h = nn.functional.layer_norm(x, (int(x.shape[-1]),))
+        return torch.mm(h.view(-1, 256), self.weight.t()).view(1, 1, 512)
+
+
+def test_a_weight_the_model_transposes_itself_is_read_row_major_as_stored():
+    torch.manual_seed(0)
+    model, x = _TransposedByTheModel().eval(), torch.randn(1, 1, 256)
+    gm = _graph(model, x)
+    (mv,) = _mvs(gm)
+    assert mv.args[0].op == "get_attr" and " transposed" not in measure_key(mv, gm, layout(gm))
+    converted = mpgraph.convert(model, x, target="cpu", dtype="bf16", costs=_LowIsFaster())
+    assert converted.weight.dtype == BF16 and converted.weight.is_contiguous()
+    with torch.no_grad():
+        assert mpgraph.numerics.relative_l2(converted(x), model(x)) < 2e-2
+
+
+def test_the_state_dict_is_contiguous_and_loads_back_into_the_planned_layout(tmp_path):
+    """safetensors (save_pretrained) saves contiguous tensors only."""
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    model, x = _GPT2ish().eval(), torch.randn(1, 1, 256)
+    converted = mpgraph.convert(model, x, target="cpu", dtype="bf16", costs=_LowIsFaster())
+    with torch.no_grad():
+        expected = converted(x)
+    state = converted.state_dict()
+    assert all(t.is_contiguous() for t in state.values())
+    save_file(state, tmp_path / "w.safetensors")
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert torch.equal(loaded["fc.weight"], converted.fc.weight)
+    converted.load_state_dict(loaded)  # copied into the planned tensors
+    assert converted.fc.weight.stride() == (1, 256)
+    fresh = {k: v.float() for k, v in model.state_dict().items()}
+    converted.load_state_dict(fresh, assign=True)  # assigned, then back to the plan's
+    assert converted.fc.weight.dtype == BF16 and converted.fc.weight.stride() == (1, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), expected)
+
+
+class _ViewsItsWeight(nn.Module):
+    """A prefill-side reader that takes the weight's memory as laid out (a flattening view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = _Conv1D(256, 1024)
+
+    def forward(self, x):
+        return self.fc(x) * self.fc.weight.reshape(-1)[:1024]
+
+
+def test_a_weight_the_prefill_graph_reads_as_laid_out_is_not_shared_across_layouts():
+    torch.manual_seed(0)
+    prefill = mpgraph.convert(_ViewsItsWeight().eval(), torch.randn(1, 8, 256), target="cpu",
+                              dtype="bf16", costs=_LowIsFaster())
+    model = _GPT2ish().eval()
+    model.fc = prefill_model_fc = _Conv1D(256, 1024)  # the same names, read by a GEMV only
+    decode = mpgraph.convert(model, torch.randn(1, 1, 256), target="cpu", dtype="bf16",
+                             costs=_LowIsFaster())
+    del prefill_model_fc
+    assert prefill.fc.weight.stride() == (1024, 1) and decode.fc.weight.stride() == (1, 256)
+    sharing = share_tensors(prefill, decode)
+    assert "fc.weight" in dict(sharing.unshared)
+    assert "which one of its ops reads as laid out" in dict(sharing.unshared)["fc.weight"]
+    assert prefill.fc.weight.stride() == (1024, 1) and decode.fc.weight.stride() == (1, 256)
