@@ -407,18 +407,6 @@ class ConvertedModule(torch.fx.GraphModule):
             self.restore_planned_dtypes()
         return result
 
-    def state_dict(self, *args, **kwargs):
-        """The model's state dict, each tensor contiguous: the plan stores some weights in the
-        layout its kernels read fastest (channels_last convolutions, a GEMV's weight
-        transposed), and safetensors (``save_pretrained``) saves contiguous tensors only.
-        ``load_state_dict`` copies values back into the planned layout."""
-        out = super().state_dict(*args, **kwargs)
-        if not kwargs.get("keep_vars", False):
-            for key, value in out.items():
-                if isinstance(value, torch.Tensor) and not value.is_contiguous():
-                    out[key] = value.contiguous()
-        return out
-
     def restore_planned_dtypes(self, prefix: str = "") -> list[str]:
         """Tensors (under ``prefix``) that were replaced by ones of another dtype or layout than
         the plan stored (``load_state_dict(assign=True)``, a submodule swapped in) converted back
