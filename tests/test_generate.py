@@ -539,3 +539,32 @@ def test_decode_calibration_stays_within_the_model_s_positions():
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert decoder.generate(ids, max_new_tokens=6).shape == want.shape
+
+
+def test_load_weights_into_a_decoder_keeps_its_graphs_sharing_and_gives_the_new_model_s_logits(
+        tmp_path):
+    """A decoder converted once takes other weights of the same model (its state dict or its
+    safetensors checkpoint, by the model's own names); the two graphs still hold one copy."""
+    from safetensors.torch import save_file
+    model = gpt2()
+    example = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS, dtype="fp16",
+                                      target=GPU)
+    assert decoder.sharing.unshared == []
+    other = gpt2()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    for weights in (other.state_dict(), tmp_path / "w.safetensors"):
+        if not isinstance(weights, dict):  # (the tied LM head is saved once, as HF does)
+            save_file({k: v.contiguous() for k, v in other.state_dict().items()
+                       if k != "lm_head.weight"}, weights)
+            decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS,
+                                              dtype="fp16", target=GPU)
+        assert mpgraph.load_weights(decoder, weights) is decoder
+        assert decoder.sharing.unshared == []
+        for name, p in decoder.decode.named_parameters():
+            assert fetch_attr(decoder.prefill, name) is p, name
+        stats = compare(other, decoder, torch.float16, prompt())
+        assert stats["error"] <= BOUND[torch.float16]

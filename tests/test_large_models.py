@@ -160,3 +160,24 @@ def test_plan_on_meta_then_load_onto_the_gpu(llama, tmp_path):
     planned = mpgraph.convert(meta, ids.cuda(), **OPTIONS)  # traced for CUDA: fake CUDA tensors
     mpgraph.load_weights(planned, save_checkpoint(real, tmp_path), device="cuda")
     _same_module(planned, direct, ids.cuda())
+
+
+def test_a_tied_weight_loads_from_the_one_name_a_checkpoint_keeps_and_stays_tied(tmp_path):
+    """HF checkpoints keep a tied LM head once (under the embedding's name): the converted
+    module's head took its old values, silently, before."""
+    def gpt2(seed):
+        torch.manual_seed(seed)
+        return hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+                                                use_cache=False)).eval()
+    model, other = gpt2(0), gpt2(1)
+    assert other.lm_head.weight is other.transformer.wte.weight
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    converted = mpgraph.convert(model, ids, **OPTIONS)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"},
+              tmp_path / "model.safetensors")
+    mpgraph.load_weights(converted, tmp_path / "model.safetensors")
+    params = dict(converted.named_parameters(remove_duplicate=False))
+    assert params["lm_head.weight"] is params["transformer.wte.weight"]
+    with torch.no_grad():
+        ref = other(ids).logits
+        assert mpgraph.numerics.relative_l2(converted(ids).logits, ref) < 2e-2

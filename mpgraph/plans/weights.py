@@ -15,6 +15,7 @@ from typing import Mapping, Union
 import torch
 
 from mpgraph.ir.fake import TRACED_ON, module_tensors, replace_tensor
+from mpgraph.ir.graph import fetch_attr, set_attr
 from mpgraph.ir.meta import WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,53 @@ class _Safetensors(Mapping):
 
     def __len__(self):
         return len(self._where)
+
+
+def _put(gm: torch.nn.Module, paths: list, value: torch.Tensor) -> None:
+    """``value`` at each of ``paths`` as one object (a Parameter where the first was one)."""
+    replace_tensor(gm, paths[0], value)
+    shared = fetch_attr(gm, paths[0])
+    for path in paths[1:]:
+        set_attr(gm, path, shared)
+
+
+class _ModelOf(Mapping):
+    """A causal LM's tensors under the names a decoder's graphs hold them: inside the step
+    wrapper, ``model.`` first (``transformer.h.0...`` is ``model.transformer.h.0...``); a name
+    the weights hold as it is is taken as it is."""
+
+    PREFIX = "model."
+
+    def __init__(self, source: Mapping):
+        self.source = source
+
+    def _key(self, key: str):
+        if key in self.source:
+            return key
+        if key.startswith(self.PREFIX) and key[len(self.PREFIX):] in self.source:
+            return key[len(self.PREFIX):]
+        return None
+
+    def __contains__(self, key):
+        return isinstance(key, str) and self._key(key) is not None
+
+    def __getitem__(self, key):
+        found = self._key(key)
+        if found is None:
+            raise KeyError(key)
+        return self.source[found]
+
+    def __iter__(self):
+        return iter(self.source)
+
+    def __len__(self):
+        return len(self.source)
+
+
+def model_names(weights) -> Mapping:
+    """``weights`` (what load_weights takes) under the names a decoder's graphs give a causal
+    LM's tensors (``_ModelOf``), each file opened once."""
+    return _ModelOf(_source(weights))
 
 
 def _source(weights) -> Mapping:
@@ -96,8 +144,9 @@ def _retarget_devices(gm: torch.fx.GraphModule, old: str, new: torch.device) -> 
 
 
 def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.device] = None,
-                 strict: bool = True) -> torch.nn.Module:
-    """Fill a converted module with real weights, in place; return it.
+                 strict: bool = True, _only: Union[None, set] = None) -> torch.nn.Module:
+    """Fill a converted module (or a ``convert_decoder`` decoder) with real weights, in place;
+    return it.
 
     ``weights``: safetensors file paths, directories of them, a checkpoint's ``.index.json``, or
     state dicts (name -> tensor), searched in order. Each of the module's tensors is looked up by
@@ -106,7 +155,13 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     gave it, and moved to ``device`` (default: the device it was traced for). Tensors are read
     lazily from safetensors: one at a time in memory besides the result. With ``strict``, a
     tensor of the module with no value (still meta) afterwards is an error naming it.
+    A decoder takes the causal LM's own names (its ``state_dict()``, its checkpoint), and its two
+    graphs keep sharing what they shared: the prefill graph's tensors are loaded and the decode
+    graph pointed at them; only what the decode graph holds alone is loaded there.
+    (``_only``: the tensor paths to load, the others left as they are.)
     """
+    if not isinstance(gm, torch.nn.Module) and hasattr(gm, "load_weights"):
+        return gm.load_weights(*weights, device=device, strict=strict)  # a ConvertedDecoder
     sources = [_source(w) for w in weights]
     if not sources:
         raise TypeError("load_weights needs at least one weights file or state dict")
@@ -114,16 +169,23 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     target = torch.device(device) if device is not None else torch.device(traced or "cpu")
     renamed = {r.name: r.source for r in getattr(gm, "meta", {}).get(WEIGHTS, [])}
     missing, loaded, used = [], 0, set()
-    for path, t in list(module_tensors(gm)):
-        key = renamed.get(path, path)
-        found = next((s for s in sources if key in s), None)
+    # a tensor held under several names (a tied LM head and embedding) is one tensor: loaded
+    # from whichever name the weights hold (HF checkpoints keep one), put back at every name
+    groups: dict[int, list] = {}
+    for path, t in module_tensors(gm):
+        if _only is None or path in _only:
+            groups.setdefault(id(t), [t, []])[1].append(path)
+    for t, paths in groups.values():
+        keys = [renamed.get(p, p) for p in paths]
+        found = next(((s, k) for k in keys for s in sources if k in s), None)
         if found is None:
             if t.device.type == "meta":
-                missing.append(path if key == path else f"{path} (from {key})")
+                missing += [p if k == p else f"{p} (from {k})" for p, k in zip(paths, keys)]
             elif t.device != target:
-                replace_tensor(gm, path, t.to(target))
+                _put(gm, paths, t.to(target))
             continue
-        value = found[key]
+        source, key = found
+        value = source[key]
         if tuple(value.shape) != tuple(t.shape):
             raise ValueError(f"weight {key}: shape {tuple(value.shape)}, the converted module "
                              f"has {tuple(t.shape)}")
@@ -131,8 +193,8 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
         placed = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
         with torch.no_grad():
             placed.copy_(value)
-        replace_tensor(gm, path, placed)
-        used.add(key)
+        _put(gm, paths, placed)
+        used.update(k for k in keys if any(k in s for s in sources))
         loaded += 1
     if traced is not None and isinstance(gm, torch.fx.GraphModule) and str(target) != traced:
         _retarget_devices(gm, traced, target)
