@@ -568,3 +568,26 @@ def test_load_weights_into_a_decoder_keeps_its_graphs_sharing_and_gives_the_new_
             assert fetch_attr(decoder.prefill, name) is p, name
         stats = compare(other, decoder, torch.float16, prompt())
         assert stats["error"] <= BOUND[torch.float16]
+
+
+def test_load_weights_into_a_decoder_stays_on_its_device_and_names_unused_keys(tmp_path, caplog):
+    import logging
+    from safetensors.torch import save_file
+    model = gpt2()
+    example = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS, dtype="fp16",
+                                      target=GPU)
+    before = {n: p for n, p in decoder.prefill.named_parameters()}
+    with pytest.raises(ValueError, match="the decoder's graphs are on cpu: load_weights cannot "
+                                         "move them to meta"):
+        mpgraph.load_weights(decoder, model.state_dict(), device="meta")
+    assert {n: p for n, p in decoder.prefill.named_parameters()} == before  # untouched
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()
+               if k != "lm_head.weight"}  # (tied: saved once, as HF does)
+    weights["bogus.extra"] = torch.zeros(3)
+    save_file(weights, tmp_path / "w.safetensors")
+    with caplog.at_level(logging.WARNING, logger="mpgraph.plans.weights"):
+        mpgraph.load_weights(decoder, tmp_path / "w.safetensors")
+    assert "1 tensors of the weights are not in the module (first: bogus.extra)" in caplog.text
+    assert decoder.sharing.unshared == []
+

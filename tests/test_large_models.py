@@ -171,13 +171,17 @@ def test_a_tied_weight_loads_from_the_one_name_a_checkpoint_keeps_and_stays_tied
                                                 use_cache=False)).eval()
     model, other = gpt2(0), gpt2(1)
     assert other.lm_head.weight is other.transformer.wte.weight
+    with torch.device("meta"):
+        meta = gpt2(0)
+    assert meta.lm_head.weight is meta.transformer.wte.weight
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
-    converted = mpgraph.convert(model, ids, **OPTIONS)
     save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"},
               tmp_path / "model.safetensors")
-    mpgraph.load_weights(converted, tmp_path / "model.safetensors")
-    params = dict(converted.named_parameters(remove_duplicate=False))
-    assert params["lm_head.weight"] is params["transformer.wte.weight"]
-    with torch.no_grad():
-        ref = other(ids).logits
-        assert mpgraph.numerics.relative_l2(converted(ids).logits, ref) < 2e-2
+    for source in (model, meta):  # a real model, and one planned on meta (two fakes before)
+        converted = mpgraph.convert(source, ids, **OPTIONS)
+        mpgraph.load_weights(converted, tmp_path / "model.safetensors")
+        params = dict(converted.named_parameters(remove_duplicate=False))
+        assert params["lm_head.weight"] is params["transformer.wte.weight"]
+        with torch.no_grad():
+            ref = other(ids).logits
+            assert mpgraph.numerics.relative_l2(converted(ids).logits, ref) < 2e-2

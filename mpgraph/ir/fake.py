@@ -52,6 +52,24 @@ def replace_tensor(root: torch.nn.Module, path: str, value: torch.Tensor) -> Non
     set_attr(root, path, with_data(fetch_attr(root, path), value))
 
 
+def tensor_groups(root: torch.nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    """``module_tensors`` by tensor: each tensor with every path holding it (a tied LM head and
+    its embedding: one tensor, two paths)."""
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for path, t in module_tensors(root):
+        groups.setdefault(id(t), (t, []))[1].append(path)
+    return list(groups.values())
+
+
+def replace_tensors(root: torch.nn.Module, paths: list[str], value: torch.Tensor) -> None:
+    """``value`` at each of ``paths`` as one object (what the first path held decides its kind),
+    so that a tensor held under several names stays one."""
+    replace_tensor(root, paths[0], value)
+    shared = fetch_attr(root, paths[0])
+    for path in paths[1:]:
+        set_attr(root, path, shared)
+
+
 def has_meta_tensors(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> bool:
     from torch.utils import _pytree as pytree
     inputs = pytree.tree_leaves((args, kwargs or {}))
@@ -85,16 +103,16 @@ class Abstract:
 
     def fake_module_(self, module: torch.nn.Module) -> None:
         """Every tensor of ``module`` (a working copy) replaced by a fake on the traced device."""
-        for path, t in list(module_tensors(module)):
-            replace_tensor(module, path, self.fake(t))
+        for t, paths in tensor_groups(module):
+            replace_tensors(module, paths, self.fake(t))
 
     def finish_(self, gm: torch.nn.Module) -> None:
         """Back from fakes: the converted module's tensors become meta (``load_weights`` then
         gives them values, the model's real tensors first: buffers built beside meta parameters)."""
-        for path, t in list(module_tensors(gm)):
+        for t, paths in tensor_groups(gm):
             if is_abstract(t) and t.device.type != "meta":
-                replace_tensor(gm, path, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
-                                                             device="meta"))
+                replace_tensors(gm, paths, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                               device="meta"))
         gm.meta[TRACED_ON] = str(self.device)
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Mapping, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 
-from mpgraph.ir.fake import TRACED_ON, module_tensors, replace_tensor
-from mpgraph.ir.graph import fetch_attr, set_attr
+from mpgraph.ir.fake import TRACED_ON, module_tensors, replace_tensors, tensor_groups
 from mpgraph.ir.meta import WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -46,14 +45,6 @@ class _Safetensors(Mapping):
         return len(self._where)
 
 
-def _put(gm: torch.nn.Module, paths: list, value: torch.Tensor) -> None:
-    """``value`` at each of ``paths`` as one object (a Parameter where the first was one)."""
-    replace_tensor(gm, paths[0], value)
-    shared = fetch_attr(gm, paths[0])
-    for path in paths[1:]:
-        set_attr(gm, path, shared)
-
-
 class _ModelOf(Mapping):
     """A causal LM's tensors under the names a decoder's graphs hold them: inside the step
     wrapper, ``model.`` first (``transformer.h.0...`` is ``model.transformer.h.0...``); a name
@@ -64,18 +55,17 @@ class _ModelOf(Mapping):
     def __init__(self, source: Mapping):
         self.source = source
 
-    def _key(self, key: str):
-        if key in self.source:
-            return key
+    def resolve(self, key: str):
+        """The weights' name for a graph's ``key`` (the model's own name first), else None."""
         if key.startswith(self.PREFIX) and key[len(self.PREFIX):] in self.source:
             return key[len(self.PREFIX):]
-        return None
+        return key if key in self.source else None
 
     def __contains__(self, key):
-        return isinstance(key, str) and self._key(key) is not None
+        return isinstance(key, str) and self.resolve(key) is not None
 
     def __getitem__(self, key):
-        found = self._key(key)
+        found = self.resolve(key)
         if found is None:
             raise KeyError(key)
         return self.source[found]
@@ -144,45 +134,96 @@ def _retarget_devices(gm: torch.fx.GraphModule, old: str, new: torch.device) -> 
 
 
 def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.device] = None,
-                 strict: bool = True, _only: Union[None, set] = None) -> torch.nn.Module:
+                 strict: bool = True) -> torch.nn.Module:
     """Fill a converted module (or a ``convert_decoder`` decoder) with real weights, in place;
     return it.
 
     ``weights``: safetensors file paths, directories of them, a checkpoint's ``.index.json``, or
     state dicts (name -> tensor), searched in order. Each of the module's tensors is looked up by
     the name it had in the model (a weight the plan stored in low precision under a new name is
-    found by its original name), checked for shape, cast to the dtype and memory layout the plan
-    gave it, and moved to ``device`` (default: the device it was traced for). Tensors are read
-    lazily from safetensors: one at a time in memory besides the result. With ``strict``, a
-    tensor of the module with no value (still meta) afterwards is an error naming it.
-    A decoder takes the causal LM's own names (its ``state_dict()``, its checkpoint), and its two
-    graphs keep sharing what they shared: the prefill graph's tensors are loaded and the decode
-    graph pointed at them; only what the decode graph holds alone is loaded there.
-    (``_only``: the tensor paths to load, the others left as they are.)
+    found by its original name; a tensor held under several names, a tied LM head, by whichever
+    the weights hold, and it stays one tensor), checked for shape, cast to the dtype and memory
+    layout the plan gave it, and moved to ``device`` (default: the device it was traced for, or
+    the one its tensors are on). Tensors are read lazily from safetensors: one at a time in
+    memory besides the result. With ``strict``, a tensor of the module with no value (still
+    meta) afterwards is an error naming it. A decoder takes the causal LM's own names (its
+    ``state_dict()``, its checkpoint), and its two graphs keep sharing what they shared
+    (``ConvertedDecoder.load_weights``).
     """
     if not isinstance(gm, torch.nn.Module) and hasattr(gm, "load_weights"):
         return gm.load_weights(*weights, device=device, strict=strict)  # a ConvertedDecoder
     sources = [_source(w) for w in weights]
     if not sources:
         raise TypeError("load_weights needs at least one weights file or state dict")
-    traced = gm.meta.get(TRACED_ON) if hasattr(gm, "meta") else None
-    target = torch.device(device) if device is not None else torch.device(traced or "cpu")
+    used = _load_into(gm, sources, _target(gm, device), strict)
+    _warn_unused(sources, used)
+    return gm
+
+
+def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights: tuple,
+                        share: Callable[[], list], device=None, strict: bool = True) -> None:
+    """load_weights for two modules holding some tensors in common (a decoder's graphs):
+    ``first`` loaded, then ``share()`` points ``second``'s tensors at ``first``'s and returns
+    the paths it could not, which alone are loaded into ``second``. The causal LM's names."""
+    sources = [model_names(w) for w in weights]  # each file opened once
+    if not sources:
+        raise TypeError("load_weights needs at least one weights file or state dict")
+    target = _target(first, device)
+    if _target(second, None) != target:
+        raise ValueError(f"the decoder's graphs are on {_target(second, None)}: load_weights "
+                         f"cannot move them to {target} (convert_decoder on that device)")
+    used = _load_into(first, sources, target, strict)
+    own = set(share()) & {path for path, _ in module_tensors(second)}
+    if own:
+        used |= _load_into(second, sources, target, strict, only=own)
+    _warn_unused(sources, used)
+
+
+def _target(gm: torch.nn.Module, device) -> torch.device:
+    """Where loaded tensors go: ``device``, else the device gm was traced for (a plan on meta),
+    else the one its tensors are on."""
+    if device is not None:
+        return torch.device(device)
+    traced = gm.meta.get(TRACED_ON) if isinstance(getattr(gm, "meta", None), dict) else None
+    if traced:
+        return torch.device(traced)
+    real = next((t.device for _, t in module_tensors(gm) if t.device.type != "meta"), None)
+    return real or torch.device("cpu")
+
+
+def _warn_unused(sources: list, used: set) -> None:
+    unused = [k for s in sources for base in [s.source if isinstance(s, _ModelOf) else s]
+              if isinstance(base, _Safetensors) for k in base if k not in used]
+    if unused:
+        log.warning("%d tensors of the weights are not in the module (first: %s)", len(unused),
+                    ", ".join(unused[:5]))
+
+
+def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict: bool,
+               only: Optional[set] = None) -> set:
+    """load_weights' work on one module (the paths in ``only``, where given); returns the keys
+    of the weights it used, as the weights name them."""
+    traced = gm.meta.get(TRACED_ON) if isinstance(getattr(gm, "meta", None), dict) else None
     renamed = {r.name: r.source for r in getattr(gm, "meta", {}).get(WEIGHTS, [])}
     missing, loaded, used = [], 0, set()
     # a tensor held under several names (a tied LM head and embedding) is one tensor: loaded
-    # from whichever name the weights hold (HF checkpoints keep one), put back at every name
-    groups: dict[int, list] = {}
-    for path, t in module_tensors(gm):
-        if _only is None or path in _only:
-            groups.setdefault(id(t), [t, []])[1].append(path)
-    for t, paths in groups.values():
-        keys = [renamed.get(p, p) for p in paths]
+    # from whichever name the weights hold (HF checkpoints keep one), put back at every name;
+    # a low-precision copy from its original's names
+    groups = tensor_groups(gm)
+    mates = {p: paths for _, paths in groups for p in paths}
+    for t, paths in groups:
+        paths = [p for p in paths if only is None or p in only]
+        if not paths:
+            continue
+        keys = list(dict.fromkeys([renamed.get(p, p) for p in paths] + [
+            m for p in paths if p in renamed for m in mates.get(renamed[p], ())]))
         found = next(((s, k) for k in keys for s in sources if k in s), None)
         if found is None:
             if t.device.type == "meta":
-                missing += [p if k == p else f"{p} (from {k})" for p, k in zip(paths, keys)]
+                missing += [p if renamed.get(p, p) == p else f"{p} (from {renamed[p]})"
+                            for p in paths]
             elif t.device != target:
-                _put(gm, paths, t.to(target))
+                replace_tensors(gm, paths, t.to(target))
             continue
         source, key = found
         value = source[key]
@@ -193,15 +234,12 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
         placed = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
         with torch.no_grad():
             placed.copy_(value)
-        _put(gm, paths, placed)
-        used.update(k for k in keys if any(k in s for s in sources))
+        replace_tensors(gm, paths, placed)
+        used.update(s.resolve(k) if isinstance(s, _ModelOf) else k
+                    for k in keys for s in sources if k in s)
         loaded += 1
     if traced is not None and isinstance(gm, torch.fx.GraphModule) and str(target) != traced:
         _retarget_devices(gm, traced, target)
-    unused = [k for s in sources if isinstance(s, _Safetensors) for k in s if k not in used]
-    if unused:
-        log.warning("%d tensors of the weights are not in the module (first: %s)", len(unused),
-                    ", ".join(unused[:5]))
     if missing and strict:
         raise ValueError(f"{len(missing)} tensors of the converted module have no value in the "
                          f"weights: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else "")
@@ -209,4 +247,4 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
                            "checkpoints: build them for real beside meta parameters, or pass "
                            "them in a dict)")
     log.info("loaded %d tensors onto %s", loaded, target)
-    return gm
+    return used

@@ -37,11 +37,11 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mpgraph.api import convert
-from mpgraph.ir.fake import has_meta_tensors, module_tensors
+from mpgraph.ir.fake import has_meta_tensors
 from mpgraph.ir.graph import fetch_attr, is_inplace, set_attr
 from mpgraph.tools.cuda_graph import GraphedModule
 from mpgraph.ir.meta import dtype_name
-from mpgraph.plans.weights import load_weights as load_module_weights, model_names
+from mpgraph.plans.weights import load_weights_shared
 
 log = logging.getLogger(__name__)
 
@@ -257,14 +257,14 @@ class ConvertedDecoder:
         """``mpgraph.load_weights`` for both graphs, by the causal LM's own names (its
         ``state_dict()``, its checkpoint): the prefill graph's tensors are loaded, the decode
         graph pointed at them by name (share_tensors) and given its own only where the plans
-        differ, so the two keep one copy of what they shared."""
-        weights = tuple(model_names(w) for w in weights)  # each file opened once
-        load_module_weights(self.prefill, *weights, device=device, strict=strict)
+        differ, so the two keep one copy of what they shared. The graphs stay on their device."""
         names = tuple(cache_names(self.prefill))
-        own = {name for name, _ in share_tensors(self.prefill, self.decode, names).unshared}
-        own &= {path for path, _ in module_tensors(self.decode)}
-        if own:
-            load_module_weights(self.decode, *weights, device=device, strict=strict, _only=own)
+
+        def share() -> list:
+            self.sharing = share_tensors(self.prefill, self.decode, names)
+            return [name for name, _ in self.sharing.unshared]
+        load_weights_shared(self.prefill, self.decode, weights, share, device=device,
+                            strict=strict)
         self.sharing = share_tensors(self.prefill, self.decode, names)
         self._graphed = None  # a CUDA graph captured the tensors this replaced
         self.reset_cache()
