@@ -142,7 +142,7 @@ class MatVecLinear(Pass):
             node.replace_all_uses_with(shaped)
             read = node.args[2 if node.target is aten.addmm.default else 1]
             graph.erase_node(node)
-            if read is not weight and not read.users:  # the model's own t(W), read no more
+            if _transpose_of(read) is not None and not read.users:  # the model's own t(W)
                 graph.erase_node(read)
             done += 1
         if unobserved:  # statistics the capture run did not take (mv before its bias): Calibrate

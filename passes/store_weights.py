@@ -15,20 +15,18 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
+from mpgraph.ir.fake import tensor_groups
 from mpgraph.ir.graph import (fetch_attr, free_attr_name, owner_of, read_transposed, set_attr,
                               with_data)
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo,
                           WeightRecord, dtype_name)
+from mpgraph.ir.modules import in_layout
 from mpgraph.passes.infra import Pass, PassResult
 
 
 def _converted(value: torch.Tensor, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
     """``value`` in ``dtype``; ``transposed``: a 2-D one stored column-major (``read_transposed``)."""
-    if transposed and value.dim() == 2:
-        data = torch.empty_strided(value.shape, (1, value.shape[0]), dtype=dtype,
-                                   device=value.device)
-        return with_data(value, data.copy_(value.detach()) if value.device.type != "meta" else data)
-    return with_data(value, value.detach().to(dtype))
+    return with_data(value, in_layout(value, dtype, "transposed" if transposed else ""))
 
 
 def _add_copy(root: torch.nn.Module, target: str, value: torch.Tensor) -> None:
@@ -41,11 +39,7 @@ def _add_copy(root: torch.nn.Module, target: str, value: torch.Tensor) -> None:
 
 def _holders(root: torch.nn.Module) -> dict[int, int]:
     """How many names each tensor of ``root`` is held under (tied weights: more than one)."""
-    held: dict[int, int] = defaultdict(int)
-    for _, t in list(root.named_parameters(remove_duplicate=False)) + \
-            list(root.named_buffers(remove_duplicate=False)):
-        held[id(t)] += 1
-    return held
+    return {id(t): len(paths) for t, paths in tensor_groups(root)}
 
 
 def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
@@ -92,7 +86,7 @@ class StoreWeights(Pass):
         edits = 0
         for target, nodes in by_target.items():
             original = fetch_attr(gm, target)
-            low_users, other = [], id(original) in called or held[id(original)] > 1
+            low_users, other = [], id(original) in called or held.get(id(original), 0) > 1
             for node in nodes:
                 for user in node.users:
                     need = required_dtype(user, node, gm, self.keep_io_types)

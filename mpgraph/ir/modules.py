@@ -373,7 +373,8 @@ def planned_layout(t: torch.Tensor) -> str:
     return ""
 
 
-def _in_layout(t: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Tensor:
+def in_layout(t: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """A copy of ``t`` in ``dtype`` and the ``planned_layout`` ``layout`` ("" keeps its strides)."""
     if layout == "transposed" and t.dim() == 2:
         return torch.empty_strided(t.shape, (1, t.shape[0]), dtype=dtype,
                                    device=t.device).copy_(t.detach())
@@ -425,7 +426,7 @@ class ConvertedModule(torch.fx.GraphModule):
             if not isinstance(t, torch.Tensor) or t.is_meta:
                 continue
             if t.dtype != dtype or (layout and planned_layout(t) != layout):
-                data = _in_layout(t, dtype, layout)
+                data = in_layout(t, dtype, layout)
                 if leaf in owner._parameters:
                     owner._parameters[leaf] = torch.nn.Parameter(data, t.requires_grad)
                 else:

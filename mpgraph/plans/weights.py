@@ -168,10 +168,10 @@ def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights
     sources = [model_names(w) for w in weights]  # each file opened once
     if not sources:
         raise TypeError("load_weights needs at least one weights file or state dict")
-    target = _target(first, device)
-    if _target(second, None) != target:
-        raise ValueError(f"the decoder's graphs are on {_target(second, None)}: load_weights "
-                         f"cannot move them to {target} (convert_decoder on that device)")
+    target, there = _target(first, device), _target(second, None)
+    if there != target:
+        raise ValueError(f"the decoder's graphs are on {there}: load_weights cannot move them "
+                         f"to {target} (convert_decoder on that device)")
     used = _load_into(first, sources, target, strict)
     own = set(share()) & {path for path, _ in module_tensors(second)}
     if own:
@@ -184,11 +184,16 @@ def _target(gm: torch.nn.Module, device) -> torch.device:
     else the one its tensors are on."""
     if device is not None:
         return torch.device(device)
-    traced = gm.meta.get(TRACED_ON) if isinstance(getattr(gm, "meta", None), dict) else None
+    traced = _traced_on(gm)
     if traced:
         return torch.device(traced)
     real = next((t.device for _, t in module_tensors(gm) if t.device.type != "meta"), None)
     return real or torch.device("cpu")
+
+
+def _traced_on(gm: torch.nn.Module):
+    """The device a plan on meta was traced for (``finish_``), else None."""
+    return gm.meta.get(TRACED_ON) if isinstance(getattr(gm, "meta", None), dict) else None
 
 
 def _warn_unused(sources: list, used: set) -> None:
@@ -203,7 +208,7 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
                only: Optional[set] = None) -> set:
     """load_weights' work on one module (the paths in ``only``, where given); returns the keys
     of the weights it used, as the weights name them."""
-    traced = gm.meta.get(TRACED_ON) if isinstance(getattr(gm, "meta", None), dict) else None
+    traced = _traced_on(gm)
     renamed = {r.name: r.source for r in getattr(gm, "meta", {}).get(WEIGHTS, [])}
     missing, loaded, used = [], 0, set()
     # a tensor held under several names (a tied LM head and embedding) is one tensor: loaded

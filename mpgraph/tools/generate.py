@@ -261,8 +261,7 @@ class ConvertedDecoder:
         names = tuple(cache_names(self.prefill))
 
         def share() -> list:
-            self.sharing = share_tensors(self.prefill, self.decode, names)
-            return [name for name, _ in self.sharing.unshared]
+            return [name for name, _ in share_tensors(self.prefill, self.decode, names).unshared]
         load_weights_shared(self.prefill, self.decode, weights, share, device=device,
                             strict=strict)
         self.sharing = share_tensors(self.prefill, self.decode, names)
