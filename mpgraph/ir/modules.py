@@ -480,7 +480,9 @@ class ConvertedModule(torch.fx.GraphModule):
         return [p for p, (dtype, _) in planned.items() if p in found and found[p].dtype != dtype]
 
     def __copy__(self):
-        new = type(self).wrap(self)
+        # (ConvertedModule's wrap, not type(self)'s: fx makes each instance's class anew, and an
+        # object of a class that is not type(self)'s subclass was returned uninitialised)
+        new = ConvertedModule.wrap(self)
         for name, value in self.meta.get("_user_preserved_attributes", {}).items():
             setattr(new, name, value)
         return new
