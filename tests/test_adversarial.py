@@ -332,6 +332,8 @@ def test_pickling_is_refused_with_the_way_out_and_a_deepcopy_is_independent():
         assert relative_l2(before, model(_x(4, 8, seed=1))) < TOL["fp16"]
     with pytest.raises(TypeError, match="has no argument 'scale'"):
         copy.copy(fast)(_x(4, 8), scale=2)  # a copy checks its calls too
+    with torch.no_grad():  # and runs (it was returned uninitialised)
+        assert torch.equal(copy.copy(fast)(_x(4, 8, seed=1)), before)
 
 
 class MaxNormEmbedding(nn.Module):
