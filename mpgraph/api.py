@@ -23,9 +23,9 @@ from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, st
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import PlanMismatchError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
-from mpgraph.ir.modules import (DropoutRate, TrainingBatchNorm, WeightCopies, planned_layout,
+from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, WeightCopies, planned_layout,
                                 refuse_hooks)
-from mpgraph.ir.meta import (CONSTANT_INPUTS, PRECISION, REFERENCE, TENSOR, Kind, dtype_name,
+from mpgraph.ir.meta import (CONSTANT_INPUTS, FUSED, PRECISION, REFERENCE, TENSOR, Kind, dtype_name,
                              is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
@@ -98,6 +98,11 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     # the passes and the tolerance search read graphs, not code: regenerated once, at the end
     with fake_mode(abstract), deferred_recompile():
         gm, report, low, keep_fp32, chosen = _convert_captured(gm, model, args, kwargs, opts)
+        if gm.meta.get(FUSED):  # stacked sibling weights: the members become views of them
+            gm.fused_weights = FusedWeights(gm.meta[FUSED])
+            gm.fused_weights.refresh(gm)
+            gm.meta.setdefault("_user_preserved_attributes", {})["fused_weights"] = \
+                gm.fused_weights
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
     if not opts.train and model.training and follows_training_flag(gm):
         warnings.warn(f"{type(model).__name__} is in training mode and is converted for inference: "

@@ -13,6 +13,7 @@ from mpgraph.passes.classify_ops import ClassifyOps
 from mpgraph.passes.estimate_cost import EstimateCost
 from mpgraph.passes.follow_training_flag import FollowTrainingFlag
 from mpgraph.passes.functionalize import Functionalize
+from mpgraph.passes.fuse_sibling_gemv import FuseSiblingGemv
 from mpgraph.passes.fuse_tanh_gelu import FuseTanhGelu
 from mpgraph.passes.insert_casts import InsertCasts
 from mpgraph.passes.lint_tensor_cores import LintTensorCores
@@ -25,6 +26,6 @@ from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
            "CheckConversion", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "Functionalize",
-           "FuseTanhGelu", "InsertCasts",
+           "FuseSiblingGemv", "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "MatVecLinear", "NumericSafety", "PropagateTensorInfo", "PruneForInference",
            "RetargetDtypeAsserts", "StoreWeights"]

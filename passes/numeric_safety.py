@@ -68,7 +68,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import CALLS, fetch_attr, input_nodes, owner_of
-from mpgraph.ir.meta import OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
+from mpgraph.ir.meta import FUSED, OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
@@ -179,8 +179,10 @@ def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype,
 
 
 def _is_parameter(gm: torch.nn.Module, target: str) -> bool:
+    """A parameter, or a stack of them (FuseSiblingGemv's: the layers' weights, not a constant)."""
     owner, leaf = owner_of(gm, target)
-    return leaf in owner._parameters
+    return leaf in owner._parameters or any(
+        t == target for t, _ in getattr(gm, "meta", {}).get(FUSED, ()))
 
 
 # matmul-class ops whose stored operand's contraction dimension mpgraph knows: op name ->

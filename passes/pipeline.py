@@ -12,7 +12,7 @@ from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
                             FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
-                            LintTensorCores, MatVecLinear, NumericSafety, RetargetDtypeAsserts, StoreWeights)
+                            FuseSiblingGemv, LintTensorCores, MatVecLinear, NumericSafety, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
 from mpgraph.ir.meta import Kind
 
@@ -34,6 +34,7 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
         *([] if train else [PruneForInference()]),  # rewrite: eval dropout, asserts, guards
         *([MatVecLinear()] if kind == Kind.CPU and not train else []),  # rewrite: 1-row linears
+        *([FuseSiblingGemv()] if kind == Kind.CPU and not train else []),  # rewrite: q/k/v as one
         Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges
     ]
 

@@ -13,7 +13,7 @@ import torch.fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.meta import INSERTED_BY, TENSOR, TensorInfo, tensor_infos
+from mpgraph.ir.meta import FUSED, INSERTED_BY, TENSOR, TensorInfo, tensor_infos
 from mpgraph.ir.ops import move_names
 
 # Ops whose output aliases their first input (a view), so mutating the output mutates the input.
@@ -244,7 +244,9 @@ def state_kept(module: torch.nn.Module):
     """Buffers the run writes into (running statistics, counters), and parameters a forward
     writes (``written_parameters``), are put back afterwards: every run conversion makes starts
     from the model's state, as the reference run did, and leaves it so."""
-    saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)]
+    stacks = {id(fetch_attr(module, t)) for t, _ in getattr(module, "meta", {}).get(FUSED, ())}
+    saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)
+             if id(b) not in stacks]  # (FuseSiblingGemv's stacked weights: never written)
     try:  # (kernels that update running statistics do not bump _version)
         yield
     finally:

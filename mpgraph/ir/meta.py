@@ -43,6 +43,9 @@ OBSERVED = "mpgraph.observed"
 # node.meta: True on the add MatVecLinear splits off a linear's product (``mv`` then the bias):
 # its parameter is the layer's bias, a weight, not a value joined to activations
 LINEAR_BIAS = "mpgraph.linear_bias"
+# on gm.meta: FuseSiblingGemv's weights, [(fused tensor's path, ((member's path, first row,
+# row after), ...))]: the members are row views of the fused tensor (``modules.FusedWeights``)
+FUSED = "mpgraph.fused"
 
 
 @dataclass(frozen=True)

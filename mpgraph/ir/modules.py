@@ -7,6 +7,7 @@ torch.export bakes the training flag into the graph (``aten.dropout(x, p, True)`
 from __future__ import annotations
 
 import contextlib
+import copy
 import marshal
 import re
 import warnings
@@ -307,6 +308,108 @@ class WeightCopies:
                 self.seen[copy] = stamp
 
 
+class FusedWeights:
+    """FuseSiblingGemv's stacked weights kept one with their members: each member (the model's
+    own q/k/v or gate/up weight, in the state dict under its key) is a row view of its stack,
+    so in-place writes (``load_state_dict``, ``param.copy_()``) reach the stack. A member
+    replaced by another tensor (``load_state_dict(assign=True)``, ``.to()``, ``load_weights``)
+    is copied into the stack before the next call, in the stack's dtype, and becomes a view
+    again; a stack left on another device or on meta is rebuilt where the members are."""
+
+    def __init__(self, records):
+        self.records = tuple((target, tuple(spans)) for target, spans in records)
+        self._watch = None  # (the dict holding it, name, tensor, data_ptr) of each, when in step
+
+    def __getstate__(self):
+        return {"records": self.records}
+
+    def __setstate__(self, state):
+        self.__init__(state["records"])
+
+    def in_step(self, root: torch.nn.Module) -> bool:
+        """Whether every stack and member is still the tensor, at the address, that the last
+        refresh left (a call's check: ~0.5 us a tensor, where walking the paths cost ~5)."""
+        watch = self._watch
+        return watch is not None and watch[0] is root and all(
+            d.get(leaf) is t and t.data_ptr() == ptr for d, leaf, t, ptr in watch[1])
+
+    @property
+    def stacks(self) -> set:
+        return {target for target, _ in self.records}
+
+    @property
+    def members(self) -> set:
+        return {path for _, spans in self.records for path, _, _ in spans}
+
+    def adopt(self, copied: torch.nn.Module, source: torch.nn.Module) -> None:
+        """After fx copied ``source`` (``copy.copy``, ``copy.deepcopy``): the stacks buffers out
+        of the state dict again (fx registers a buffer it copies as a persistent one, which
+        ``load_state_dict`` would then want), and members that no get_attr names, which a
+        shallow copy leaves out, taken from ``source``."""
+        from torch.fx.graph_module import _copy_attr
+        for target, spans in self.records:
+            for path, _, _ in spans:
+                try:
+                    _tensor_at(copied, path)
+                except (KeyError, AttributeError):
+                    _copy_attr(source, copied, path)
+            *modules, leaf = target.split(".")
+            owner = copied
+            for part in modules:
+                owner = owner._modules[part]
+            owner._non_persistent_buffers_set.add(leaf)
+        self._watch = None
+
+    def refresh(self, root: torch.nn.Module) -> None:
+        if self.in_step(root):
+            return
+        from mpgraph.ir.fake import is_abstract
+        from mpgraph.ir.graph import set_attr, with_data
+        self._watch = None
+        for target, spans in self.records:
+            stack = _tensor_at(root, target)
+            members = [(path, start, stop, _tensor_at(root, path)) for path, start, stop in spans]
+            valued = [not is_abstract(t) for *_, t in members]
+            if not all(valued):  # a plan without weights (meta, fakes): the views' dtypes
+                if not any(valued) and is_abstract(stack):
+                    for path, start, stop, t in members:
+                        if t.dtype != stack.dtype or t.device != stack.device:
+                            set_attr(root, path, with_data(t, stack[start:stop]))
+                continue  # (some loaded, some not: load_weights refreshes when all are)
+            if all(_rows_of(t, stack, start) for _, start, _, t in members):
+                continue
+            device = members[0][3].device
+            if stack.device != device or is_abstract(stack):  # moved, or loaded from meta
+                stack = torch.empty(stack.shape, dtype=stack.dtype, device=device)
+                set_attr(root, target, stack)
+            with torch.no_grad():
+                for path, start, stop, t in members:
+                    if not _rows_of(t, stack, start):
+                        stack[start:stop].copy_(t)
+                        set_attr(root, path, with_data(t, stack[start:stop]))
+        paths = [p for target, spans in self.records for p in (target, *(s[0] for s in spans))]
+        if all(not is_abstract(_tensor_at(root, p)) for p in paths):
+            self._watch = (root, [_holder(root, p) for p in paths])
+
+
+def _holder(root: torch.nn.Module, path: str) -> tuple:
+    """(the dict that holds the tensor at ``path``, its name there, the tensor, its address)."""
+    *modules, leaf = path.split(".")
+    owner = root
+    for part in modules:
+        owner = owner._modules[part]
+    for d in (owner._parameters, owner._buffers):
+        if d.get(leaf) is not None:
+            return d, leaf, d[leaf], d[leaf].data_ptr()
+    raise KeyError(path)
+
+
+def _rows_of(t: torch.Tensor, stack: torch.Tensor, start: int) -> bool:
+    """Whether ``t`` is the view of ``stack``'s rows from ``start``."""
+    return t.dtype == stack.dtype and t.device == stack.device and t.stride() == stack.stride() \
+        and t.data_ptr() == stack.data_ptr() + start * stack.stride(0) * stack.element_size()
+
+
 def _stamp(t: torch.Tensor) -> tuple:
     """What changes when a tensor is written in place or replaced."""
     return id(t), t._version, t.data_ptr(), t.device
@@ -438,6 +541,9 @@ class ConvertedModule(torch.fx.GraphModule):
         if isinstance(value, torch.nn.Module) and name in self.__dict__.get("_modules", {}):
             super().__setattr__(name, value)  # a submodule swapped in: in the plan's dtypes
             self.restore_planned_dtypes(prefix=name + ".")
+            fused = self.__dict__.get("fused_weights")
+            if fused is not None:  # (its tensors are checked again on the next call)
+                fused._watch = None
             return
         signature = self.__dict__.get("call_signature")
         if signature is not None and name in signature.attributes \
@@ -456,6 +562,9 @@ class ConvertedModule(torch.fx.GraphModule):
         copies = self.__dict__.get("weight_copies")
         if copies is not None:
             copies.refresh(self)
+        fused = self.__dict__.get("fused_weights")
+        if fused is not None:
+            fused.refresh(self)
         try:
             return super().__call__(*args, **kwargs)
         except AssertionError as e:  # torch.export's input guard (_guards_fn)
@@ -485,6 +594,9 @@ class ConvertedModule(torch.fx.GraphModule):
         new = ConvertedModule.wrap(self)
         for name, value in self.meta.get("_user_preserved_attributes", {}).items():
             setattr(new, name, value)
+        if "fused_weights" in new.__dict__:
+            new.fused_weights = copy.copy(new.fused_weights)
+            new.fused_weights.adopt(new, self)
         return new
 
     def __reduce_ex__(self, protocol):
@@ -500,7 +612,10 @@ class ConvertedModule(torch.fx.GraphModule):
 
     def __deepcopy__(self, memo):
         with pytree_copies_quiet():
-            return super().__deepcopy__(memo)
+            new = super().__deepcopy__(memo)
+        if "fused_weights" in new.__dict__:
+            new.fused_weights.adopt(new, self)
+        return new
 
     def recompile(self):
         """GraphModule's code, with each parameter and buffer read as a lookup in the dict that

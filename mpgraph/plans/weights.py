@@ -156,8 +156,16 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     if not sources:
         raise TypeError("load_weights needs at least one weights file or state dict")
     used = _load_into(gm, sources, _target(gm, device), strict)
+    _refresh_fused(gm)
     _warn_unused(sources, used)
     return gm
+
+
+def _refresh_fused(gm: torch.nn.Module) -> None:
+    """Stacked sibling weights (FuseSiblingGemv) rebuilt from the members just loaded."""
+    fused = gm.__dict__.get("fused_weights")
+    if fused is not None:
+        fused.refresh(gm)
 
 
 def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights: tuple,
@@ -176,6 +184,8 @@ def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights
     own = set(share()) & {path for path, _ in module_tensors(second)}
     if own:
         used |= _load_into(second, sources, target, strict, only=own)
+    _refresh_fused(first)
+    _refresh_fused(second)
     _warn_unused(sources, used)
 
 
@@ -216,8 +226,10 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
     # a low-precision copy from its original's names
     groups = tensor_groups(gm)
     mates = {p: paths for _, paths in groups for p in paths}
+    fused = gm.__dict__.get("fused_weights")
+    stacks = fused.stacks if fused is not None else set()  # built from their members after
     for t, paths in groups:
-        paths = [p for p in paths if only is None or p in only]
+        paths = [p for p in paths if (only is None or p in only) and p not in stacks]
         if not paths:
             continue
         keys = list(dict.fromkeys([renamed.get(p, p) for p in paths] + [

@@ -178,13 +178,16 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
     any strides (matmuls, transposes). ``must_share``: names that must be
     shared (the cache): a difference there is a ValueError."""
     ours, theirs = _tensors(prefill), _tensors(decode)
+    fused = getattr(decode, "fused_weights", None)
+    stacks, members = (fused.stacks, fused.members) if fused is not None else (set(), set())
     separate = _storage_bytes(list(ours.values()))[1] + _storage_bytes(list(theirs.values()))[1]
-    shared, unshared, saved = [], [], 0
+    shared, unshared, saved, rejoin = [], [], 0, []
     for name, t in theirs.items():
         src = ours.get(name)
         why = None
         if src is None:
-            why = "only in the decode graph"
+            why = ("only in the decode graph (sibling weights stacked for one GEMV; the weights "
+                   "are views of it)") if name in stacks else "only in the decode graph"
         elif src.shape != t.shape:
             why = f"shape {tuple(t.shape)} vs the prefill graph's {tuple(src.shape)}"
         elif src.dtype != t.dtype:
@@ -196,7 +199,11 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
             why = (f"the decode plan stores it with strides {t.stride()}, the prefill plan with "
                    f"{src.stride()}, which one of its ops reads as laid out")
         if why is None:
-            if src is not t:
+            if name in members and src is not t:  # a row of a stack the decode graph reads:
+                saved += src.numel() * src.element_size()  # the stack takes the prefill graph's
+                set_attr(decode, name, src)  # values (a load), then both graphs read its view
+                rejoin.append(name)
+            elif src is not t:
                 saved += t.untyped_storage().nbytes() if t.untyped_storage().data_ptr() != \
                     src.untyped_storage().data_ptr() else 0
                 if src.stride() == t.stride():
@@ -209,6 +216,10 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
                 raise ValueError(f"the cache tensor {name} cannot be shared between the prefill "
                                  f"and decode graphs: {why}")
             unshared.append((name, why))
+    if rejoin:
+        fused.refresh(decode)
+        for name in rejoin:
+            set_attr(prefill, name, fetch_attr(decode, name))
     for name in ours:
         if name not in theirs:
             unshared.append((name, "only in the prefill graph"))
