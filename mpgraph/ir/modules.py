@@ -378,6 +378,11 @@ class FusedWeights:
                 continue  # (some loaded, some not: load_weights refreshes when all are)
             if all(_rows_of(t, stack, start) for _, start, _, t in members):
                 continue
+            for path, start, stop, t in members:
+                if tuple(t.shape) != (stop - start, *stack.shape[1:]):
+                    raise ValueError(f"{path} has shape {tuple(t.shape)}; the converted graph "
+                                     f"reads it as {(stop - start, *stack.shape[1:])} (convert "
+                                     "the model again for another shape)")
             device = members[0][3].device
             if stack.device != device or is_abstract(stack):  # moved, or loaded from meta
                 stack = torch.empty(stack.shape, dtype=stack.dtype, device=device)

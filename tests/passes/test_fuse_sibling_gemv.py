@@ -4,6 +4,7 @@ member (load_state_dict, assign=True, an in-place write, a new Parameter, load_w
 meta plan's loading, a decoder's two graphs) reaches the stack before the next call."""
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import transformers
@@ -179,3 +180,12 @@ def test_a_plan_made_on_meta_loads_its_stacks_from_the_members():
             assert fetch_attr(planned, path).data_ptr() == stack[start].data_ptr()
     with torch.no_grad():
         assert torch.equal(planned(ids).last_hidden_state, direct(ids).last_hidden_state)
+
+
+def test_a_member_of_another_shape_is_an_error_not_a_broadcast():
+    model, _, x = _models()
+    converted = _convert(model, x)
+    converted.k.weight = nn.Parameter(torch.ones(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"k\.weight has shape \(1, 64\); the converted graph "
+                                         r"reads it as \(32, 64\)"):
+        converted(x)
