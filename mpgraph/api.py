@@ -426,8 +426,10 @@ def _device_of(args: tuple, kwargs: dict, model) -> torch.device:
 def _convert_captured(gm, model, args, kwargs, opts: Options):
     """The captured graph through the pipelines (and the tolerance search): (module, report,
     the low dtype, why everything stayed float32 if it did, how the dtype was chosen)."""
+    # a saved plan names the nodes it was made on: stacked GEMVs only if it has them
+    fuse = opts.plan is None or any(r.inserted_by == "FuseSiblingGemv" for r in opts.plan.nodes)
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train,
-                                     opts.spec.kind), gm)
+                                     opts.spec.kind, overrides=opts.overrides, fuse=fuse), gm)
     simulate = elsewhere(opts.spec, args, kwargs, model)
     base = copy.deepcopy(gm) if opts.tolerance is not None else None
     from_plan = None

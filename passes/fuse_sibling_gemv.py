@@ -18,24 +18,36 @@ stacked GEMV as the graph runs it.
 """
 from __future__ import annotations
 
+import fnmatch
 from collections import defaultdict
+from typing import Iterable
 
 import torch
 import torch.fx
 
 from mpgraph.ir.fake import tensor_groups
-from mpgraph.ir.graph import fetch_attr, free_attr_name, mutated_nodes, set_attr, with_data
+from mpgraph.ir.graph import (fetch_attr, free_attr_name, module_path, mutated_nodes, set_attr,
+                              with_data)
 from mpgraph.ir.meta import FUSED, INSERTED_BY, OBSERVED, TENSOR, TensorInfo
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
 
 
-def _member(node: torch.fx.Node, gm, held: dict, written: set):
+def _named(node: torch.fx.Node, keys: tuple) -> bool:
+    """Whether a user override names this node or its module (a node name, a module path or
+    glob: AssignPrecision's keys); "op:" and "class:" keys name every member alike."""
+    path = module_path(node)
+    return any(key == node.name or (path and (key == path or fnmatch.fnmatchcase(path, key)))
+               for key in keys if not key.startswith(("op:", "class:")))
+
+
+def _member(node: torch.fx.Node, gm, held: dict, written: set, keep_apart: tuple = ()):
     """(weight's get_attr node, its tensor) of an ``mv(W, x)`` that can join a stack, else None:
     W a 2-D floating tensor of the module, contiguous rows, held under one name, read only here
-    and never written."""
-    if node.op != "call_function" or node.target is not aten.mv.default or node.kwargs:
+    and never written, and no override naming the layer (its own dtype: it runs alone)."""
+    if node.op != "call_function" or node.target is not aten.mv.default or node.kwargs \
+            or _named(node, keep_apart):
         return None
     w = node.args[0]
     if not isinstance(w, torch.fx.Node) or w.op != "get_attr" or w in written or len(w.users) != 1:
@@ -49,7 +61,7 @@ def _member(node: torch.fx.Node, gm, held: dict, written: set):
 
 def _stack_name(gm, targets: list[str]) -> str:
     """``<owner>.fused_<names>``: beside the members, named for them (``...self_attn.fused_q_proj_
-    k_proj_v_proj_weight``)."""
+    weight_k_proj_weight_v_proj_weight``)."""
     parts = [t.split(".") for t in targets]
     common = 0
     while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
@@ -61,9 +73,14 @@ def _stack_name(gm, targets: list[str]) -> str:
 
 
 class FuseSiblingGemv(Pass):
+    """``keep_apart``: the user's override keys (a layer an override names keeps its own GEMV,
+    so that its dtype is its own)."""
     stage = "prepare"
     rewrites = True
     writes = (FUSED, INSERTED_BY, TENSOR, OBSERVED)  # (OBSERVED: dropped, Calibrate runs again)
+
+    def __init__(self, keep_apart: Iterable[str] = ()):
+        self.keep_apart = tuple(str(k) for k in keep_apart)
 
     def call(self, gm):
         graph = gm.graph
@@ -71,7 +88,7 @@ class FuseSiblingGemv(Pass):
         held = {id(t): len(paths) for t, paths in tensor_groups(gm)}
         groups = defaultdict(list)
         for node in graph.nodes:
-            found = _member(node, gm, held, written)
+            found = _member(node, gm, held, written, self.keep_apart)
             if found is not None:
                 w, t = found
                 groups[(node.args[1], t.dtype, t.device, t.shape[1])].append((node, w, t))

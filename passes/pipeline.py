@@ -23,10 +23,12 @@ STRATEGIES = ("optimal", "rules")
 def prepare_pipeline(example_args: tuple, example_kwargs: dict,
                      calibration: Optional[Iterable] = None,
                      progress: Optional[bool] = None, train: bool = False,
-                     kind: Kind = Kind.GPU) -> list[Pass]:
+                     kind: Kind = Kind.GPU, overrides: Optional[dict] = None,
+                     fuse: bool = True) -> list[Pass]:
     """Passes that run once on the captured graph, whatever is decided later: rewrites that
     do not depend on the dtype (``kind``: the target's kernels), and calibration (the example
-    inputs when no batches are given)."""
+    inputs when no batches are given). ``overrides``: the layers they name keep their own GEMV;
+    ``fuse``: False for a saved plan made without FuseSiblingGemv (its nodes are the plan's)."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
         Functionalize(),                      # rewrite: in-place ops on intermediates out of place
@@ -34,7 +36,8 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
         *([] if train else [PruneForInference()]),  # rewrite: eval dropout, asserts, guards
         *([MatVecLinear()] if kind == Kind.CPU and not train else []),  # rewrite: 1-row linears
-        *([FuseSiblingGemv()] if kind == Kind.CPU and not train else []),  # rewrite: q/k/v as one
+        *([FuseSiblingGemv(overrides or {})] if kind == Kind.CPU and not train and fuse
+          else []),                           # rewrite: q/k/v's GEMVs as one
         Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges
     ]
 

@@ -311,14 +311,19 @@ class WeightCopies:
 class FusedWeights:
     """FuseSiblingGemv's stacked weights kept one with their members: each member (the model's
     own q/k/v or gate/up weight, in the state dict under its key) is a row view of its stack,
-    so in-place writes (``load_state_dict``, ``param.copy_()``) reach the stack. A member
-    replaced by another tensor (``load_state_dict(assign=True)``, ``.to()``, ``load_weights``)
-    is copied into the stack before the next call, in the stack's dtype, and becomes a view
-    again; a stack left on another device or on meta is rebuilt where the members are."""
+    so in-place writes (``load_state_dict``, ``param.copy_()``) reach the stack. Where a member
+    was replaced (``load_state_dict(assign=True)``, ``.to()``, ``load_weights``, a new
+    Parameter, a swapped submodule), the next call builds a new stack from the members' values,
+    in the stack's dtype, and points each member object at its rows again (``.data``: the
+    Parameter a caller holds stays the one in the module). A new stack, not a write into the
+    old one, so that two members swapped keep their values and a copy of the module sharing the
+    old stack (``copy.copy``) keeps its weights."""
 
     def __init__(self, records):
         self.records = tuple((target, tuple(spans)) for target, spans in records)
-        self._watch = None  # (the dict holding it, name, tensor, data_ptr) of each, when in step
+        # what the last refresh left: (root, [(dict, name, object)] of each module on the paths,
+        # [(dict, name, tensor, data_ptr)] of each stack and member), or None
+        self._watch = None
 
     def __getstate__(self):
         return {"records": self.records}
@@ -327,11 +332,12 @@ class FusedWeights:
         self.__init__(state["records"])
 
     def in_step(self, root: torch.nn.Module) -> bool:
-        """Whether every stack and member is still the tensor, at the address, that the last
-        refresh left (a call's check: ~0.5 us a tensor, where walking the paths cost ~5)."""
+        """Whether every module on the paths, every stack and every member is still the object,
+        at the address, that the last refresh left (each call's check, ~0.3 us an entry)."""
         watch = self._watch
-        return watch is not None and watch[0] is root and all(
-            d.get(leaf) is t and t.data_ptr() == ptr for d, leaf, t, ptr in watch[1])
+        return watch is not None and watch[0] is root \
+            and all(d.get(name) is m for d, name, m in watch[1]) \
+            and all(d.get(name) is t and t.data_ptr() == ptr for d, name, t, ptr in watch[2])
 
     @property
     def stacks(self) -> set:
@@ -353,65 +359,100 @@ class FusedWeights:
                     _tensor_at(copied, path)
                 except (KeyError, AttributeError):
                     _copy_attr(source, copied, path)
-            *modules, leaf = target.split(".")
-            owner = copied
-            for part in modules:
-                owner = owner._modules[part]
+            owner, leaf = _owner(copied, target)
             owner._non_persistent_buffers_set.add(leaf)
         self._watch = None
 
+    @torch.compiler.disable  # (data_ptr reads; under torch.compile it runs eagerly, a break)
     def refresh(self, root: torch.nn.Module) -> None:
         if self.in_step(root):
             return
+        with torch.inference_mode(False), torch.no_grad():  # (a stack built under inference
+            self._refresh(root)  # mode would be an inference tensor: no later in-place load)
+
+    def _refresh(self, root: torch.nn.Module) -> None:
         from mpgraph.ir.fake import is_abstract
         from mpgraph.ir.graph import set_attr, with_data
         self._watch = None
+        watch = True
         for target, spans in self.records:
-            stack = _tensor_at(root, target)
+            owner, leaf = _owner(root, target)
+            stack = owner._buffers.get(leaf)  # (None: its submodule was swapped for another)
             members = [(path, start, stop, _tensor_at(root, path)) for path, start, stop in spans]
             valued = [not is_abstract(t) for *_, t in members]
             if not all(valued):  # a plan without weights (meta, fakes): the views' dtypes
-                if not any(valued) and is_abstract(stack):
+                if not any(valued) and stack is not None and is_abstract(stack):
                     for path, start, stop, t in members:
                         if t.dtype != stack.dtype or t.device != stack.device:
                             set_attr(root, path, with_data(t, stack[start:stop]))
-                continue  # (some loaded, some not: load_weights refreshes when all are)
-            if all(_rows_of(t, stack, start) for _, start, _, t in members):
+                watch = False  # (some loaded, some not: load_weights refreshes when all are)
+                continue
+            if stack is not None and all(_rows_of(t, stack, start) for _, start, _, t in members):
+                continue
+            width = members[0][3].shape[-1]
+            for path, start, stop, t in members:
+                if tuple(t.shape) != (stop - start, width) or (
+                        stack is not None and stack.shape[1:] != (width,)):
+                    raise ValueError(f"{path} has shape {tuple(t.shape)}; the converted graph "
+                                     f"reads it as {(stop - start, *(stack.shape[1:] if stack is not None else (width,)))} "
+                                     "(convert the model again for another shape)")
+            new = torch.empty((spans[-1][2], width), device=members[0][3].device,
+                              dtype=stack.dtype if stack is not None else members[0][3].dtype)
+            sharded = False
+            for path, start, stop, t in members:
+                if _is_dtensor(t):  # FSDP2's shard: the whole weight, gathered
+                    t, sharded = t.full_tensor(), True
+                new[start:stop].copy_(t)
+            if leaf in owner._buffers:
+                owner._buffers[leaf] = new
+            else:
+                owner.register_buffer(leaf, new, persistent=False)
+            if sharded:  # the members stay FSDP's (gathered again on the next call)
+                watch = False
                 continue
             for path, start, stop, t in members:
-                if tuple(t.shape) != (stop - start, *stack.shape[1:]):
-                    raise ValueError(f"{path} has shape {tuple(t.shape)}; the converted graph "
-                                     f"reads it as {(stop - start, *stack.shape[1:])} (convert "
-                                     "the model again for another shape)")
-            device = members[0][3].device
-            if stack.device != device or is_abstract(stack):  # moved, or loaded from meta
-                stack = torch.empty(stack.shape, dtype=stack.dtype, device=device)
-                set_attr(root, target, stack)
-            with torch.no_grad():
-                for path, start, stop, t in members:
-                    if not _rows_of(t, stack, start):
-                        stack[start:stop].copy_(t)
-                        set_attr(root, path, with_data(t, stack[start:stop]))
-        paths = [p for target, spans in self.records for p in (target, *(s[0] for s in spans))]
-        if all(not is_abstract(_tensor_at(root, p)) for p in paths):
-            self._watch = (root, [_holder(root, p) for p in paths])
+                t.data = new[start:stop]
+        if watch:
+            self._watch = _watch(root, [p for target, spans in self.records
+                                        for p in (target, *(s[0] for s in spans))])
 
 
-def _holder(root: torch.nn.Module, path: str) -> tuple:
-    """(the dict that holds the tensor at ``path``, its name there, the tensor, its address)."""
+def _owner(root: torch.nn.Module, path: str) -> tuple:
     *modules, leaf = path.split(".")
     owner = root
     for part in modules:
         owner = owner._modules[part]
-    for d in (owner._parameters, owner._buffers):
-        if d.get(leaf) is not None:
-            return d, leaf, d[leaf], d[leaf].data_ptr()
-    raise KeyError(path)
+    return owner, leaf
+
+
+def _watch(root: torch.nn.Module, paths: list) -> tuple:
+    """What ``FusedWeights.in_step`` compares: each module on ``paths`` by the dict and name
+    that hold it (a submodule swapped anywhere below the root), each tensor by its holder and
+    its address (``.data =``, ``.to()``)."""
+    links, tensors = {}, []
+    for path in paths:
+        *modules, leaf = path.split(".")
+        owner = root
+        for part in modules:
+            links[(id(owner), part)] = (owner._modules, part, owner._modules[part])
+            owner = owner._modules[part]
+        d = owner._parameters if owner._parameters.get(leaf) is not None else owner._buffers
+        tensors.append((d, leaf, d[leaf], d[leaf].data_ptr()))
+    return root, list(links.values()), tensors
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # (a torch built without distributed)
+        return False
+    return isinstance(t, DTensor)
 
 
 def _rows_of(t: torch.Tensor, stack: torch.Tensor, start: int) -> bool:
     """Whether ``t`` is the view of ``stack``'s rows from ``start``."""
-    return t.dtype == stack.dtype and t.device == stack.device and t.stride() == stack.stride() \
+    return not _is_dtensor(t) and t.dtype == stack.dtype and t.device == stack.device \
+        and t.stride() == stack.stride() \
         and t.data_ptr() == stack.data_ptr() + start * stack.stride(0) * stack.element_size()
 
 
@@ -546,9 +587,6 @@ class ConvertedModule(torch.fx.GraphModule):
         if isinstance(value, torch.nn.Module) and name in self.__dict__.get("_modules", {}):
             super().__setattr__(name, value)  # a submodule swapped in: in the plan's dtypes
             self.restore_planned_dtypes(prefix=name + ".")
-            fused = self.__dict__.get("fused_weights")
-            if fused is not None:  # (its tensors are checked again on the next call)
-                fused._watch = None
             return
         signature = self.__dict__.get("call_signature")
         if signature is not None and name in signature.attributes \

@@ -3,6 +3,7 @@ weights, the model's weights become row views of the stack, and whatever replace
 member (load_state_dict, assign=True, an in-place write, a new Parameter, load_weights, a
 meta plan's loading, a decoder's two graphs) reaches the stack before the next call."""
 import copy
+import os
 
 import pytest
 import torch
@@ -189,3 +190,91 @@ def test_a_member_of_another_shape_is_an_error_not_a_broadcast():
     with pytest.raises(ValueError, match=r"k\.weight has shape \(1, 64\); the converted graph "
                                          r"reads it as \(32, 64\)"):
         converted(x)
+
+
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.out = _QKV(), nn.Linear(128, 8)
+
+    def forward(self, x):
+        return self.out(self.attn(x))
+
+
+def _nested(seed):
+    torch.manual_seed(seed)
+    return _Nested().eval()
+
+
+def test_replacing_below_the_root_swapping_members_or_holding_a_reference_stays_right():
+    """Found by review: a layer swapped two levels down was not noticed (the check watched the old
+    layer's dict), two members swapped copied one over the other, a held Parameter stopped being
+    the module's after a refresh, and a layer holding a stack swapped for the model's own raised a
+    KeyError."""
+    model, other, x = _nested(0), _nested(1), torch.randn(1, 64)
+    with torch.no_grad():
+        want = _convert(other, x)(x)
+        c = _convert(model, x)
+        new_k = copy.deepcopy(other.attn.k).bfloat16()
+        c.attn.k = new_k  # two levels down
+        mixed = copy.deepcopy(model)
+        mixed.attn.k = copy.deepcopy(other.attn.k)
+        assert torch.equal(c(x), _convert(mixed, x)(x))
+
+        c = _convert(model, x)
+        k, v = c.attn.k.weight.detach().clone(), c.attn.v.weight.detach().clone()
+        c.attn.k.weight, c.attn.v.weight = c.attn.v.weight, c.attn.k.weight
+        c(x)
+        assert torch.equal(c.attn.k.weight, v) and torch.equal(c.attn.v.weight, k)
+
+        c = _convert(model, x)
+        held = c.attn.k.weight
+        held.data = other.attn.k.weight.detach().bfloat16().clone()
+        c(x)
+        assert c.attn.k.weight is held
+        held.zero_()  # through the reference: reaches the graph
+        assert torch.equal(c(x), _convert(_zeroed_k(model), x)(x))
+
+        c = _convert(model, x)
+        c.attn = copy.deepcopy(other.attn)  # the model's own layer, float32: as planned again
+        c.out.load_state_dict(other.out.state_dict())
+        assert torch.equal(c(x), want)
+
+
+def _zeroed_k(model):
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.attn.k.weight.zero_()
+    return model
+
+
+def test_an_override_on_one_member_keeps_its_gemv_apart_and_a_saved_plan_applies():
+    """Found by review: the stack took q's module path, so an override on k or v was reported
+    as applied while k ran in bf16; and a plan saved before this pass named nodes it removes."""
+    model, x = _nested(0), torch.randn(1, 64)
+    c = mpgraph.convert(model, x, target="cpu", dtype="bf16", strategy="rules",
+                        overrides={"attn.k": "fp32"})
+    (spans,) = [spans for _, spans in c.meta[FUSED]]
+    assert [p for p, _, _ in spans] == ["attn.q.weight", "attn.v.weight"]
+    assert torch.equal(c.attn.k.weight, model.attn.k.weight)  # float32, as the override asks
+    fused = mpgraph.convert(model, x, target="cpu", dtype="bf16", strategy="rules")
+    assert mpgraph.convert(model, x, target="cpu", dtype="bf16", plan=fused.plan).meta.get(FUSED)
+    # (saved by the commit before FuseSiblingGemv, for this model: its GEMVs apart)
+    before = mpgraph.Plan.load(os.path.join(os.path.dirname(__file__), os.pardir, "fixtures",
+                                            "plan_before_stacked_gemvs.json"))
+    applied = mpgraph.convert(model, x, target="cpu", dtype="bf16", plan=before)
+    assert not applied.meta.get(FUSED) and len(_mvs(applied)) == 4
+    with torch.no_grad():
+        assert relative_l2(applied(x), model(x)) < 1e-2
+
+
+def test_a_stack_rebuilt_under_inference_mode_takes_later_in_place_loads():
+    model, other, x = _models()
+    c = _convert(model, x).to("meta")  # (the stack then has to be built anew)
+    c.load_state_dict(other.state_dict(), assign=True)
+    with torch.inference_mode():
+        c(x)  # rebuilds the stack here
+    assert not c.k.weight.is_inference()
+    c.load_state_dict(model.state_dict())  # in place: an inference tensor would refuse
+    with torch.no_grad():
+        assert torch.equal(c(x), _convert(model, x)(x))
