@@ -555,6 +555,20 @@ class ConvertedModule(torch.fx.GraphModule):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:  # the tensors assigned as they came: back to the dtypes the plan stored
             self.restore_planned_dtypes()
+        self._fused_in_step()
+        return result
+
+    def _fused_in_step(self) -> None:
+        """Stacked GEMV weights rebuilt from members just replaced, now rather than on the next
+        call: ``forward``, an fx Interpreter or an export that bypass ``__call__`` read them too."""
+        fused = self.__dict__.get("fused_weights")
+        if fused is not None:
+            fused.refresh(self)
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        if self.__dict__.get("fused_weights") is not None and self.__dict__.get("planned_tensors"):
+            self._fused_in_step()  # (.to(device): the members moved apart from their stack)
         return result
 
     def restore_planned_dtypes(self, prefix: str = "") -> list[str]:
@@ -640,6 +654,7 @@ class ConvertedModule(torch.fx.GraphModule):
         if "fused_weights" in new.__dict__:
             new.fused_weights = copy.copy(new.fused_weights)
             new.fused_weights.adopt(new, self)
+        _keep_non_persistent(new, self)
         return new
 
     def __reduce_ex__(self, protocol):
@@ -658,6 +673,7 @@ class ConvertedModule(torch.fx.GraphModule):
             new = super().__deepcopy__(memo)
         if "fused_weights" in new.__dict__:
             new.fused_weights.adopt(new, self)
+        _keep_non_persistent(new, self)
         return new
 
     def recompile(self):
@@ -724,6 +740,20 @@ class ConvertedModule(torch.fx.GraphModule):
         if dtype is not None:
             raise self._refuse(f".to({dtype})")
         return super().to(*args, **kwargs)
+
+
+def _keep_non_persistent(copied: torch.nn.Module, source: torch.nn.Module) -> None:
+    """fx's copies register every buffer they copy as persistent: the ones ``source`` keeps out
+    of its state dict (rotary ``inv_freq``) out of the copy's too, or a strict
+    ``load_state_dict`` of the model's weights into the copy fails on them."""
+    for path, module in source.named_modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        try:
+            twin = copied.get_submodule(path)
+        except AttributeError:
+            continue
+        twin._non_persistent_buffers_set |= module._non_persistent_buffers_set & set(twin._buffers)
 
 
 _STATIC_DIM = re.compile(r"Guard failed: (\w+)\.size\(\)\[(\d+)\] == (\d+)$")

@@ -324,6 +324,9 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                                 dynamic=dynamic_shapes is not None, runtime="graphs")
         except MpgraphError as e:
             raise ExportError(f"could not convert the model before export: {e}") from e
+    fused = converted.__dict__.get("fused_weights")
+    if fused is not None:  # stacked GEMV weights in step with members replaced since (assign=True)
+        fused.refresh(converted)
     if converted.plan.range_nodes:
         raise ExportError(f"this plan mixes {dtype_name(converted.plan.dtype)} with "
                           f"{converted.plan.range_nodes[0].dtype} ({len(converted.plan.range_nodes)} "

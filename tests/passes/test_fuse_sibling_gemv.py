@@ -278,3 +278,26 @@ def test_a_stack_rebuilt_under_inference_mode_takes_later_in_place_loads():
     c.load_state_dict(model.state_dict())  # in place: an inference tensor would refuse
     with torch.no_grad():
         assert torch.equal(c(x), _convert(model, x)(x))
+
+
+def test_a_load_reaches_the_stack_at_once_for_runs_that_bypass_the_call():
+    """Found by probe: forward(), an fx Interpreter or export_onnx right after an assign=True
+    load read the old stack (only __call__ rebuilt it)."""
+    model, other, x = _models()
+    with torch.no_grad():
+        want = _convert(other, x)(x)
+        c = _convert(model, x)
+        c.load_state_dict(other.state_dict(), assign=True)
+        assert torch.equal(c.forward(x), want)
+        assert torch.equal(torch.fx.Interpreter(c).run(x), want)
+
+
+def test_a_shallow_copy_keeps_non_persistent_buffers_out_of_its_state_dict():
+    """Found by probe (before stacks too): fx's copy registered rotary inv_freq as persistent,
+    so a strict load of the model's own state dict into copy.copy(converted) failed."""
+    model = _llama(0).model
+    ids = torch.randint(1, 100, (1, 1), generator=torch.Generator().manual_seed(0))
+    converted = _convert(model, ids)
+    shallow = copy.copy(converted)
+    assert sorted(shallow.state_dict()) == sorted(converted.state_dict())
+    shallow.load_state_dict(model.state_dict())
