@@ -65,6 +65,7 @@ def _worker(rank, port, wrap, out_dir):
         result = {"losses": losses, "held_out": held_out}
         if wrap == "fsdp2":
             result["sharded_inference"] = _sharded_inference(rank)
+            result["sharded_stacks"] = _sharded_stacks()
         torch.save(result, os.path.join(out_dir, f"{wrap}.{rank}.pt"))
         dist.barrier()
     except BaseException:
@@ -121,6 +122,32 @@ def _sharded_inference(rank):
             "dtypes": sorted({str(p.dtype) for p in plain.parameters()})}
 
 
+class QKV(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16)
+
+    def forward(self, x):  # (int() of a size: torch.export's graph, one row: stacked GEMVs)
+        h = F.layer_norm(x, (int(x.shape[-1]),))
+        return torch.cat([self.q(h), self.k(h), self.v(h)], -1)
+
+
+def _sharded_stacks():
+    """A CPU plan whose q/k/v GEMVs run as one over their stacked weights, sharded by FSDP2: its
+    members become DTensor shards, gathered into the stack (a copy_ of a DTensor failed)."""
+    from mpgraph.ir.meta import FUSED
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model, x = QKV().eval(), torch.randn(1, 32)
+    gm, plain = (mpgraph.convert(model, x, dtype="bf16", strategy="rules", target="cpu")
+                 for _ in range(2))
+    sharded = fully_shard(gm)
+    with torch.no_grad():
+        got, want = sharded(x), plain(x)
+    return {"stacks": len(plain.meta.get(FUSED, ())),
+            "max_abs": float((got.float() - want.float()).abs().max())}
+
+
 def _single_process_losses():
     gm = _converted()
     opt = torch.optim.SGD(gm.parameters(), lr=LR)
@@ -170,6 +197,7 @@ def test_converted_module_under_torch_distributed_matches_single_process(wrap, t
         for r in results:
             assert r["sharded_inference"]["max_abs"] == 0.0, r["sharded_inference"]
             assert r["sharded_inference"]["dtypes"] == ["torch.bfloat16", "torch.float32"]
+            assert r["sharded_stacks"] == {"stacks": 1, "max_abs": 0.0}, r["sharded_stacks"]
     assert single[-1] < single[0]
     for a, b in zip(ranks, single):  # the loss curve, step by step
         assert abs(a - b) <= loss_tol * abs(b), (ranks, single)
