@@ -107,6 +107,10 @@ def test_copies_keep_the_members_and_a_deep_copy_is_its_own():
         twin.load_state_dict(other.state_dict())
         assert torch.equal(converted(x), before)
         assert torch.equal(twin(x), _convert(other, x)(x))
+        # the shallow copy shares the stack: an assign=True load gives it a stack of its own
+        shallow.load_state_dict(other.state_dict(), assign=True)
+        assert torch.equal(shallow(x), twin(x))
+        assert torch.equal(converted(x), before)
 
 
 def test_tied_or_different_rows_are_not_stacked():
