@@ -3,10 +3,10 @@ one GEMV over their weights stacked: ``mv(cat(Wq, Wk, Wv), x)``, then a row slic
 
 One larger GEMV streams the same bytes with one kernel call instead of three. Timed on a 2-core
 AMX Xeon in bf16, each variant on 12 weights of its own read in turn from memory
-(examples/bench/bench_fuse_gemv.py): q/k/v as one 2304x768 GEMV 320 us against 384 us for
-three 768x768 ones, gate/up as one 4096x768 527 us against 572. A 6-layer Llama's decode step
-(convert_decoder, batch 1), with and without this pass, called alternately 300 times each:
-11.11 against 11.38 ms (median of the paired ratios 1.026x); a slice per member costs 2.3 us.
+(examples/bench/bench_fuse_gemv.py, two runs): q/k/v as one 2304x768 GEMV 320-343 us against
+384-394 us for three 768x768 ones, gate/up as one 4096x768 527-555 us against 572-602. A 6-layer
+Llama's decode step (convert_decoder, batch 1), with and without this pass, called alternately
+300 times each: median of the paired ratios 1.026x and 1.031x; a slice per member costs 2.3 us.
 
 The stacked weight is built once, at conversion, and the model's own weights become row views of
 it: the state dict keeps the model's keys and tensors, ``load_state_dict`` writes through them,
