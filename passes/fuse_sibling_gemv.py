@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 import torch.fx
 
-from mpgraph.ir.fake import tensor_groups
+from mpgraph.ir.fake import held_counts
 from mpgraph.ir.graph import (fetch_attr, free_attr_name, module_path, mutated_nodes, set_attr,
                               with_data)
 from mpgraph.ir.meta import FUSED, INSERTED_BY, OBSERVED, TENSOR, TensorInfo
@@ -85,7 +85,7 @@ class FuseSiblingGemv(Pass):
     def call(self, gm):
         graph = gm.graph
         written = mutated_nodes(graph, gm)
-        held = {id(t): len(paths) for t, paths in tensor_groups(gm)}
+        held = held_counts(gm)
         groups = defaultdict(list)
         for node in graph.nodes:
             found = _member(node, gm, held, written, self.keep_apart)

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.fake import tensor_groups
+from mpgraph.ir.fake import held_counts
 from mpgraph.ir.graph import (fetch_attr, free_attr_name, owner_of, read_transposed, set_attr,
                               with_data)
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo,
@@ -35,11 +35,6 @@ def _add_copy(root: torch.nn.Module, target: str, value: torch.Tensor) -> None:
     original when that is written)."""
     owner, leaf = owner_of(root, target)
     owner.register_buffer(leaf, value.detach(), persistent=False)
-
-
-def _holders(root: torch.nn.Module) -> dict[int, int]:
-    """How many names each tensor of ``root`` is held under (tied weights: more than one)."""
-    return {id(t): len(paths) for t, paths in tensor_groups(root)}
 
 
 def _free_name(root: torch.nn.Module, target: str, dtype: torch.dtype) -> str:
@@ -75,7 +70,7 @@ class StoreWeights(Pass):
         # tensors a module also reads in float32 (an embedding whose table an output projection
         # reads too) or held under another name: converting them in place would change them
         # for those readers
-        held = _holders(gm)
+        held = held_counts(gm)
         called = set()
         for n in gm.graph.nodes:
             d = n.meta.get(PRECISION)
@@ -157,7 +152,7 @@ class StoreWeights(Pass):
                 calls[node.target].append(node)
         # tensors held in more than one place (tied weights) or also read by get_attr nodes:
         # converting them inside a module in place would change them for those other readers
-        places = _holders(gm)
+        places = held_counts(gm)
         elsewhere = {id(t) for t in (fetch_attr(gm, n.target) for n in gm.graph.nodes
                                      if n.op == "get_attr") if isinstance(t, torch.Tensor)}
         elsewhere |= {i for i, n in places.items() if n > 1}

@@ -61,6 +61,12 @@ def tensor_groups(root: torch.nn.Module) -> list[tuple[torch.Tensor, list[str]]]
     return list(groups.values())
 
 
+def held_counts(root: torch.nn.Module) -> dict[int, int]:
+    """How many names each tensor of ``root`` is held under, by ``id`` (tied weights: more
+    than one)."""
+    return {id(t): len(paths) for t, paths in tensor_groups(root)}
+
+
 def replace_tensors(root: torch.nn.Module, paths: list[str], value: torch.Tensor) -> None:
     """``value`` at each of ``paths`` as one object (what the first path held decides its kind),
     so that a tensor held under several names stays one."""

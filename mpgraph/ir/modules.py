@@ -389,13 +389,12 @@ class FusedWeights:
                 continue
             if stack is not None and all(_rows_of(t, stack, start) for _, start, _, t in members):
                 continue
-            width = members[0][3].shape[-1]
+            width = stack.shape[1] if stack is not None else members[0][3].shape[-1]
             for path, start, stop, t in members:
-                if tuple(t.shape) != (stop - start, width) or (
-                        stack is not None and stack.shape[1:] != (width,)):
+                if tuple(t.shape) != (stop - start, width):
                     raise ValueError(f"{path} has shape {tuple(t.shape)}; the converted graph "
-                                     f"reads it as {(stop - start, *(stack.shape[1:] if stack is not None else (width,)))} "
-                                     "(convert the model again for another shape)")
+                                     f"reads it as {(stop - start, width)} (convert the model "
+                                     "again for another shape)")
             new = torch.empty((spans[-1][2], width), device=members[0][3].device,
                               dtype=stack.dtype if stack is not None else members[0][3].dtype)
             sharded = False
@@ -415,6 +414,14 @@ class FusedWeights:
         if watch:
             self._watch = _watch(root, [p for target, spans in self.records
                                         for p in (target, *(s[0] for s in spans))])
+
+
+def refresh_fused(module: torch.nn.Module) -> None:
+    """``module``'s stacked GEMV weights (FuseSiblingGemv) in step with their members, if it
+    has any: before a call, after a load, a device move, and before an export."""
+    fused = module.__dict__.get("fused_weights")
+    if fused is not None:
+        fused.refresh(module)
 
 
 def _owner(root: torch.nn.Module, path: str) -> tuple:
@@ -462,10 +469,7 @@ def _stamp(t: torch.Tensor) -> tuple:
 
 
 def _tensor_at(root: torch.nn.Module, path: str) -> torch.Tensor:
-    *modules, leaf = path.split(".")
-    owner = root
-    for part in modules:
-        owner = owner._modules[part]
+    owner, leaf = _owner(root, path)
     found = owner._parameters.get(leaf)
     return found if found is not None else owner._buffers[leaf]
 
@@ -555,20 +559,13 @@ class ConvertedModule(torch.fx.GraphModule):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:  # the tensors assigned as they came: back to the dtypes the plan stored
             self.restore_planned_dtypes()
-        self._fused_in_step()
+        refresh_fused(self)  # now, not on the next call: forward() and exports read the stack too
         return result
-
-    def _fused_in_step(self) -> None:
-        """Stacked GEMV weights rebuilt from members just replaced, now rather than on the next
-        call: ``forward``, an fx Interpreter or an export that bypass ``__call__`` read them too."""
-        fused = self.__dict__.get("fused_weights")
-        if fused is not None:
-            fused.refresh(self)
 
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
-        if self.__dict__.get("fused_weights") is not None and self.__dict__.get("planned_tensors"):
-            self._fused_in_step()  # (.to(device): the members moved apart from their stack)
+        if self.__dict__.get("planned_tensors"):
+            refresh_fused(self)  # (.to(device): the members moved apart from their stack)
         return result
 
     def restore_planned_dtypes(self, prefix: str = "") -> list[str]:
@@ -619,9 +616,7 @@ class ConvertedModule(torch.fx.GraphModule):
         copies = self.__dict__.get("weight_copies")
         if copies is not None:
             copies.refresh(self)
-        fused = self.__dict__.get("fused_weights")
-        if fused is not None:
-            fused.refresh(self)
+        refresh_fused(self)
         try:
             return super().__call__(*args, **kwargs)
         except AssertionError as e:  # torch.export's input guard (_guards_fn)

@@ -16,6 +16,7 @@ import torch
 
 from mpgraph.ir.fake import TRACED_ON, module_tensors, replace_tensors, tensor_groups
 from mpgraph.ir.meta import WEIGHTS
+from mpgraph.ir.modules import refresh_fused
 
 log = logging.getLogger(__name__)
 
@@ -156,16 +157,9 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     if not sources:
         raise TypeError("load_weights needs at least one weights file or state dict")
     used = _load_into(gm, sources, _target(gm, device), strict)
-    _refresh_fused(gm)
+    refresh_fused(gm)  # stacked sibling weights rebuilt from the members just loaded
     _warn_unused(sources, used)
     return gm
-
-
-def _refresh_fused(gm: torch.nn.Module) -> None:
-    """Stacked sibling weights (FuseSiblingGemv) rebuilt from the members just loaded."""
-    fused = gm.__dict__.get("fused_weights")
-    if fused is not None:
-        fused.refresh(gm)
 
 
 def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights: tuple,
@@ -184,8 +178,8 @@ def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights
     own = set(share()) & {path for path, _ in module_tensors(second)}
     if own:
         used |= _load_into(second, sources, target, strict, only=own)
-    _refresh_fused(first)
-    _refresh_fused(second)
+    refresh_fused(first)
+    refresh_fused(second)
     _warn_unused(sources, used)
 
 

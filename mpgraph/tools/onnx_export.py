@@ -28,7 +28,7 @@ from mpgraph.ir.graph import as_call, target_name
 from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
 from mpgraph.ir.meta import dtype_name
-from mpgraph.ir.modules import pytree_copies_quiet
+from mpgraph.ir.modules import pytree_copies_quiet, refresh_fused
 from mpgraph.plans.plan import Plan
 from mpgraph.tools.onnx_check import OrtRunError
 
@@ -324,9 +324,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                                 dynamic=dynamic_shapes is not None, runtime="graphs")
         except MpgraphError as e:
             raise ExportError(f"could not convert the model before export: {e}") from e
-    fused = converted.__dict__.get("fused_weights")
-    if fused is not None:  # stacked GEMV weights in step with members replaced since (assign=True)
-        fused.refresh(converted)
+    refresh_fused(converted)  # stacked GEMV weights in step with members replaced since
     if converted.plan.range_nodes:
         raise ExportError(f"this plan mixes {dtype_name(converted.plan.dtype)} with "
                           f"{converted.plan.range_nodes[0].dtype} ({len(converted.plan.range_nodes)} "
