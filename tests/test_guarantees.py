@@ -272,6 +272,48 @@ def test_an_argument_that_was_none_at_conversion_is_refused_when_given_later_not
     assert copy.deepcopy(with_mask).call_signature.tensors == {"x", "mask"}
 
 
+def test_a_value_given_at_conversion_and_left_out_later_is_refused_not_kept():
+    """Left out, the model takes its default; the graph would compute with the value given at
+    conversion (max |diff| 1.7 here before the check), silently."""
+    torch.manual_seed(0)
+    model, x = Masked().eval(), torch.randn(4, 16)
+    for fast in (mpgraph.convert(model, x, dtype="fp16", target=GPU,
+                                 example_kwargs={"scale": 2.0}),
+                 mpgraph.convert(model, (x, None, 2.0), dtype="fp16", target=GPU)):
+        for call in (lambda: fast(x), lambda: fast(x, mask=None), lambda: fast(x, None)):
+            with pytest.raises(TypeError, match=r"argument 'scale' was given \(2\.0\) when Masked "
+                               r"was converted, and the converted graph computes with that value; "
+                               r"left out, Masked's forward would take its default 1\.0\. Pass "
+                               r"scale=2\.0, or convert without it"):
+                call()
+        with torch.no_grad():  # given again, by keyword or position: the value it computes with
+            assert relative_l2(fast(x, scale=2.0), model(x, scale=2.0)) < 4e-3
+            assert relative_l2(fast(x, None, 2.0), model(x, scale=2.0)) < 4e-3
+    same = mpgraph.convert(model, x, dtype="fp16", target=GPU, example_kwargs={"scale": 1.0})
+    with torch.no_grad():  # given as the default: leaving it out computes the same
+        assert relative_l2(same(x), model(x)) < 4e-3
+
+
+def test_hf_logits_to_keep_given_at_conversion_is_asked_for_again():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=64)).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    fast = mpgraph.convert(model, ids, dtype="fp16", target=GPU,
+                           example_kwargs={"logits_to_keep": 1})
+    with pytest.raises(TypeError, match=r"argument 'logits_to_keep' was given \(1\) when "
+                                        r"LlamaForCausalLM was converted.* its default 0\. Pass "
+                                        r"logits_to_keep=1"):
+        fast(ids)
+    with torch.no_grad():
+        assert fast(ids, logits_to_keep=1).logits.shape == (2, 1, 64)
+        assert fast(ids, use_cache=False, logits_to_keep=1).logits.shape == (2, 1, 64)
+        assert mpgraph.convert(model, ids, dtype="fp16", target=GPU)(ids).logits.shape == \
+            (2, 8, 64)  # (use_cache=False, added by convert, may be left out)
+
+
 def test_hf_attention_mask_not_given_at_conversion_is_a_clear_error(bert):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 16, dtype=torch.long)

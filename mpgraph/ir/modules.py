@@ -184,6 +184,15 @@ class CallSignature:
                     and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD):
                 self.fixed[p.name] = p.default
         self.absent = frozenset(p.name for p in params if p.name not in given)
+        # values given at capture that a call must give again: left out, the model would take
+        # its default (or have none), while the graph computes with the value given then
+        # (use_cache=False: the forward converted without its cache, whatever the call says)
+        defaults = {p.name: p.default for p in params}
+        self.required = {
+            n: ("its default " + _shown(defaults[n]) if defaults.get(n, kinds.empty) is not
+                kinds.empty else "no value for it")
+            for n, v in given.items() if n in self.fixed and not (n == "use_cache" and v is False)
+            and (defaults.get(n, kinds.empty) is kinds.empty or not _same(v, defaults[n]))}
         # the model's own plain Python attributes (a temperature, a flag): traced as constants
         self.attributes = {k: v for k, v in vars(model).items() if not k.startswith("_")
                            and k != "training" and not isinstance(v, (torch.Tensor, torch.nn.Module))}
@@ -209,6 +218,14 @@ class CallSignature:
                                 "converted and the converted graph computes with it: pass it "
                                 f"(or convert without it: one converted module per set of "
                                 "arguments)")
+        for name, instead in getattr(self, "required", {}).items():  # (older pickles: none)
+            if name not in kwargs and name not in names[:len(args)]:
+                raise TypeError(
+                    f"argument {name!r} was given ({_shown(self.fixed[name])}) when {self.model} "
+                    "was converted, and the converted graph computes with that value; left out, "
+                    f"{self.model}'s forward would take {instead}. Pass "
+                    f"{name}={_shown(self.fixed[name])}, or convert without it (one converted "
+                    "module per set of arguments)")
         if not kwargs and names[:len(args)] == self.graph_args:
             return args, kwargs
         given = dict(zip(names, args), **kwargs)
