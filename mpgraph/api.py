@@ -21,7 +21,7 @@ from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, stage
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
-from mpgraph.errors import PlanMismatchError
+from mpgraph.errors import PlanMismatchError, ValueCheckError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
 from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, WeightCopies, planned_layout,
                                 refuse_hooks)
@@ -92,17 +92,29 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         target=target, strategy=strategy, op_table=op_table, overrides=overrides, check=check,
         calibration=calibration, tolerance=tolerance, progress=progress, plan=plan, mode=mode,
         costs=costs, runtime=runtime)
-    with stage("capture"):
-        gm = capture(model, args, kwargs, export_only=opts.train, abstract=abstract,
-                     dynamic=dynamic, observe=True)  # Calibrate takes capture's example batch
-    # the passes and the tolerance search read graphs, not code: regenerated once, at the end
-    with fake_mode(abstract), deferred_recompile():
-        gm, report, low, keep_fp32, chosen = _convert_captured(gm, model, args, kwargs, opts)
-        if gm.meta.get(FUSED):  # stacked sibling weights: the members become views of them
-            gm.fused_weights = FusedWeights(gm.meta[FUSED])
-            gm.fused_weights.refresh(gm)
-            gm.meta.setdefault("_user_preserved_attributes", {})["fused_weights"] = \
-                gm.fused_weights
+
+    fallback = None  # (not a function of its own: capture's warnings count frames up to here)
+    while True:
+        with stage("capture"):
+            gm = capture(model, args, kwargs, export_only=opts.train, abstract=abstract,
+                         dynamic=dynamic, observe=True)  # Calibrate takes capture's example batch
+        try:
+            # the passes and the tolerance search read graphs, not code: regenerated at the end
+            with fake_mode(abstract), deferred_recompile():
+                gm, report, low, keep_fp32, chosen = _convert_captured(gm, model, args, kwargs,
+                                                                       opts, fallback)
+                if gm.meta.get(FUSED):  # stacked sibling weights: the members become their views
+                    gm.fused_weights = FusedWeights(gm.meta[FUSED])
+                    gm.fused_weights.refresh(gm)
+                    gm.meta.setdefault("_user_preserved_attributes", {})["fused_weights"] = \
+                        gm.fused_weights
+            break
+        except ValueCheckError as e:  # the cost model's fp16 failed the check: bf16, once
+            fallback = _fallback(e, opts) if fallback is None else None
+            if fallback is None:
+                raise
+            log.warning("%s: %s; converting in bfloat16 instead", type(model).__name__,
+                        fallback["fallback"])
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
     if not opts.train and model.training and follows_training_flag(gm):
         warnings.warn(f"{type(model).__name__} is in training mode and is converted for inference: "
@@ -423,9 +435,24 @@ def _device_of(args: tuple, kwargs: dict, model) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def _convert_captured(gm, model, args, kwargs, opts: Options):
+def _fallback(error: ValueCheckError, opts: Options) -> Optional[dict]:
+    """How the dtype is chosen when the cost model's choice, float16, failed the value check
+    and bfloat16 (float32's range: values too small or too large for fp16) runs natively on the
+    target too: the choice's record with why float16 was left. None where the dtype was named,
+    a plan or a tolerance was given, or bfloat16 is no candidate."""
+    chosen = getattr(error, "dtype_choice", None)
+    if not chosen or getattr(error, "planned_low", None) != torch.float16 or opts.low is not None \
+            or opts.plan is not None or opts.tolerance is not None \
+            or "bfloat16" not in chosen.get("candidates", ()):
+        return None
+    return {**chosen, "fallback": f"float16's plan failed the value check (error "
+                                  f"{error.error:.3g}, more than its bound {error.bound:.3g})"}
+
+
+def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional[dict] = None):
     """The captured graph through the pipelines (and the tolerance search): (module, report,
-    the low dtype, why everything stayed float32 if it did, how the dtype was chosen)."""
+    the low dtype, why everything stayed float32 if it did, how the dtype was chosen).
+    ``fallback``: bfloat16, where the automatic choice's float16 failed the check (_fallback)."""
     # a saved plan names the nodes it was made on: stacked GEMVs only if it has them
     fuse = opts.plan is None or any(r.inserted_by == "FuseSiblingGemv" for r in opts.plan.nodes)
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train,
@@ -438,7 +465,9 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
         from_plan = {r.name: (r.dtype, r.reason) for r in opts.plan.compute_nodes}
     costs = cost_model(opts, gm, args, kwargs, model)
     low, range_dtype, keep_fp32, chosen = opts.low, opts.range_dtype, opts.keep_fp32, None
-    if low is None and not any(costs.supports(d) for d in LOW_DTYPES):
+    if fallback is not None:
+        low, chosen = torch.bfloat16, fallback
+    elif low is None and not any(costs.supports(d) for d in LOW_DTYPES):
         low, chosen = torch.bfloat16, {"candidates": [], "estimates_s": {}}
         keep_fp32 = (f"no node is faster in float16 or bfloat16 than in float32 on {costs.name}: "
                      f"it emulates both ({costs.source})")
@@ -457,7 +486,11 @@ def _convert_captured(gm, model, args, kwargs, opts: Options):
                                   simulate=simulate)
         return run_passes(passes, graph)
 
-    gm = build(gm)
+    try:
+        gm = build(gm)
+    except ValueCheckError as e:  # (convert falls back to bf16 from an automatic fp16)
+        e.dtype_choice, e.planned_low = chosen, low
+        raise
     report = None
     if opts.tolerance is not None:
         calls = [as_call(b) for b in opts.calibration] if opts.calibration is not None \

@@ -80,6 +80,15 @@ class ConversionError(MpgraphError):
     """The converted graph does not match its plan (a bug in mpgraph, or an op we mis-classified)."""
 
 
+class ValueCheckError(ConversionError):
+    """The converted module's outputs differ from float32's by more than its dtype's bound:
+    ``error`` (relative L2 of the worst output), ``bound``, ``dtype`` (the plan's low dtype)."""
+
+    def __init__(self, message: str, error: float, bound: float, dtype: torch.dtype):
+        super().__init__(message)
+        self.error, self.bound, self.dtype = error, bound, dtype
+
+
 class ExportError(MpgraphError):
     """ONNX export failed, or the exported file does not match the plan or its numbers."""
 

@@ -32,7 +32,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.errors import ConversionError
+from mpgraph.errors import ConversionError, ValueCheckError
 from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
@@ -163,13 +163,16 @@ class CheckConversion(Pass):
             return
         worst = errors.index(error)
         where = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs), bound)
-        raise ConversionError(
+        raise ValueCheckError(
             f"the converted module's output {worst} differs from float32 by {error:.3g} (relative "
             f"L2 ||y - y_hat|| / ||y|| on the first calibration batch), more than a "
             f"{dtype_name(low)} plan should ({bound:.3g}): {where}. Either a value kept in "
             f"{dtype_name(low)} loses too much there (keep it in float32: "
             "overrides={'<node or module>': 'fp32'}, or state a tolerance= and the nodes that "
-            "need it are pinned), or the conversion is wrong (please report it with the model)")
+            "need it are pinned"
+            + ("; or convert in bfloat16, float32's range: dtype='bf16'" if low == torch.float16
+               else "") + "), or the conversion is wrong (please report it with the model)",
+            error, bound, low)
 
 
 def _agrees(actual, want) -> bool:

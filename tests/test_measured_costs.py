@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mpgraph
 from mpgraph import cli
 from mpgraph.cost.device import measure_cpu
+from mpgraph.numerics import relative_l2
 from mpgraph.cost.measured import CostTable, Measured, emulated, time_calls
 from mpgraph.cost.roofline import (CALIBRATION_FORMAT, Roofline, measure_calibration,
                                    read_calibration, write_calibration)
@@ -333,3 +334,39 @@ def test_weights_are_timed_as_read_from_memory_when_the_graph_has_more_than_one(
 
     single = nn.Linear(512, 512).eval()  # one weight: repeated calls read it as the model does
     assert measured.layout(torch.fx.symbolic_trace(single)).streamed == {}
+
+
+def _tiny_mlp():
+    """The MLP without biases on inputs of ~1e-7 (quantities in SI units): every value lies in
+    fp16's subnormal range, where it keeps a few bits; bf16 has float32's range."""
+    model, x = _mlp()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.bias.zero_()
+    return model, x * 1e-7
+
+
+def test_an_automatic_fp16_that_fails_the_check_falls_back_to_bf16_and_says_why():
+    model, x = _tiny_mlp()
+    costs = _injected(_fp32_entries(model, x), {FP16: 0.01, BF16: 0.5})  # fp16 the fastest
+    for out in (mpgraph.convert(model, (x,), costs=costs),      # this CPU's (injected) table
+                mpgraph.convert(model, (x,), target="a100", runtime="graphs")):  # GPU: fp16
+        plan = out.plan
+        assert plan.dtype == BF16 and plan.low_nodes
+        assert re.search(r"; bfloat16 because float16's plan failed the value check \(error "
+                         r"[0-9.e-]+, more than its bound 0\.0156\) \(the cost model estimated "
+                         r"float16 [0-9.e-]+ ms, bfloat16 [0-9.e-]+ ms\)", plan.summary())
+        assert 0.03 < float(re.search(r"error ([0-9.e-]+),", plan.dtype_choice["fallback"])[1])
+        with torch.no_grad():
+            assert relative_l2(out(x), model(x)) < 1e-2 and plan.check["error"] < 1e-2
+    assert mpgraph.Plan.from_dict(plan.to_dict()).dtype_choice["fallback"] == \
+        plan.dtype_choice["fallback"]
+
+
+def test_a_named_fp16_that_fails_the_check_is_an_error_that_names_bf16():
+    model, x = _tiny_mlp()
+    with pytest.raises(mpgraph.ConversionError, match=r"differs from float32 by .* more than a "
+                       r"float16 plan should \(0\.0156\).*; or convert in bfloat16, float32's "
+                       r"range: dtype='bf16'\)"):
+        mpgraph.convert(model, (x,), dtype="fp16", target="a100", runtime="graphs")

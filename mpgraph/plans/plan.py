@@ -273,9 +273,12 @@ class Plan:
                      f"speed on {self.target} ({self.strategy}"
                      + (f"; {source}" if source else "") + ")")
         if self.dtype_choice:
-            text += (f"; {dtype_name(self.dtype)} chosen by the cost model (estimated "
-                     + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in
-                                 self.dtype_choice.get("estimates_s", {}).items()) + ")")
+            estimates = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in
+                                  self.dtype_choice.get("estimates_s", {}).items())
+            fallback = self.dtype_choice.get("fallback")
+            text += (f"; {dtype_name(self.dtype)} because {fallback} (the cost model estimated "
+                     f"{estimates})" if fallback else
+                     f"; {dtype_name(self.dtype)} chosen by the cost model (estimated {estimates})")
         misaligned = [r for r in self.nodes if r.tensor_core.startswith("eligible but misaligned")]
         if misaligned:
             text += (f"; {len(misaligned)} matmul{'s' if len(misaligned) > 1 else ''} misaligned "
