@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from mpgraph.frontend.capture import capture
+from mpgraph.frontend.capture import capture, in_inference_mode, outside_inference_mode
 from mpgraph.cost.device import resolve_target, trace_device
 from mpgraph.cost.measured import CostTable, Measured, emulated, measure
 from mpgraph.cost.model import CostModel
@@ -87,6 +87,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     ("inference" or "train": float32 master weights) and ``dynamic``. The model is never
     modified.
     """
+    if in_inference_mode(locals()):  # (see outside_inference_mode)
+        return outside_inference_mode(convert, locals())
     opts, args, kwargs, abstract = Options.resolve(
         model, example_inputs, example_kwargs, dtype=dtype, keep_io_types=keep_io_types,
         target=target, strategy=strategy, op_table=op_table, overrides=overrides, check=check,
@@ -264,6 +266,8 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     casts of its values; see ``mpgraph.cost.measured``), replacing what the cache held for
     them; returns the machine's cost table (``.format()`` prints it). ``convert`` measures what
     its cache lacks by itself: this is for re-measuring (a noisy run, new drivers)."""
+    if in_inference_mode(locals()):  # (see outside_inference_mode)
+        return outside_inference_mode(calibrate, locals())
     args, kwargs = as_call(example_inputs, example_kwargs)
     kwargs = without_cache(model, args, kwargs)
     with stage("capture"):

@@ -314,6 +314,31 @@ def test_hf_logits_to_keep_given_at_conversion_is_asked_for_again():
             (2, 8, 64)  # (use_cache=False, added by convert, may be left out)
 
 
+def test_converting_under_inference_mode_works_as_outside_it():
+    """A server that builds and runs its model under torch.inference_mode(): conversion steps
+    out of it (before: "Inference tensors do not track version counter" from NumericSafety, or
+    a CaptureError from torch.export, which refuses inference tensors in a traced graph)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    with torch.inference_mode():  # the model, its inputs and the conversions, all inside
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=1, vocab_size=64)).eval()
+        ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+        fast = mpgraph.convert(model, ids, dtype="fp16", target=GPU)
+        assert relative_l2(fast(ids).logits, model(ids).logits) < 4e-3
+        assert not any(torch.is_inference(p) for p in fast.parameters())
+        options = dict(max_cache_len=24, dtype="bf16", target="cpu", strategy="rules")
+        tokens = mpgraph.convert_decoder(model, ids, **options).generate(
+            ids, max_new_tokens=6, do_sample=False)
+        assert torch.is_inference_mode_enabled()  # (stepped out and back)
+    # the same as converting outside it
+    assert torch.equal(fast(ids).logits, mpgraph.convert(model, ids, dtype="fp16",
+                                                         target=GPU)(ids).logits)
+    assert torch.equal(tokens, mpgraph.convert_decoder(model, ids, **options).generate(
+        ids, max_new_tokens=6, do_sample=False))
+
+
 def test_hf_attention_mask_not_given_at_conversion_is_a_clear_error(bert):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 16, dtype=torch.long)

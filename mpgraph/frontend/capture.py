@@ -178,6 +178,43 @@ def dynamic_spec(model, args, kwargs):
     return spec
 
 
+def in_inference_mode(arguments: dict) -> bool:
+    """Whether an entry point called with ``arguments`` (its ``locals()``) is under
+    ``torch.inference_mode()`` or is given tensors made under it: then outside_inference_mode."""
+    return torch.is_inference_mode_enabled() or any(
+        isinstance(t, torch.Tensor) and torch.is_inference(t)
+        for t in pytree.tree_leaves(list(arguments.values())))
+
+
+def outside_inference_mode(fn, arguments: dict):
+    """``fn`` called again with ``arguments`` (its ``locals()`` on entry) outside
+    ``torch.inference_mode()``, where an entry point was called under it or given tensors made
+    under it (in_inference_mode): conversion copies the model and runs it, reading tensors'
+    version counters (what a run wrote), which inference tensors do not have, and torch.export
+    records autograd, which refuses them; example tensors made under inference mode are taken
+    as normal copies. (Called from the entry point itself, not as a decorator: a wrapper's
+    frame would move every warning's stacklevel.) The converted module may be called under
+    inference mode."""
+    args, kwargs = [], {}
+    for name, p in inspect.signature(fn).parameters.items():
+        value = arguments[name]
+        if p.kind == p.VAR_KEYWORD:
+            kwargs.update(value)
+        elif p.kind == p.VAR_POSITIONAL:
+            args.extend(value)
+        elif p.kind == p.KEYWORD_ONLY:
+            kwargs[name] = value
+        else:
+            args.append(value)
+
+    def normal(t):
+        return t.clone() if isinstance(t, torch.Tensor) and torch.is_inference(t) else t
+
+    with torch.inference_mode(False):
+        args, kwargs = pytree.tree_map(normal, (args, kwargs))
+        return fn(*args, **kwargs)
+
+
 def capture(model: torch.nn.Module, example_inputs: Any = None,
             example_kwargs: Optional[dict] = None, *, export_only: bool = False,
             abstract=None, observe: bool = False, dynamic: bool = True) -> torch.fx.GraphModule:
@@ -196,6 +233,8 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     export time: symbolic shapes are what torch.export spends the rest on). A symbolic_trace
     graph is not tied to shapes either way.
     """
+    if in_inference_mode(locals()):
+        return outside_inference_mode(capture, locals())
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = as_call(example_inputs, example_kwargs)

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mpgraph.api import convert
+from mpgraph.frontend.capture import in_inference_mode, outside_inference_mode
 from mpgraph.ir.fake import has_meta_tensors
 from mpgraph.ir.graph import fetch_attr, is_inplace, set_attr
 from mpgraph.tools.cuda_graph import GraphedModule
@@ -409,6 +410,8 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     ``.plan``), ``.cache_plan`` (each cache tensor's planned dtype and the plan's reason),
     ``.sharing`` (what the two graphs share) and ``.generate(...)``. The model is not modified.
     """
+    if in_inference_mode(locals()):  # (see outside_inference_mode)
+        return outside_inference_mode(convert_decoder, locals())
     refused = sorted(set(convert_options) & {"plan", "example_kwargs", "mode"})
     if refused:
         raise ValueError(f"convert_decoder does not take {refused}: the two graphs have their "

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mpgraph.api import convert, resolve_dtype
+from mpgraph.frontend.capture import in_inference_mode, outside_inference_mode
 from mpgraph.cost.device import auto_dtype, resolve_target
 from mpgraph.ir.graph import as_call, target_name
 from mpgraph.passes.infra import stage
@@ -293,6 +294,8 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     torch.export's own spec. Outputs are named by the model's output structure
     (``last_hidden_state``, ``pooler_output``; ``output_0``... for tuples).
     """
+    if in_inference_mode(locals()):  # (see outside_inference_mode)
+        return outside_inference_mode(export_onnx, locals())
     ir = _onnx_modules()
     if target is None:
         target = "cuda" if torch.cuda.is_available() else DEFAULT_TARGET
