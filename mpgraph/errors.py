@@ -9,11 +9,11 @@ class MpgraphError(Exception):
 # What a tracer's report says -> what to do about it (the causes users meet most)
 CAPTURE_FIXES = (
     (("cannot be used as inputs to control flow", "data-dependent", "DataDependent"),
-     "the forward branches on a tensor's values (`if x.sum() > 0:`), which no tracer captures as "
-     "one graph. Write the branch with torch.cond(pred, true_fn, false_fn, (x,)), make the "
-     "condition static (a Python bool argument, a shape, a module attribute), or keep that "
-     "submodule out of the graph: convert the parts before and after it and call them from "
-     "your own forward"),
+     "the code at the line named above reads a tensor's value in Python (a branch on it, `if "
+     "x.sum() > 0:`, or `float(t)`, `.item()`), which no tracer captures as one graph. Write a "
+     "branch with torch.cond(pred, true_fn, false_fn, (x,)), make the value static (a Python "
+     "bool argument, a shape, a module attribute), or keep that submodule out of the graph: "
+     "convert the parts before and after it and call them from your own forward"),
     (("DynamicCache", "Cache in output", "past_key_values"),
      "the model returns a KV cache object (a HuggingFace model with use_cache=True): for "
      "generation with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "

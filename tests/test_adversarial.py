@@ -219,8 +219,9 @@ class ValueBranch(nn.Module):
 
 
 def test_a_branch_on_values_is_a_capture_error_that_names_torch_cond():
-    with pytest.raises(mpgraph.CaptureError, match=r"(?s)fix: the forward branches on a "
-                                                   r"tensor's values.*torch\.cond"):
+    with pytest.raises(mpgraph.CaptureError, match=r"(?s)raised at test_adversarial\.py:\d+ in "
+                       r"forward: if x\.mean\(\) > 0:.*fix: the code at the line named above "
+                       r"reads a tensor's value in Python.*torch\.cond"):
         mpgraph.convert(ValueBranch().eval(), _x(4, 8), dtype="fp16", target=GPU)
 
 

@@ -1,3 +1,5 @@
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -48,11 +50,25 @@ def test_capture_error_names_what_each_tracer_said_and_the_fix_without_torch_noi
     assert "control flow" in text  # fx names the construct
     assert set(info.value.reports) == {"torch.fx.symbolic_trace", "torch.export"}
     assert len(info.value.fixes) == 1 and "torch.cond" in info.value.fixes[0]
-    assert text.splitlines()[-1].startswith("fix: the forward branches on a tensor's values")
+    assert text.splitlines()[-1].startswith("fix: the code at the line named above reads a "
+                                            "tensor's value in Python")
+    # each tracer names the line of the model that stopped it
+    line = inspect.getsourcelines(DataDependent.forward)[1] + 1
+    assert text.count(f"raised at test_capture.py:{line} in forward: if x.sum() > 0:") == 2
     assert "TORCH_LOGS" not in text and len(text.splitlines()) <= 6
+    assert "GuardOnDataDependentSymNode" in repr(info.value.exception)
     # torch's narration of the failed trace (log records, the partial graph it prints) stays off
     out, err = capfd.readouterr()
     assert err == "" and out == ""
+
+
+def test_capture_error_names_the_line_inside_a_library_module_that_stopped_the_trace():
+    """BatchNorm's cumulative moving average (momentum=None) reads its batch count as a Python
+    float in training: the error names torch.nn's line, not only the model's call of it."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=None)).train()
+    with pytest.raises(mpgraph.CaptureError, match=r"raised at batchnorm\.py:\d+ in forward: "
+                       r"exponential_average_factor = 1\.0 / float\(self\.num_batches_tracked\)"):
+        mpgraph.convert(model, torch.randn(2, 3, 8, 8), mode="train", dtype="bf16", target="a100")
 
 
 def test_capture_error_for_a_kv_cache_output_names_convert_decoder(gpt2):

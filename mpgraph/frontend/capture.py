@@ -11,8 +11,10 @@ import dataclasses
 import inspect
 import io
 import logging
+import os
 import re
 import threading
+import traceback
 import warnings
 from typing import Any, Optional
 
@@ -38,16 +40,46 @@ EXPORT = "torch.export"
 
 # words of the lines in torch's error texts that point into torch's debugging, not at the model
 _TORCH_POINTERS = ("TORCH", "For more", "For extended", "If you suspect", "Caused by",
-                   "consider using", "User Stack", "docs.google", "github.com")
+                   "consider using", "User Stack", "docs.google", "github.com",
+                   "The following call raised this error", "File \"")
+_CALL_SITE = re.compile(r'The following call raised this error:\s*\n\s*File "([^"]+)", line '
+                        r'(\d+), in (\S+)\n[ \t]*(\S[^\n]*)')
+# frames of the machinery, not of the model's code (torch.nn's modules are model code)
+_MACHINERY = os.path.dirname(torch.__file__) + os.sep
+_TORCH_NN = os.path.join(_MACHINERY, "nn") + os.sep
+_OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # mpgraph/
+         os.path.dirname(os.path.abspath(inspect.getfile(PropagateTensorInfo))) + os.sep)
 
 
 def _brief(exc: BaseException, lines: int = 2) -> str:
-    """The first line of an error (up to 400 characters) and the next ones that are about the
-    model, not pointers into torch's debugging."""
-    parts = [p for p in f"{type(exc).__name__}: {exc}".strip().splitlines() if p.strip()]
+    """The first line of an error (up to 400 characters), the next ones that are about the
+    model, not pointers into torch's debugging, and the line of the model's code (its own, a
+    library's such as transformers', or torch.nn's) that raised it: torch.export names it in
+    its message, otherwise it is the innermost such frame of the traceback."""
+    text = str(exc).split("The following call raised this error")[0]  # (_call_site says it)
+    parts = [p for p in f"{type(exc).__name__}: {text}".strip().splitlines() if p.strip()]
     first, rest = parts[0], [p for p in parts[1:] if not any(w in p for w in _TORCH_POINTERS)]
     out = "\n    ".join([first[:400] + (" ..." if len(first) > 400 else "")] + rest[:lines - 1])
-    return out + (" ..." if len(rest) > lines - 1 else "")
+    out += " ..." if len(rest) > lines - 1 else ""
+    where = _call_site(exc)
+    return out + (f"\n    raised at {where}" if where else "")
+
+
+def _call_site(exc: BaseException) -> str:
+    """``file.py:line in function: code`` of the model's code that raised ``exc``, or "": the
+    innermost frame of the traceback that is not torch's machinery or mpgraph's, else the call
+    torch.export's message names (the outermost line of the model's forward)."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_OURS) or frame.filename.startswith("<") or \
+                (path.startswith(_MACHINERY) and not path.startswith(_TORCH_NN)):
+            continue
+        return f"{os.path.basename(path)}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    found = _CALL_SITE.search(str(exc))
+    if found:
+        path, line, function, code = found.groups()
+        return f"{os.path.basename(path)}:{line} in {function}: {code.strip()}"
+    return ""
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
@@ -477,10 +509,12 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work))]
     if has_inputs:
         attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only)))
+    failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
     for name, trace in attempts:
         try:
             gm = trace()
         except Exception as e:
+            failure = e
             reports[name] = _brief(e)
             log.info("%s failed: %s", name, reports[name])
             continue
@@ -489,6 +523,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             try:  # one run: shapes, what calibration measures, and what the comparison needs
                 PropagateTensorInfo(args, kwargs, observe=observe or symbolic, buffers=symbolic)(gm)
             except Exception as e:
+                failure = e
                 reports[name] = "traced, but the traced graph failed on the example inputs: " + _brief(e)
                 log.info("%s", reports[name])
                 continue
@@ -522,4 +557,6 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         if reports:
             log.info("captured with %s after: %s", name, "; ".join(reports))
         return gm
-    raise CaptureError(reports)
+    error = CaptureError(reports)
+    error.exception = failure  # (not chained: its text is torch's long debugging narration)
+    raise error
