@@ -463,6 +463,35 @@ def test_what_the_static_cache_cannot_do_is_refused_with_the_reason():
         decoder.generate(prompt(), max_length=PROMPT)
 
 
+def test_sliding_window_attention_within_its_window_converts_and_beyond_it_is_refused():
+    """Mistral's config (sliding_window=4096) gave a sliding cache layer that convert_decoder
+    refused at any length; within the window every slot stays in it, so the layers are full
+    ones, and the tokens are those of the same model without the window."""
+    import copy
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, sliding_window=SLOTS)).eval()
+    full = copy.deepcopy(model)
+    full.config.sliding_window = None
+    options = dict(max_cache_len=SLOTS, dtype="bf16", target="cpu", strategy="rules")
+    new = SLOTS - PROMPT
+    tokens = mpgraph.convert_decoder(model, prompt(), **options).generate(
+        prompt(), max_new_tokens=new, eos_token_id=[])
+    assert torch.equal(tokens, mpgraph.convert_decoder(full, prompt(), **options).generate(
+        prompt(), max_new_tokens=new, eos_token_id=[]))
+    with torch.no_grad():  # each token the float32 model's argmax after the tokens before it
+        logits = model(tokens).logits[:, PROMPT - 1:-1].float()
+    top = logits.topk(2, dim=-1).values
+    agree = logits.argmax(-1) == tokens[:, PROMPT:]
+    assert (agree | (top[..., 0] - top[..., 1] < 1e-2)).all()
+    with pytest.raises(ValueError, match=rf"sliding-window attention \(window {SLOTS}\) in 2 "
+                       rf"layers, and max_cache_len={SLOTS + 1} outgrows the window: .* Convert "
+                       rf"with max_cache_len <= {SLOTS}"):
+        mpgraph.convert_decoder(model, prompt(), **{**options, "max_cache_len": SLOTS + 1})
+
+
 def _trained_llama(vocab=64, steps=120):
     """A tiny Llama trained briefly on a rule (each token's successor is a fixed permutation of
     it; a tenth of the tokens random): logits with real margins, as a trained model's."""

@@ -21,7 +21,8 @@ the same shapes and reads the cache at the same addresses.
 Limits: the batch size and the cache length are fixed at conversion (a smaller batch is padded
 with copies of its first row; ``prompt length + max_new_tokens`` must fit the cache); the prompt
 is prefilled in one call (a one-token prompt goes through the decode graph); models whose cache
-has sliding-window or other non-static layers are refused; the converted graphs are tied to the
+has sliding-window layers convert for a cache within the window (it does not roll), other
+non-static layers are refused; the converted graphs are tied to the
 device they were converted on (export bakes it into the graph's constants).
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ class StaticCacheStep(torch.nn.Module):
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None):
         super().__init__()
         from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
         from transformers.configuration_utils import get_head_shapes
         config = getattr(model, "config", None)
         if config is None:
@@ -84,11 +85,28 @@ class StaticCacheStep(torch.nn.Module):
         device = torch.device(device) if device is not None else param.device
         text = config.get_text_config(decoder=True)
         self.cache = StaticCache(config=text, max_cache_len=max_cache_len)
+        window = getattr(text, "sliding_window", None)
+        sliding = [i for i, layer in enumerate(self.cache.layers)
+                   if type(layer) is StaticSlidingWindowLayer]
+        if sliding and window is not None and max_cache_len <= window:
+            # a window the cache never outgrows: every slot stays in it, so a sliding layer
+            # computes what a full one does (its mask's window test always passes), without its
+            # Python count of tokens that a traced graph would freeze
+            for i in sliding:
+                self.cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)
+        elif sliding:
+            raise ValueError(
+                f"{type(model).__name__} has sliding-window attention (window {window}) in "
+                f"{len(sliding)} layers, and max_cache_len={max_cache_len} outgrows the window: "
+                "convert_decoder's static cache does not roll. Convert with max_cache_len <= "
+                f"{window} (prompt + new tokens within the window), or generate with the HF "
+                "model's own generate")
         kinds = {type(layer).__name__ for layer in self.cache.layers
                  if type(layer) is not StaticLayer}
         if kinds:
             raise ValueError(f"{type(model).__name__}'s cache has {sorted(kinds)} layers; "
-                             "convert_decoder supports full-attention StaticLayer caches only")
+                             "convert_decoder supports full-attention StaticLayer caches (and "
+                             "sliding windows up to their window) only")
         heads, head_dim = get_head_shapes(text)
         self.cache.early_initialization(batch_size, heads, head_dim, dtype, device)
         for i, layer in enumerate(self.cache.layers):
