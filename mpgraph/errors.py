@@ -44,7 +44,9 @@ class CaptureError(MpgraphError):
             lines.append(f"  {tracer}: {message}")
         if "torch.export" not in self.reports:
             lines.append("  (pass example_inputs so that torch.export can be tried)")
-        text = " ".join(self.reports.values())
+        # the fix for what stopped torch.export, the tracer that takes the most: symbolic_trace
+        # fails on much that export captures (its "control flow" is not the cause then)
+        text = self.reports.get("torch.export") or " ".join(self.reports.values())
         self.fixes = [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
             or [GENERAL_FIX]
         lines += [f"fix: {fix}" for fix in self.fixes]
