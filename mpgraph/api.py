@@ -133,9 +133,25 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              strategy=opts.strategy, kept_fp32=keep_fp32,
                              mode="train" if opts.train else "inference", tolerance=report,
                              dtype_choice=chosen)
+    if not record.compute_nodes and (found := _computes_low(model)):
+        record = dataclasses.replace(record, kept_fp32=None, warning=(
+            f"{type(model).__name__} computes in {found}, not float32: mpgraph decides which of "
+            "a model's float32 nodes run in low precision, and this model has none; it is "
+            "returned as it computes. Convert model.float() to plan its mixed precision"))
+        warnings.warn(record.warning, UserWarning, stacklevel=2)
     _attach_plan(gm, record, opts, abstract)
     log.info("%s", gm.plan.summary())
     return gm
+
+
+def _computes_low(model: torch.nn.Module) -> str:
+    """The floating dtypes of a model without a float32 parameter or buffer (one loaded with
+    torch_dtype=torch.bfloat16), as text; "" for any other."""
+    dtypes = {t.dtype for t in itertools.chain(model.parameters(), model.buffers())
+              if t.is_floating_point()}
+    if not dtypes or torch.float32 in dtypes:
+        return ""
+    return " and ".join(sorted(dtype_name(d) for d in dtypes))
 
 
 def _attach_plan(gm, record: Plan, opts: "Options", abstract) -> None:
@@ -143,8 +159,9 @@ def _attach_plan(gm, record: Plan, opts: "Options", abstract) -> None:
     (dtypes kept on assignment, low copies in step with their float32 originals); a saved plan
     checked as applied."""
     if opts.plan is None and opts.low is not None:  # a dtype the user named
-        record = dataclasses.replace(record, warning=little_converted(record, opts.spec))
-        if record.warning:
+        little = little_converted(record, opts.spec)
+        if little:
+            record = dataclasses.replace(record, warning=little)
             warnings.warn(record.warning, UserWarning, stacklevel=3)
     record = dataclasses.replace(record, calibration_warning=calibration_warning(
         record, gm.meta.get(CONSTANT_INPUTS, ())))

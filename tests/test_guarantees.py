@@ -733,3 +733,20 @@ def test_threads_convert_at_once_under_a_short_switch_interval_and_others_keep_r
     assert not errors and not wrong, (errors, wrong)
     after = mpgraph.convert(TwoLayers().eval(), torch.randn(2, 8), dtype="fp16", target=GPU)
     assert after.plan.capture == "torch.fx.symbolic_trace"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warning(bert, dtype):
+    """A model loaded in bf16 (torch_dtype=...) has no float32 node to decide: the summary said
+    'converted 0/0 nodes' (or 'kept float32: no node is faster ...'), and nothing more."""
+    low = copy.deepcopy(bert).to(dtype)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    for options in ({}, {"dtype": "fp16", "target": GPU}):
+        with pytest.warns(UserWarning, match=rf"BertModel computes in {name}, not float32: .* "
+                                             r"Convert model\.float\(\) to plan its mixed precision"):
+            fast = mpgraph.convert(low, ids, **options)
+        assert fast.plan.summary().startswith(f"warning: BertModel computes in {name}")
+        assert "kept float32" not in fast.plan.summary()
+        with torch.no_grad():
+            assert torch.equal(fast(ids).last_hidden_state, low(ids).last_hidden_state)
