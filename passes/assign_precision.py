@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import operator
 from typing import Optional
 
 import torch
@@ -352,7 +353,15 @@ class AssignPrecision(Pass):
         for node in reversed(order):
             if node not in stored or node.op == "get_attr":
                 continue
-            needs = {required_dtype(u, node, gm, self.keep_io_types, dec.get) for u in node.users}
+            # a multi-output op's items (chunk(in_proj_weight, 3)[i]) come out in its dtype,
+            # with no cast between: what the items' readers need is what the op's readers need
+            items = [u for u in node.users if u.op == "call_function"
+                     and u.target is operator.getitem and u in stored]
+            needs = {required_dtype(u, node, gm, self.keep_io_types, dec.get)
+                     for u in node.users if u not in items} | {dec[u].dtype for u in items}
             dtype = self.low if self.low in needs else FP32
             dec[node] = Decision(dtype, f"computed from parameters only: {dtype_name(dtype)} for its "
                                         "readers", stored=True)
+            for item in items:
+                dec[item] = Decision(dtype, f"an item of {node.name}, computed from parameters "
+                                            f"only: {dtype_name(dtype)} as it is", stored=True)

@@ -750,3 +750,37 @@ def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warn
         assert "kept float32" not in fast.plan.summary()
         with torch.no_grad():
             assert torch.equal(fast(ids).last_hidden_state, low(ids).last_hidden_state)
+
+
+class SumOfProjections(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, *xs):
+        return sum(self.fc(x) for x in xs)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, query, key, value):
+        return self.attn(query, key, value, need_weights=False)[0]
+
+
+def test_a_parameter_chunked_in_the_graph_is_stored_in_the_dtype_its_pieces_are_read_in():
+    """nn.MultiheadAttention with a key other than its query chunks in_proj_weight into three
+    in the graph: the chunk stayed float32 while its pieces were planned float16 (no cast can
+    sit between an op and its items), a ConversionError on any such model."""
+    torch.manual_seed(0)
+    model = Attention().eval()
+    x, y = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
+    fast = mpgraph.convert(model, (x, y, y), dtype="fp16", target=GPU, strategy="rules")
+    stored = {w.name: w.dtype for w in fast.plan.weights}
+    assert stored["attn.in_proj_weight"] == torch.float16 and \
+        stored["attn.in_proj_bias"] == torch.float16
+    assert fast.plan.node("chunk").dtype == "float16" == fast.plan.node("getitem").dtype
+    with torch.no_grad():
+        assert relative_l2(fast(x, y, y), model(x, y, y)) < 4e-3
