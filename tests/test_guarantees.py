@@ -770,6 +770,23 @@ class Attention(nn.Module):
         return self.attn(query, key, value, need_weights=False)[0]
 
 
+def test_one_tensor_given_for_several_arguments_converts_a_graph_that_takes_them_apart():
+    """torch.export takes two arguments that are one tensor as one input: converted with
+    (x, x), the graph read the last argument for both, and a call with two tensors was wrong
+    by 1.1 (relative L2), silently. Attention converted on (x, x, x) is the common case."""
+    torch.manual_seed(0)
+    x, y, z = (torch.randn(2, 5, 16) for _ in range(3))
+    for model, example, call in ((SumOfProjections(), (x, x), (x, y)),
+                                 (Attention(), (x, x, x), (x, y, z)),
+                                 (Attention(), (x, x[:], x), (x, y, y))):  # (a view: one storage)
+        model.eval()
+        fast = mpgraph.convert(model, example, dtype="fp16", target=GPU, strategy="rules")
+        with torch.no_grad():
+            assert relative_l2(fast(*call), model(*call)) < 4e-3
+            assert relative_l2(fast(*example), model(*example)) < 4e-3
+        assert len([n for n in fast.graph.nodes if n.op == "placeholder"]) == len(example)
+
+
 def test_a_parameter_chunked_in_the_graph_is_stored_in_the_dtype_its_pieces_are_read_in():
     """nn.MultiheadAttention with a key other than its query chunks in_proj_weight into three
     in the graph: the chunk stayed float32 while its pieces were planned float16 (no cast can

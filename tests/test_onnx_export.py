@@ -156,6 +156,28 @@ def test_converted_module_can_be_exported_as_is(tmp_path):
     assert result.plan is converted.plan and result.validation.err_vs_fp32 is None
 
 
+class _Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, a, b):
+        return self.fc(a) - self.fc(b)
+
+
+def test_one_tensor_given_for_two_inputs_exports_a_file_with_both(tmp_path):
+    """torch.export takes one tensor given twice as one input: the file read the second input
+    for both (error 0.96 on two tensors), and validation on the same example passed."""
+    torch.manual_seed(0)
+    model, x, y = _Pair().eval(), torch.randn(4, 8), torch.randn(4, 8)
+    path = tmp_path / "pair.onnx"
+    mpgraph.export_onnx(model, (x, x), path, dtype="fp16", target=GPU)
+    session = mpgraph.ort_session(str(path))
+    assert [i.name for i in session.get_inputs()] == ["a", "b"]
+    out = session.run(None, {"a": x.numpy(), "b": y.numpy()})[0]
+    assert relative_l2(torch.from_numpy(out).float(), model(x, y).detach()) < 4e-3
+
+
 def test_unwritable_path_is_an_export_error(tmp_path):
     with pytest.raises(mpgraph.ExportError, match="does not exist"):
         export_onnx(MLP(), torch.randn(2, 16), tmp_path / "missing" / "m.onnx")

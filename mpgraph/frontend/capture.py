@@ -269,7 +269,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         return outside_inference_mode(capture, locals())
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
-    args, kwargs = as_call(example_inputs, example_kwargs)
+    args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))
     has_inputs = example_inputs is not None or example_kwargs is not None
     try:
         work = copy.deepcopy(model)
@@ -281,6 +281,24 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         args, kwargs = abstract.fake_inputs(args, kwargs)
     with _CAPTURE_LOCK, fake_mode(abstract):
         return _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+
+
+def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example with a copy of each tensor that shares its storage with an earlier one
+    (``model(x, x)``, attention's ``(q, q, q)``): torch.export takes two arguments that are one
+    tensor as one input, and the graph then read the last argument in place of each (a call
+    with two different tensors computed from one of them, silently)."""
+    seen = set()
+
+    def distinct(t):
+        if not isinstance(t, torch.Tensor) or is_abstract(t) or t.layout != torch.strided:
+            return t
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key in seen and t.numel():
+            return t.clone()
+        seen.add(key)
+        return t
+    return pytree.tree_map(distinct, (args, kwargs))
 
 
 class _Tracer(torch.fx.Tracer):

@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mpgraph.api import convert, resolve_dtype
-from mpgraph.frontend.capture import in_inference_mode, outside_inference_mode
+from mpgraph.frontend.capture import distinct_inputs, in_inference_mode, outside_inference_mode
 from mpgraph.cost.device import auto_dtype, resolve_target
 from mpgraph.ir.graph import as_call, target_name
 from mpgraph.passes.infra import stage
@@ -307,7 +307,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         low = auto_dtype(resolve_target(target))[0] or dtype
     else:
         low = resolve_dtype(dtype)
-    args, kwargs = as_call(example_inputs, example_kwargs)
+    args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))  # (one per input)
     reference = None
     if is_converted(model_or_converted):
         converted = model_or_converted
