@@ -801,3 +801,14 @@ def test_a_parameter_chunked_in_the_graph_is_stored_in_the_dtype_its_pieces_are_
     assert fast.plan.node("chunk").dtype == "float16" == fast.plan.node("getitem").dtype
     with torch.no_grad():
         assert relative_l2(fast(x, y, y), model(x, y, y)) < 4e-3
+
+
+def test_a_star_args_forward_is_called_with_as_many_arguments_as_it_was_converted_with():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    fast = mpgraph.convert(SumOfProjections().eval(), (x, x), dtype="fp16", target=GPU)
+    for args in ((x,), (x, x, x)):
+        with pytest.raises(TypeError, match=rf"the converted SumOfProjections takes 2 positional "
+                                            rf"arguments, as many as it was converted with .* "
+                                            rf"{len(args)} were given"):
+            fast(*args)

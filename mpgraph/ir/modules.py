@@ -170,6 +170,7 @@ class CallSignature:
         self.names = tuple(p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY,
                                                                  kinds.POSITIONAL_OR_KEYWORD))
         self.varargs = any(p.kind == kinds.VAR_POSITIONAL for p in params)
+        self.arity = len(args)  # (a *args forward's graph takes exactly as many as it was given)
         given = dict(zip(self.names, args), **kwargs)
         self.tensors = frozenset(n for n, v in given.items() if not _fixed(v))
         # the structure of each argument that holds tensors in a container (a list of tensors,
@@ -202,6 +203,13 @@ class CallSignature:
         the graph's forward with (the fixed values it does not take left out)."""
         names = self.names
         if self.varargs:
+            arity = getattr(self, "arity", None)  # (None: a signature pickled before it had one)
+            if arity is not None and len(args) != arity:
+                raise TypeError(
+                    f"the converted {self.model} takes {arity} positional arguments, as many as "
+                    f"it was converted with (its forward takes *args; the graph one input per "
+                    f"argument given then); {len(args)} were given. Convert with an example of "
+                    f"{len(args)} (one converted module per count)")
             return args, kwargs
         if len(args) > len(names):
             raise TypeError(f"the converted {self.model} takes {len(names)} positional "
