@@ -761,7 +761,7 @@ class SumOfProjections(nn.Module):
         return sum(self.fc(x) for x in xs)
 
 
-class Attention(nn.Module):
+class QueryKeyValue(nn.Module):
     def __init__(self):
         super().__init__()
         self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
@@ -777,8 +777,8 @@ def test_one_tensor_given_for_several_arguments_converts_a_graph_that_takes_them
     torch.manual_seed(0)
     x, y, z = (torch.randn(2, 5, 16) for _ in range(3))
     for model, example, call in ((SumOfProjections(), (x, x), (x, y)),
-                                 (Attention(), (x, x, x), (x, y, z)),
-                                 (Attention(), (x, x[:], x), (x, y, y))):  # (a view: one storage)
+                                 (QueryKeyValue(), (x, x, x), (x, y, z)),
+                                 (QueryKeyValue(), (x, x[:], x), (x, y, y))):  # (a view: one storage)
         model.eval()
         fast = mpgraph.convert(model, example, dtype="fp16", target=GPU, strategy="rules")
         with torch.no_grad():
@@ -792,7 +792,7 @@ def test_a_parameter_chunked_in_the_graph_is_stored_in_the_dtype_its_pieces_are_
     in the graph: the chunk stayed float32 while its pieces were planned float16 (no cast can
     sit between an op and its items), a ConversionError on any such model."""
     torch.manual_seed(0)
-    model = Attention().eval()
+    model = QueryKeyValue().eval()
     x, y = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
     fast = mpgraph.convert(model, (x, y, y), dtype="fp16", target=GPU, strategy="rules")
     stored = {w.name: w.dtype for w in fast.plan.weights}
