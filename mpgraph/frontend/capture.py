@@ -47,6 +47,7 @@ _CALL_SITE = re.compile(r'The following call raised this error:\s*\n\s*File "([^
 # frames of the machinery, not of the model's code (torch.nn's modules are model code)
 _MACHINERY = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN = os.path.join(_MACHINERY, "nn") + os.sep
+_STDLIB = os.path.dirname(os.__file__) + os.sep  # (inspect's binding of the arguments)
 _OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # mpgraph/
          os.path.dirname(os.path.abspath(inspect.getfile(PropagateTensorInfo))) + os.sep)
 
@@ -72,7 +73,8 @@ def _call_site(exc: BaseException) -> str:
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = os.path.abspath(frame.filename)
         if path.startswith(_OURS) or frame.filename.startswith("<") or \
-                (path.startswith(_MACHINERY) and not path.startswith(_TORCH_NN)):
+                (path.startswith(_MACHINERY) and not path.startswith(_TORCH_NN)) or \
+                (path.startswith(_STDLIB) and "-packages" + os.sep not in path):
             continue
         return f"{os.path.basename(path)}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
     found = _CALL_SITE.search(str(exc))
