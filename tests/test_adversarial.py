@@ -509,6 +509,28 @@ def test_hooks_on_the_model_at_conversion_say_they_ran_during_tracing(bert):
         handle.remove()
 
 
+def test_transformers_own_output_capturing_hooks_are_not_reported_as_the_user_s():
+    """transformers installs hooks on a model's first call to collect hidden states; converting
+    a Segformer that ran once warned 'hooks on segformer.stages.0 ... ran while it was traced'
+    about hooks the user never added."""
+    import transformers as t
+    torch.manual_seed(0)
+    model = t.SegformerForSemanticSegmentation(t.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+        num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], decoder_hidden_size=32,
+        num_labels=5)).eval()
+    x = _x(2, 3, 64, 64)
+    with torch.no_grad():
+        want = model(x).logits
+    assert any(m._forward_hooks for m in model.modules())  # (transformers' own, from that call)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = mpgraph.convert(model, x, dtype="bf16", target=GPU)
+    assert not [w for w in caught if "hooks on" in str(w.message)]
+    with torch.no_grad():
+        assert relative_l2(fast(x).logits, want) < TOL["bf16"]
+
+
 def test_a_conversion_in_a_thread_while_another_runs_a_converted_module():
     torch.manual_seed(0)
     model, x = Reused().eval(), _x(4, 8)

@@ -483,15 +483,22 @@ def reads_training(model: torch.nn.Module) -> list[str]:
     return out
 
 
+def _users_hooks(module: torch.nn.Module) -> list:
+    """The hooks on a module, but those transformers installs itself on its first call to
+    collect hidden states and attentions (what the traced forward returns anyway)."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values(),
+             *module._backward_hooks.values(), *module._backward_pre_hooks.values()]
+    return [h for h in hooks if not (getattr(h, "__module__", None) or "").startswith(
+        "transformers.utils.output_capturing")]
+
+
 def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     """Hooks on modules the graph does not call ran while the model was traced: what they
     compute is in the graph, but they do not run again (a hook that appends to a list, counts
     calls or prints did so at conversion only). That is said, once."""
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     hooked = [path or type(model).__name__ for path, m in model.named_modules()
-              if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                  or m._backward_pre_hooks)
-              and not any(path == c or path.startswith(c + ".") for c in called)]
+              if _users_hooks(m) and not any(path == c or path.startswith(c + ".") for c in called)]
     fast_path = [path for path, m in model.named_modules()
                  if isinstance(m, torch.nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False)
                  and not any(path == c or path.startswith(c + ".") for c in called)]
