@@ -47,10 +47,17 @@ class CaptureError(MpgraphError):
         # the fix for what stopped torch.export, the tracer that takes the most: symbolic_trace
         # fails on much that export captures (its "control flow" is not the cause then)
         text = self.reports.get("torch.export") or " ".join(self.reports.values())
+        # (not the model's source line a report quotes: "past_key_values" in an HF forward's
+        # line is not a cache object returned)
+        text = "\n".join(line for line in text.splitlines()
+                         if not line.strip().startswith("raised at "))
         self.fixes = [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
             or [GENERAL_FIX]
         lines += [f"fix: {fix}" for fix in self.fixes]
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # (pickles and copies with its reports)
+        return type(self), (self.reports,)
 
 
 class PassError(MpgraphError):
@@ -62,6 +69,9 @@ class PassError(MpgraphError):
         self.node = node
         self.ran_before = list(ran_before or [])
         super().__init__(message)
+
+    def __reduce__(self):  # (pickles and copies with its fields; the node does not travel)
+        return type(self), (self.pass_name, self.message, None, self.ran_before)
 
     def __str__(self) -> str:
         text = f"pass {self.pass_name} failed: {self.message}"
@@ -90,6 +100,9 @@ class ValueCheckError(ConversionError):
         super().__init__(message)
         self.error, self.bound, self.dtype = error, bound, dtype
 
+    def __reduce__(self):  # (pickles and copies with its fields: a conversion in a worker)
+        return type(self), (str(self), self.error, self.bound, self.dtype)
+
 
 class ExportError(MpgraphError):
     """ONNX export failed, or the exported file does not match the plan or its numbers."""
@@ -112,3 +125,6 @@ class PlanMismatchError(MpgraphError, ValueError):
         more = len(self.mismatches) - len(shown)
         super().__init__("the plan does not match this model:\n  " + "\n  ".join(shown)
                          + (f"\n  ... and {more} more" if more > 0 else ""))
+
+    def __reduce__(self):  # (pickles and copies with its mismatches)
+        return type(self), (self.mismatches,)

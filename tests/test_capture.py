@@ -71,6 +71,29 @@ def test_capture_error_names_the_line_inside_a_library_module_that_stopped_the_t
         mpgraph.convert(model, torch.randn(2, 3, 8, 8), mode="train", dtype="bf16", target="a100")
 
 
+class CacheWordBranch(nn.Module):
+    def forward(self, x, past_key_values=None):
+        if past_key_values is None and x.mean() > 0:  # a branch on values, not a cache output
+            return x * 2
+        return x
+
+
+def test_capture_error_fix_is_chosen_by_the_error_not_the_words_of_the_quoted_line():
+    with pytest.raises(mpgraph.CaptureError) as info:
+        mpgraph.capture(CacheWordBranch(), torch.randn(3))
+    assert len(info.value.fixes) == 1 and "torch.cond" in info.value.fixes[0]
+
+
+def test_a_tensor_subclass_example_is_captured_as_it_is():
+    """Example tensors that share storage are copied apart before capture; a wrapper subclass
+    has no real storage to compare (it raised 'invalid python storage')."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    x = torch.randn(4, 16)
+    example = two_tensor.TwoTensor(x, x.clone())
+    gm = mpgraph.capture(MLP().eval(), (example,))
+    assert gm.meta[CAPTURE] in ("torch.fx.symbolic_trace", "torch.export")
+
+
 def test_capture_error_for_a_kv_cache_output_names_convert_decoder(gpt2):
     """capture() on its own captures what the model returns; a KV cache object it cannot
     (convert itself passes use_cache=False: tests/test_guarantees.py)."""

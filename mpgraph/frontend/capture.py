@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import re
+import sys
 import threading
 import traceback
 import warnings
@@ -226,9 +227,9 @@ def outside_inference_mode(fn, arguments: dict):
     under it (in_inference_mode): conversion copies the model and runs it, reading tensors'
     version counters (what a run wrote), which inference tensors do not have, and torch.export
     records autograd, which refuses them; example tensors made under inference mode are taken
-    as normal copies. (Called from the entry point itself, not as a decorator: a wrapper's
-    frame would move every warning's stacklevel.) The converted module may be called under
-    inference mode."""
+    as normal copies. The warnings of that call are said again at the entry point's caller, as
+    outside inference mode (their stacklevels count the frames of a direct call). The converted
+    module may be called under inference mode."""
     args, kwargs = [], {}
     for name, p in inspect.signature(fn).parameters.items():
         value = arguments[name]
@@ -244,9 +245,23 @@ def outside_inference_mode(fn, arguments: dict):
     def normal(t):
         return t.clone() if isinstance(t, torch.Tensor) and torch.is_inference(t) else t
 
-    with torch.inference_mode(False):
-        args, kwargs = pytree.tree_map(normal, (args, kwargs))
-        return fn(*args, **kwargs)
+    caller = sys._getframe(2)  # (this function <- the entry point <- its caller)
+    said = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.inference_mode(False):
+                    args, kwargs = pytree.tree_map(normal, (args, kwargs))
+                    return fn(*args, **kwargs)
+            finally:
+                said = list(caught)
+    finally:  # (the caller's filters apply again here)
+        registry = caller.f_globals.setdefault("__warningregistry__", {})
+        for w in said:
+            warnings.warn_explicit(w.message, w.category, caller.f_code.co_filename,
+                                   caller.f_lineno, module=caller.f_globals.get("__name__"),
+                                   registry=registry)
 
 
 def capture(model: torch.nn.Module, example_inputs: Any = None,
@@ -293,7 +308,8 @@ def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     seen = set()
 
     def distinct(t):
-        if not isinstance(t, torch.Tensor) or is_abstract(t) or t.layout != torch.strided:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or is_abstract(t) \
+                or t.layout != torch.strided:  # (a subclass's storage may be no real one)
             return t
         key = (t.device, t.untyped_storage().data_ptr())
         if key in seen and t.numel():
@@ -337,14 +353,32 @@ class _Tracer(torch.fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
-def _symbolic_trace(model: torch.nn.Module) -> torch.fx.GraphModule:
+def _absent_nones(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The forward's parameters that default to None and that the example leaves out, as
+    symbolic_trace's concrete_args: traced as a Proxy, ``if past_key_values is None and ...``
+    is always False (a Proxy is not None), so the branch was dropped from the graph where the
+    model takes it on other inputs, silently; as None, the trace takes the path the model
+    takes, and a call that gives a value is refused (CallSignature)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    given = set(positional[:len(args)]) | set(kwargs)
+    return {p.name: None for p in params if p.default is None and p.name not in given
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _symbolic_trace(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None
+                    ) -> torch.fx.GraphModule:
     # a forward that assigns to a buffer (self.n += 1) leaves the traced value (a Proxy) there:
     # the buffers are put back before the graph module takes its attributes from the model
     buffers = [(m, dict(m._buffers)) for m in model.modules()]
     with _quiet(), opaque_functions("inference"):
         tracer = _Tracer()
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args=_absent_nones(model, args, kwargs or {})
+                                 or None)
         finally:
             for m, saved in buffers:
                 m._buffers.clear()
@@ -533,7 +567,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     # export_only (training): every parameter a get_attr node, no leaf module hiding its weights.
     # HuggingFace models do not trace with plain fx (transformers 5): straight to torch.export
     hf = type(model).__module__.startswith("transformers.") and has_inputs
-    attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work))]
+    attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work, args, kwargs))]
     if has_inputs:
         attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only)))
     failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
