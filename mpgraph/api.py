@@ -133,11 +133,12 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              strategy=opts.strategy, kept_fp32=keep_fp32,
                              mode="train" if opts.train else "inference", tolerance=report,
                              dtype_choice=chosen)
-    if not record.compute_nodes and (found := _computes_low(model)):
+    if not record.low_nodes and (found := _computes_low(model)):
         record = dataclasses.replace(record, kept_fp32=None, warning=(
             f"{type(model).__name__} computes in {found}, not float32: mpgraph decides which of "
-            "a model's float32 nodes run in low precision, and this model has none; it is "
-            "returned as it computes. Convert model.float() to plan its mixed precision"))
+            "a model's float32 nodes run in low precision, and this model's weights are not "
+            "float32; it is returned as it computes. Convert model.float() to plan its mixed "
+            "precision"))
         warnings.warn(record.warning, UserWarning, stacklevel=2)
     _attach_plan(gm, record, opts, abstract)
     log.info("%s", gm.plan.summary())
@@ -145,10 +146,10 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
 
 
 def _computes_low(model: torch.nn.Module) -> str:
-    """The floating dtypes of a model without a float32 parameter or buffer (one loaded with
-    torch_dtype=torch.bfloat16), as text; "" for any other."""
-    dtypes = {t.dtype for t in itertools.chain(model.parameters(), model.buffers())
-              if t.is_floating_point()}
+    """The floating dtypes of a model's parameters where none is float32 (one loaded with
+    torch_dtype=torch.bfloat16; its float32 buffers, such as rotary inv_freq, do not count),
+    as text; "" for any other."""
+    dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
     if not dtypes or torch.float32 in dtypes:
         return ""
     return " and ".join(sorted(dtype_name(d) for d in dtypes))
@@ -406,8 +407,11 @@ class Options:
         kwargs = without_cache(model, args, kwargs)
         if tolerance is not None:
             tolerance = check_tolerance(tolerance)
-            if calibration is not None:
-                calibration = list(calibration)  # measured once per round of the search
+        if calibration is not None and (tolerance is not None or (
+                low is None and plan is None and iter(calibration) is calibration)):
+            # read more than once: per round of the tolerance search (the same batches), or
+            # again where an automatic fp16 falls back to bf16 (a generator: empty by then)
+            calibration = list(calibration)
         table = op_table if isinstance(op_table, OpTable) else OpTable.default(op_table)
         abstract = None
         if has_meta_tensors(model, args, kwargs):

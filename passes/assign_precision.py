@@ -354,12 +354,15 @@ class AssignPrecision(Pass):
             if node not in stored or node.op == "get_attr":
                 continue
             # a multi-output op's items (chunk(in_proj_weight, 3)[i]) come out in its dtype,
-            # with no cast between: what the items' readers need is what the op's readers need
+            # with no cast between: what the items' readers need is what the op's readers need;
+            # items read in float32 and in low precision keep float32 (the low readers' cast
+            # then runs per call: a float32 reader never gets a rounded weight)
             items = [u for u in node.users if u.op == "call_function"
                      and u.target is operator.getitem and u in stored]
             needs = {required_dtype(u, node, gm, self.keep_io_types, dec.get)
                      for u in node.users if u not in items} | {dec[u].dtype for u in items}
-            dtype = self.low if self.low in needs else FP32
+            mixed = items and {self.low, FP32} <= needs
+            dtype = self.low if self.low in needs and not mixed else FP32
             dec[node] = Decision(dtype, f"computed from parameters only: {dtype_name(dtype)} for its "
                                         "readers", stored=True)
             for item in items:

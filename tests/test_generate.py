@@ -492,6 +492,28 @@ def test_sliding_window_attention_within_its_window_converts_and_beyond_it_is_re
         mpgraph.convert_decoder(model, prompt(), **{**options, "max_cache_len": SLOTS + 1})
 
 
+def test_a_graph_whose_automatic_fp16_falls_back_takes_the_other_graph_to_bf16_with_it():
+    """The prompt's last token embeds at ~1e-8 (fp16 subnormals): the decode graph's fp16 plan
+    fails its value check and falls back to bf16, the prefill's passes; the two share the
+    cache, which was then refused ('the decode plan stores it as bfloat16, the prefill plan as
+    float16'). Both graphs are now bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=64,
+                                         rms_norm_eps=1.0)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] *= 1e-8
+        model.model.embed_tokens.weight[:5] *= 10
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=12, target=GPU,
+                                      runtime="graphs")
+    assert decoder.decode.plan.dtype_choice["fallback"].startswith("float16's plan failed")
+    assert decoder.prefill.plan.dtype == decoder.decode.plan.dtype == torch.bfloat16
+    assert {c.dtype for c in decoder.cache_plan} == {"bfloat16"}
+
+
 def _trained_llama(vocab=64, steps=120):
     """A tiny Llama trained briefly on a rule (each token's successor is a fixed permutation of
     it; a tenth of the tokens random): logits with real margins, as a trained model's."""

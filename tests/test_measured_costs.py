@@ -362,6 +362,9 @@ def test_an_automatic_fp16_that_fails_the_check_falls_back_to_bf16_and_says_why(
             assert relative_l2(out(x), model(x)) < 1e-2 and plan.check["error"] < 1e-2
     assert mpgraph.Plan.from_dict(plan.to_dict()).dtype_choice["fallback"] == \
         plan.dtype_choice["fallback"]
+    # calibration batches from a generator: read again by the fallback (it was empty then)
+    out = mpgraph.convert(model, (x,), costs=costs, calibration=(b for b in (x, 2 * x)))
+    assert out.plan.dtype == BF16 and out.plan.calibration_batches == 2
 
 
 def test_a_named_fp16_that_fails_the_check_is_an_error_that_names_bf16():

@@ -188,7 +188,12 @@ class CallSignature:
         # values given at capture that a call must give again: left out, the model would take
         # its default (or have none), while the graph computes with the value given then
         # (use_cache=False: the forward converted without its cache, whatever the call says)
-        defaults = {p.name: p.default for p in params}
+        # (a name the forward takes through **kwargs has no default in its signature: a
+        # HuggingFace model reads its config's value then, return_dict or output_attentions)
+        config = getattr(model, "config", None)
+        defaults = {n: getattr(config, n) for n in given
+                    if config is not None and n not in self.names and hasattr(config, n)}
+        defaults.update({p.name: p.default for p in params})
         self.required = {
             n: ("its default " + _shown(defaults[n]) if defaults.get(n, kinds.empty) is not
                 kinds.empty else "no value for it")

@@ -462,6 +462,20 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     prefill = convert(step, prefill_args, calibration=prompts, **options).eval()
     decode = convert(step, decode_args, calibration=_decode_calibration(
         model, decode_args, ids, max_cache_len), **options).eval()
+    fell_back = [gm for gm in (prefill, decode)
+                 if (gm.plan.dtype_choice or {}).get("fallback")]
+    if dtype is None and fell_back and prefill.plan.dtype != decode.plan.dtype:
+        # one graph's automatic fp16 failed its value check and fell back to bf16: the other in
+        # bf16 too (the graphs share the cache, so they share its dtype)
+        log.info("convert_decoder: the %s graph fell back to bfloat16 (%s): the other graph too",
+                 "prefill" if fell_back[0] is prefill else "decode",
+                 fell_back[0].plan.dtype_choice["fallback"])
+        bf16 = dict(options, dtype=torch.bfloat16)
+        if fell_back[0] is prefill:
+            decode = convert(step, decode_args, calibration=_decode_calibration(
+                model, decode_args, ids, max_cache_len), **bf16).eval()
+        else:
+            prefill = convert(step, prefill_args, calibration=prompts, **bf16).eval()
     names = cache_names(prefill)
     if names != cache_names(decode):
         raise ValueError(f"the two graphs have different cache buffers: {names} vs "
