@@ -307,6 +307,10 @@ def test_hf_logits_to_keep_given_at_conversion_is_asked_for_again():
                                         r"LlamaForCausalLM was converted.* its default 0\. Pass "
                                         r"logits_to_keep=1"):
         fast(ids)
+    for flags in ({"output_attentions": False}, {"return_dict": True}):  # (their config's
+        with torch.no_grad():                                           # values: may be left out)
+            assert mpgraph.convert(model, ids, dtype="fp16", target=GPU,
+                                   example_kwargs=flags)(ids).logits.shape == (2, 8, 64)
     with torch.no_grad():
         assert fast(ids, logits_to_keep=1).logits.shape == (2, 1, 64)
         assert fast(ids, use_cache=False, logits_to_keep=1).logits.shape == (2, 1, 64)
@@ -332,6 +336,9 @@ def test_converting_under_inference_mode_works_as_outside_it():
         tokens = mpgraph.convert_decoder(model, ids, **options).generate(
             ids, max_new_tokens=6, do_sample=False)
         assert torch.is_inference_mode_enabled()  # (stepped out and back)
+        with pytest.warns(UserWarning, match="converted 0 of") as said:  # said where it is called
+            mpgraph.convert(model, ids, dtype="fp16", target=GPU, strategy="optimal")
+        assert {w.filename for w in said} == {__file__}
     # the same as converting outside it
     assert torch.equal(fast(ids).logits, mpgraph.convert(model, ids, dtype="fp16",
                                                          target=GPU)(ids).logits)
@@ -750,6 +757,12 @@ def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warn
         assert "kept float32" not in fast.plan.summary()
         with torch.no_grad():
             assert torch.equal(fast(ids).last_hidden_state, low(ids).last_hidden_state)
+    from transformers import LlamaConfig, LlamaForCausalLM  # (its rotary inv_freq stays float32)
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=100)).eval().to(dtype)
+    with pytest.warns(UserWarning, match=rf"LlamaForCausalLM computes in {name}, not float32"):
+        mpgraph.convert(llama, ids, dtype="fp16", target=GPU)
 
 
 class SumOfProjections(nn.Module):
@@ -812,3 +825,62 @@ def test_a_star_args_forward_is_called_with_as_many_arguments_as_it_was_converte
                                             rf"arguments, as many as it was converted with .* "
                                             rf"{len(args)} were given"):
             fast(*args)
+
+
+class ThreeFromOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(1 + torch.randn(3, 16, 16) * 1e-3)  # fp16 rounding (5e-4) shows
+
+    def forward(self, x):
+        w0, w1, w2 = self.p.unbind(0)
+        return F.linear(x, w0), F.linear(x, w1), F.linear(x, w2)
+
+
+def test_pieces_of_one_parameter_read_in_float32_and_low_keep_float32_for_the_float32_reader():
+    """An override keeps linear_1 in float32: its piece of the parameter must not be the
+    fp16-rounded one (the first fix of the chunked parameter gave it that, silently)."""
+    torch.manual_seed(0)
+    model, x = ThreeFromOne().eval(), torch.randn(8, 16)
+    fast = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules",
+                           overrides={"linear_1": "fp32"})
+    assert fast.plan.node("linear_1").dtype == "float32" == fast.plan.node("getitem_1").dtype
+    with torch.no_grad():
+        got, want = fast(x), model(x)
+    assert torch.allclose(got[1], want[1], rtol=0, atol=1e-6)  # float32 weight, float32 compute
+    assert relative_l2(got[0], want[0]) < 4e-3 and fast.plan.node("linear").dtype == "float16"
+
+
+class OptionalState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, past_key_values=None):
+        h = self.fc(x)
+        if past_key_values is None and h.sum() > 0:
+            h = h * 2
+        return h
+
+
+def test_an_optional_argument_left_out_is_traced_as_none_not_as_a_value():
+    """symbolic_trace gave the left-out past_key_values a Proxy, which `is None` calls not
+    None: the branch vanished from the graph, and inputs that take it were wrong by 0.5,
+    silently. Traced as None, the branch on values is a CaptureError naming its line."""
+    torch.manual_seed(0)
+    model = OptionalState().eval()
+    with pytest.raises(mpgraph.CaptureError, match=r"raised at test_guarantees\.py:\d+ in forward: "
+                                                   r"if past_key_values is None and h\.sum\(\) > 0"):
+        mpgraph.convert(model, torch.randn(4, 8), dtype="bf16", target=GPU)
+
+
+def test_mpgraph_errors_pickle_and_copy_with_their_fields():
+    import pickle
+    from mpgraph.errors import PassError, PlanMismatchError, ValueCheckError
+    for error in (ValueCheckError("differs", 0.1, 0.0156, torch.float16),
+                  PassError("NumericSafety", "failed", None, ["ClassifyOps"]),
+                  mpgraph.CaptureError({"torch.export": "no"}), PlanMismatchError(["node x"])):
+        for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+            assert type(again) is type(error) and str(again) == str(error)
+    assert pickle.loads(pickle.dumps(ValueCheckError("m", 0.1, 0.0156, torch.float16))).dtype \
+        == torch.float16
