@@ -124,6 +124,26 @@ def test_load_weights_reports_what_is_wrong(llama, tmp_path):
         mpgraph.load_weights(planned, tmp_path / "empty")
 
 
+def test_load_weights_into_a_real_module_refuses_weights_under_other_names(llama, tmp_path):
+    """A checkpoint of the model under a head ('model.' before every key) loaded nothing into
+    a materialised conversion, quietly: with strict (the default), that is an error naming the
+    names on both sides; strict=False loads what matches, and says what it did not use."""
+    real, _, ids, _ = llama
+    fast = mpgraph.convert(real, ids, **OPTIONS)
+    prefixed = {f"model.{k}": v for k, v in real.state_dict().items()}
+    with pytest.raises(ValueError, match=r"tensors of the converted module's state dict are not "
+                       r"in the weights \(first: embed_tokens\.weight.*the weights' first key: "
+                       r"'model\.embed_tokens\.weight'\).*strict=False"):
+        mpgraph.load_weights(fast, prefixed)
+    mpgraph.load_weights(fast, prefixed, strict=False)  # (nothing matched: nothing changed)
+    with pytest.raises(TypeError, match=r"takes safetensors files .* or state dicts, got "
+                                        r"LlamaModel: pass model\.state_dict\(\)"):
+        mpgraph.load_weights(fast, real)
+    torch.save(real.state_dict(), tmp_path / "w.pt")
+    with pytest.raises(ValueError, match=r"w\.pt is not a \.safetensors file: .*torch\.load"):
+        mpgraph.load_weights(fast, tmp_path / "w.pt")
+
+
 def test_load_weights_moves_device_constants_with_the_weights(llama):
     """Traced for the CPU, loaded elsewhere: ops that create tensors on the traced device (masks,
     positions, export's asserts) follow the weights. The meta device stands in for CUDA here: a

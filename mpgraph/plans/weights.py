@@ -89,6 +89,11 @@ def _source(weights) -> Mapping:
     checkpoint's .index.json), a list of paths, or a mapping (a state dict)."""
     if isinstance(weights, Mapping):
         return weights
+    if not isinstance(weights, (str, os.PathLike, list, tuple)):
+        raise TypeError(f"load_weights takes safetensors files (paths, directories, a "
+                        f"checkpoint's .index.json) or state dicts, got {type(weights).__name__}"
+                        + (": pass model.state_dict()" if isinstance(weights, torch.nn.Module)
+                           else ""))
     paths = [weights] if isinstance(weights, (str, os.PathLike)) else list(weights)
     files = []
     for p in map(os.fspath, paths):
@@ -103,6 +108,10 @@ def _source(weights) -> Mapping:
             files += [os.path.join(os.path.dirname(p), s) for s in shards]
         elif not os.path.exists(p):
             raise FileNotFoundError(f"weights file {p} does not exist")
+        elif not p.endswith(".safetensors"):
+            raise ValueError(f"{p} is not a .safetensors file: load a PyTorch checkpoint with "
+                             "torch.load and pass its state dict (load_weights(module, "
+                             "torch.load(path, weights_only=True)))")
         else:
             files.append(p)
     return _Safetensors(files)
@@ -202,7 +211,7 @@ def _traced_on(gm: torch.nn.Module):
 
 def _warn_unused(sources: list, used: set) -> None:
     unused = [k for s in sources for base in [s.source if isinstance(s, _ModelOf) else s]
-              if isinstance(base, _Safetensors) for k in base if k not in used]
+              for k in base if k not in used]
     if unused:
         log.warning("%d tensors of the weights are not in the module (first: %s)", len(unused),
                     ", ".join(unused[:5]))
@@ -214,7 +223,9 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
     of the weights it used, as the weights name them."""
     traced = _traced_on(gm)
     renamed = {r.name: r.source for r in getattr(gm, "meta", {}).get(WEIGHTS, [])}
-    missing, loaded, used = [], 0, set()
+    missing, unmatched, loaded, used = [], [], 0, set()
+    # what load_state_dict(strict=True) asks for: every parameter and persistent buffer
+    persistent = set(gm.state_dict(keep_vars=True)) if strict else set()
     # a tensor held under several names (a tied LM head and embedding) is one tensor: loaded
     # from whichever name the weights hold (HF checkpoints keep one), put back at every name;
     # a low-precision copy from its original's names
@@ -233,7 +244,10 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
             if t.device.type == "meta":
                 missing += [p if renamed.get(p, p) == p else f"{p} (from {renamed[p]})"
                             for p in paths]
-            elif t.device != target:
+                continue
+            if any(renamed.get(p, p) in persistent or p in persistent for p in paths):
+                unmatched.append(renamed.get(paths[0], paths[0]))
+            if t.device != target:
                 replace_tensors(gm, paths, t.to(target))
             continue
         source, key = found
@@ -251,6 +265,13 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
         loaded += 1
     if traced is not None and isinstance(gm, torch.fx.GraphModule) and str(target) != traced:
         _retarget_devices(gm, traced, target)
+    if unmatched and strict:  # (a checkpoint of another head's model: keys under 'bert.')
+        first = next((k for src in sources for k in src), None)
+        raise ValueError(
+            f"{len(unmatched)} tensors of the converted module's state dict are not in the "
+            f"weights (first: {', '.join(unmatched[:3])}; the weights' first key: {first!r}): "
+            "load weights named as the model's own state_dict() names them (strip or add a "
+            "prefix), or pass strict=False to load what matches")
     if missing and strict:
         raise ValueError(f"{len(missing)} tensors of the converted module have no value in the "
                          f"weights: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else "")
