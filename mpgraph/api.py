@@ -386,6 +386,17 @@ class Options:
             if tolerance is not None:
                 raise ValueError("a saved plan is applied as it is: pass plan= or tolerance=, "
                                  "not both")
+            # what the plan decides, asked for otherwise, would be ignored: said instead
+            conflicts = [f"overrides={overrides!r} (edit the saved plan's nodes, or convert "
+                         "without plan= and with the overrides)"] if overrides else []
+            if mode != "inference" and mode != plan.mode:
+                conflicts.append(f"mode={mode!r} (the plan is for mode={plan.mode!r})")
+            if dtype is not None and not (isinstance(dtype, str) and dtype.lower() == "auto") \
+                    and resolve_dtype(dtype) != plan.dtype:
+                conflicts.append(f"dtype={dtype!r} (the plan is {dtype_name(plan.dtype)})")
+            if conflicts:
+                raise ValueError("a saved plan is applied as it is, with its own dtype, mode and "
+                                 "decisions: " + "; ".join(conflicts))
             keep_io_types, strategy = plan.keep_io_types, plan.strategy or strategy
             mode = plan.mode
             target = target if target is not None else plan.target

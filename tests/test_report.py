@@ -99,6 +99,22 @@ def test_an_edited_plan_is_applied(tmp_path):
     assert [(c.name, c.dtype_a, c.dtype_b) for c in changed] == [("blocks_1_0", "bfloat16", "float32")]
 
 
+def test_what_a_saved_plan_decides_asked_for_otherwise_is_refused_not_ignored():
+    """plan= with overrides=, another mode= or another dtype= applied the plan and ignored
+    the rest (logging that the overrides matched no node; a train conversion asked for came
+    back frozen)."""
+    model, x = _blocks()
+    plan = mpgraph.convert(model, x, dtype="bf16", target=GPU, strategy="rules").plan
+    for options, said in (({"overrides": {"blocks.1.*": "fp32"}}, r"overrides=\{'blocks\.1\.\*': "
+                                                                  r"'fp32'\} \(edit the saved plan"),
+                          ({"mode": "train"}, r"mode='train' \(the plan is for mode='inference'\)"),
+                          ({"dtype": "fp16"}, r"dtype='fp16' \(the plan is bfloat16\)")):
+        with pytest.raises(ValueError, match=r"a saved plan is applied as it is, with its own "
+                                             r"dtype, mode and decisions: " + said):
+            mpgraph.convert(model, x, plan=plan, **options)
+    assert mpgraph.convert(model, x, plan=plan, dtype="bf16").plan.dtype == torch.bfloat16
+
+
 def test_a_plan_for_another_model_is_a_clear_error():
     model, x = _blocks()
     plan = mpgraph.convert(model, x, dtype="bf16", target=GPU).plan
