@@ -221,6 +221,18 @@ def test_model_that_fails_to_export_is_an_export_error_and_leaves_nothing(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
+def test_a_model_in_training_mode_is_an_export_error_that_says_eval(tmp_path):
+    """A model built and exported without .eval() (HF models start in training mode) failed
+    in onnx's checker ('unsupported type: tensor(bool)') or in the validation of dropout."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1))  # training mode, as built
+    for module in (model, convert(model, torch.randn(4, 8), dtype=torch.float16)):
+        with pytest.raises(mpgraph.ExportError, match=r"is in training mode .* Call \.eval\(\) "
+                                                      r"on it before export_onnx"):
+            export_onnx(module, torch.randn(4, 8), tmp_path / "train.onnx")
+    assert not os.listdir(tmp_path)
+    export_onnx(model.eval(), torch.randn(4, 8), tmp_path / "eval.onnx")
+
+
 def test_model_that_cannot_be_captured_is_an_export_error(tmp_path):
     class DataDependent(nn.Module):
         def forward(self, x):

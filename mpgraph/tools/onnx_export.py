@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from mpgraph.api import convert, resolve_dtype
+from mpgraph.api import convert, follows_training_flag, resolve_dtype
 from mpgraph.frontend.capture import distinct_inputs, in_inference_mode, outside_inference_mode
 from mpgraph.cost.device import auto_dtype, resolve_target
 from mpgraph.ir.graph import as_call, target_name
@@ -308,6 +308,14 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     else:
         low = resolve_dtype(dtype)
     args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))  # (one per input)
+    if isinstance(model_or_converted, torch.nn.Module) and model_or_converted.training and (
+            follows_training_flag(model_or_converted)  # dropout, batch norm (its own or ours)
+            or type(model_or_converted).__module__.startswith("transformers.")):  # (F.dropout)
+        name = "the converted module" if is_converted(model_or_converted) else \
+            type(model_or_converted).__name__
+        raise ExportError(f"{name} is in training mode (dropout on, "
+                          "batch norm updating its statistics): an ONNX file is for inference. "
+                          "Call .eval() on it before export_onnx")
     reference = None
     if is_converted(model_or_converted):
         converted = model_or_converted
