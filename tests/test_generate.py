@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import mpgraph
+from mpgraph.numerics import relative_l2
 from conftest import GPU, MLP, Recorder
 from mpgraph.ir.graph import fetch_attr, is_inplace
 from mpgraph.tools.generate import cache_names, share_tensors
@@ -393,6 +394,24 @@ def test_hf_generation_arguments_give_hf_s_tokens(options):
         assert ours.shape[1] == PROMPT + 5
     if "min_new_tokens" in options:
         assert options["eos_token_id"] not in ours[0, PROMPT:].tolist()
+
+
+def test_return_dict_in_generate_gives_hf_s_output_object_with_scores_and_logits():
+    """return_dict_in_generate=True, output_scores=True was accepted and ignored (a bare
+    tensor came back; code reading out.sequences failed elsewhere)."""
+    model, decoder = _fp32_decoder()
+    ids = prompt()
+    options = dict(max_new_tokens=4, repetition_penalty=1.5, return_dict_in_generate=True,
+                   output_scores=True, output_logits=True)
+    with torch.no_grad():
+        hf, ours = model.generate(ids, **options), decoder.generate(ids, **options)
+    assert type(ours) is type(hf) and ours.sequences.tolist() == hf.sequences.tolist()
+    assert len(ours.scores) == len(hf.scores) == len(ours.logits) == 4
+    for mine, theirs in zip(ours.scores + ours.logits, hf.scores + hf.logits):
+        assert mine.shape == theirs.shape and relative_l2(mine, theirs) < 1e-3  # (fp16 cache)
+    with pytest.raises(ValueError, match=r"generate\(output_attentions=True\): the converted "
+                                         r"graphs return the last position's logits only"):
+        decoder.generate(ids, max_new_tokens=2, output_attentions=True)
 
 
 def test_sampling_draws_only_what_hf_s_warpers_allow():

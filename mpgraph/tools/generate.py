@@ -536,6 +536,11 @@ _NOT_SUPPORTED = {  # GenerationConfig field: (the value that means "off", why n
     "assistant_model": (None, "assisted generation is not supported"),
     "prompt_lookup_num_tokens": (None, "prompt lookup decoding is not supported"),
     "guidance_scale": (None, "classifier-free guidance needs a second cache"),
+    "output_attentions": (False, "the converted graphs return the last position's logits only "
+                                 "(return_dict_in_generate gives sequences, scores and logits)"),
+    "output_hidden_states": (False, "the converted graphs return the last position's logits "
+                                    "only (return_dict_in_generate gives sequences, scores and "
+                                    "logits)"),
 }
 
 
@@ -659,7 +664,11 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     mask[:, :length] = given
     positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 0)
     next_pos = positions[:, -1:] + 1                                    # (B, 1)
-    kept = [] if output_logits else None
+    # HF's return_dict_in_generate: its output object, with each step's processed scores
+    # (output_scores) and raw logits (output_logits), as tuples of (B, vocab)
+    as_dict = bool(getattr(config, "return_dict_in_generate", False))
+    kept = [] if output_logits or (as_dict and getattr(config, "output_logits", False)) else None
+    kept_scores = [] if as_dict and getattr(config, "output_scores", False) else None
     forced = None if forced_tokens is None else forced_tokens.to(device=device, dtype=torch.long)
     if forced is not None and rows < batch:
         forced = forced[fill]
@@ -676,6 +685,8 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
             if kept is not None:
                 kept.append(logits.clone())
             scores = processors(ids, logits)
+            if kept_scores is not None:
+                kept_scores.append(scores.clone())
             if forced is not None:
                 token = forced[:, i]
             elif config.do_sample:
@@ -698,6 +709,12 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if streamer is not None:
         streamer.end()
     sequences = ids[:rows]
+    if as_dict:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=tuple(s[:rows] for s in kept_scores) if kept_scores is not None else None,
+            logits=tuple(k[:rows] for k in kept) if kept is not None else None)
     if output_logits:
         return GenerateOutput(sequences, torch.stack(kept)[:, :rows])
     return sequences
