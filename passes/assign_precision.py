@@ -194,6 +194,11 @@ class AssignPrecision(Pass):
         if self.train or self.keep_fp32 or not writers \
                 or any(w.meta.get(SAFETY) for w in writers):
             return None
+        # an override of the buffer or of what writes it ("key_cache_0", "*", "op:index_copy*")
+        # to float32 keeps it float32: each (dtype, why) is also the override's match
+        pinned = [o for o in map(self._override, [node, *writers]) if o is not None]
+        if any(dtype == FP32 for dtype, _ in pinned):
+            return None
         return (f"a cache written only by stores ({', '.join(sorted({target_name(w) for w in writers}))}"
                 f"): stored in {dtype_name(self.low)}, each write cast to it once")
 

@@ -408,10 +408,24 @@ def test_return_dict_in_generate_gives_hf_s_output_object_with_scores_and_logits
     assert type(ours) is type(hf) and ours.sequences.tolist() == hf.sequences.tolist()
     assert len(ours.scores) == len(hf.scores) == len(ours.logits) == 4
     for mine, theirs in zip(ours.scores + ours.logits, hf.scores + hf.logits):
-        assert mine.shape == theirs.shape and relative_l2(mine, theirs) < 1e-3  # (fp16 cache)
+        assert mine.shape == theirs.shape and relative_l2(mine, theirs) < 1e-5
     with pytest.raises(ValueError, match=r"generate\(output_attentions=True\): the converted "
                                          r"graphs return the last position's logits only"):
         decoder.generate(ids, max_new_tokens=2, output_attentions=True)
+
+
+def test_an_override_to_float32_of_the_cache_or_its_writes_keeps_the_cache_float32():
+    """The cache's dtype was decided before any override was read: overrides={'*': 'fp32'}
+    (this file's float32 decoder) left an fp16 cache, and 'key_cache_0' matched no node."""
+    model, decoder = _fp32_decoder()
+    assert {c.dtype for c in decoder.cache_plan} == {"float32"}
+    for overrides in ({"op:aten.index_copy*": "fp32"}, {"key_cache_0": "fp32"}):
+        converted = mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="fp16",
+                                            target=GPU, overrides=overrides)
+        kinds = {c.name: c.dtype for c in converted.cache_plan}
+        assert kinds["key_cache_0"] == "float32"
+        if "key_cache_0" in overrides:  # (that one buffer; the others as planned)
+            assert kinds["value_cache_0"] == "float16"
 
 
 def test_sampling_draws_only_what_hf_s_warpers_allow():
