@@ -238,8 +238,9 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
         rate = ""
         if spec.kind == Kind.CPU:
             key = {"float16": "fp16", "bfloat16": "bf16"}[low]
-            rate = (f": this CPU runs {low} matmul at {spec.peak[key] / spec.peak['fp32']:.2f}x "
-                    f"float32, {spec.source}")
+            rate = (f": measured at their sizes, though this CPU's peak {low} matmul rate is "
+                    f"{spec.peak[key] / spec.peak['fp32']:.2f}x float32's (large matrices; "
+                    f"{spec.source})")
         why.append(f"{len(slower)} are not faster in {low} there{rate}")
     if casts:
         why.append(f"{len(casts)} are too small to pay for their casts")
@@ -261,8 +262,8 @@ def calibration_warning(plan: Plan, constant: tuple) -> Optional[str]:
     nothing says so. Calibration decides what overflow keeps in float32: inputs that hold one
     value in every batch (``torch.zeros``) measure nothing real, and one batch shows fp16 the
     ranges of that batch only (bf16 has float32's range: its plans do not rest on them)."""
-    if not plan.low_nodes or not plan.calibration_batches:
-        return None
+    if not plan.low_nodes or not plan.calibration_batches or plan.dtype != torch.float16:
+        return None  # (bf16 has float32's range: nothing of its plan rests on the ranges seen)
     why = []
     if constant:
         why.append(f"input{'s' if len(constant) > 1 else ''} {', '.join(constant)} held one value "

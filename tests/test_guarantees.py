@@ -189,6 +189,11 @@ def test_degenerate_calibration_warns_and_the_guard_names_the_node_that_overflow
         fast = mpgraph.convert(model, torch.zeros(2, 16, 64), dtype="fp16", target=GPU,
                                strategy="rules")
     assert "held one value" in fast.plan.summary().splitlines()[0]
+    with warnings.catch_warnings():  # a bf16 plan: float32's range, nothing to warn about
+        warnings.simplefilter("error")
+        bf16 = mpgraph.convert(model, torch.zeros(2, 16, 64), dtype="bf16", target=GPU,
+                               strategy="rules")
+    assert bf16.plan.low_nodes and bf16.plan.calibration_warning is None
     real = torch.randn(2, 16, 64) * 300
     with torch.no_grad():
         assert not torch.isfinite(fast(real)).any()  # unguarded: inf everywhere, silently
