@@ -62,6 +62,17 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """--batch and --seq: a size, 1 or more (0 or -3 failed deep inside the model)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of 1 or more, got {value}")
+    return value
+
+
 def load_factory(spec: str):
     """``path/to/file.py:name`` or ``package.module:name`` -> the callable it names."""
     import importlib
@@ -78,7 +89,11 @@ def load_factory(spec: str):
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"no module {where!r} ({e}): name a FILE.py:factory, or a module "
+                             "importable from here") from None
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ValueError(f"{where} has no callable {name!r}")
@@ -299,9 +314,9 @@ def main(argv=None) -> int:
                                   "capture time, and the result takes no other shape (a model "
                                   "that symbolic_trace captures is not tied to shapes anyway)")
     for command in (e, i, p, c):
-        command.add_argument("--batch", type=int, default=None,
+        command.add_argument("--batch", type=_positive, default=None,
                              help="passed to the factory as batch= (default: the factory's)")
-        command.add_argument("--seq", type=int, default=None,
+        command.add_argument("--seq", type=_positive, default=None,
                              help="passed to the factory as seq= (default: the factory's)")
     args = parser.parse_args(argv)
     show = sys.stderr.isatty() if args.progress is None else args.progress

@@ -2,6 +2,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from mpgraph import cli, demo
@@ -97,6 +98,18 @@ def test_cli_passes_sizes_only_to_factories_that_take_them(tmp_path, capsys):
                        "def build():\n    return nn.Linear(8, 8), torch.randn(2, 8)\n")
     assert cli.main(["inspect", f"{factory}:build", "--seq", "16", "--target", "a100"]) == 2
     assert "takes no seq argument (its parameters: none)" in capsys.readouterr().err
+
+
+def test_cli_names_a_missing_module_and_a_size_below_one_without_a_traceback(capsys):
+    """'no_such_module:build' printed a ModuleNotFoundError traceback (rc 1); --batch 0 failed
+    inside the model's reshape, --seq -3 inside the factory."""
+    assert cli.main(["inspect", "no_such_module:build"]) == 2
+    assert "mpgraph: error: no module 'no_such_module'" in capsys.readouterr().err
+    for size in (["--batch", "0"], ["--seq", "-3"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["inspect", "examples/bert.py:build", *size])
+        assert exit_.value.code == 2
+        assert "expected a size of 1 or more" in capsys.readouterr().err
 
 
 def test_cli_prints_mpgraph_warnings_as_one_line(tmp_path, capsys):
