@@ -126,7 +126,9 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                       "(or convert with mode='train' to train it)", UserWarning, stacklevel=2)
     if abstract is not None:
         abstract.finish_(gm)
-        real = {name: t for name, t in module_tensors(model) if not is_abstract(t)}
+        held = {name for name, _ in module_tensors(gm)}  # (not a buffer forward never reads)
+        real = {name: t for name, t in module_tensors(model) if not is_abstract(t)
+                and name in held}
         if real:  # buffers built for real beside meta parameters: cast as the plan stored them
             load_weights(gm, real, device=abstract.device, strict=False)
     record = Plan.from_graph(gm, low, opts.keep_io_types, target=opts.spec.name,

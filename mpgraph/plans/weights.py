@@ -156,7 +156,8 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     layout the plan gave it, and moved to ``device`` (default: the device it was traced for, or
     the one its tensors are on). Tensors are read lazily from safetensors: one at a time in
     memory besides the result. With ``strict``, a tensor of the module with no value (still
-    meta) afterwards is an error naming it. A decoder takes the causal LM's own names (its
+    meta) afterwards is an error naming it, and so are weights none of whose names the module
+    has (a checkpoint under another prefix: nothing would be loaded). A decoder takes the causal LM's own names (its
     ``state_dict()``, its checkpoint), and its two graphs keep sharing what they shared
     (``ConvertedDecoder.load_weights``).
     """
@@ -166,6 +167,7 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     if not sources:
         raise TypeError("load_weights needs at least one weights file or state dict")
     used = _load_into(gm, sources, _target(gm, device), strict)
+    _nothing_matched(sources, used, strict)
     refresh_fused(gm)  # stacked sibling weights rebuilt from the members just loaded
     _warn_unused(sources, used)
     return gm
@@ -184,6 +186,7 @@ def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights
         raise ValueError(f"the decoder's graphs are on {there}: load_weights cannot move them "
                          f"to {target} (convert_decoder on that device)")
     used = _load_into(first, sources, target, strict)
+    _nothing_matched(sources, used, strict)  # (before the graphs part: nothing changed yet)
     own = set(share()) & {path for path, _ in module_tensors(second)}
     if own:
         used |= _load_into(second, sources, target, strict, only=own)
@@ -209,6 +212,21 @@ def _traced_on(gm: torch.nn.Module):
     return gm.meta.get(TRACED_ON) if isinstance(getattr(gm, "meta", None), dict) else None
 
 
+def _nothing_matched(sources: list, used: set, strict: bool) -> None:
+    """Weights of which no tensor has a name of the module (a checkpoint of the model under a
+    head, every key under 'bert.') loaded nothing, quietly: with strict, an error (nothing was
+    loaded; a load that matches part of the weights is not one, each shard of a checkpoint
+    loaded by a call of its own included)."""
+    if used or not strict:
+        return
+    first = next((k for src in sources for k in src), None)
+    if first is None:
+        raise ValueError("the weights are empty: nothing to load")
+    raise ValueError(f"no tensor of the weights has a name of the converted module (the "
+                     f"weights' first key: {first!r}): load weights named as the model's own "
+                     "state_dict() names them (strip or add a prefix), or pass strict=False")
+
+
 def _warn_unused(sources: list, used: set) -> None:
     unused = [k for s in sources for base in [s.source if isinstance(s, _ModelOf) else s]
               for k in base if k not in used]
@@ -223,9 +241,7 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
     of the weights it used, as the weights name them."""
     traced = _traced_on(gm)
     renamed = {r.name: r.source for r in getattr(gm, "meta", {}).get(WEIGHTS, [])}
-    missing, unmatched, loaded, used = [], [], 0, set()
-    # what load_state_dict(strict=True) asks for: every parameter and persistent buffer
-    persistent = set(gm.state_dict(keep_vars=True)) if strict else set()
+    missing, loaded, used = [], 0, set()
     # a tensor held under several names (a tied LM head and embedding) is one tensor: loaded
     # from whichever name the weights hold (HF checkpoints keep one), put back at every name;
     # a low-precision copy from its original's names
@@ -244,10 +260,7 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
             if t.device.type == "meta":
                 missing += [p if renamed.get(p, p) == p else f"{p} (from {renamed[p]})"
                             for p in paths]
-                continue
-            if any(renamed.get(p, p) in persistent or p in persistent for p in paths):
-                unmatched.append(renamed.get(paths[0], paths[0]))
-            if t.device != target:
+            elif t.device != target:
                 replace_tensors(gm, paths, t.to(target))
             continue
         source, key = found
@@ -265,13 +278,6 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
         loaded += 1
     if traced is not None and isinstance(gm, torch.fx.GraphModule) and str(target) != traced:
         _retarget_devices(gm, traced, target)
-    if unmatched and strict:  # (a checkpoint of another head's model: keys under 'bert.')
-        first = next((k for src in sources for k in src), None)
-        raise ValueError(
-            f"{len(unmatched)} tensors of the converted module's state dict are not in the "
-            f"weights (first: {', '.join(unmatched[:3])}; the weights' first key: {first!r}): "
-            "load weights named as the model's own state_dict() names them (strip or add a "
-            "prefix), or pass strict=False to load what matches")
     if missing and strict:
         raise ValueError(f"{len(missing)} tensors of the converted module have no value in the "
                          f"weights: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else "")
