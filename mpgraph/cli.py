@@ -92,6 +92,8 @@ def load_factory(spec: str):
         try:
             module = importlib.import_module(where)
         except ModuleNotFoundError as e:
+            if e.name is None or not (where == e.name or where.startswith(e.name + ".")):
+                raise  # (the module is there: something it imports is not)
             raise ValueError(f"no module {where!r} ({e}): name a FILE.py:factory, or a module "
                              "importable from here") from None
     factory = getattr(module, name, None)
