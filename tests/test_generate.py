@@ -428,6 +428,16 @@ def test_an_override_to_float32_of_the_cache_or_its_writes_keeps_the_cache_float
             assert kinds["value_cache_0"] == "float16"
 
 
+def test_fewer_rows_than_the_cache_with_a_repetition_penalty_give_hf_s_tokens():
+    """The processors were built for the prompt's rows and then given the cache's batch:
+    HF's repetition penalty refused ('Incompatible prompt_ignore_length batch size')."""
+    model, decoder = _fp32_decoder()
+    ids = prompt(rows=1)
+    with torch.no_grad():
+        hf = model.generate(ids, max_new_tokens=6, repetition_penalty=1.3)
+    assert decoder.generate(ids, max_new_tokens=6, repetition_penalty=1.3).tolist() == hf.tolist()
+
+
 def test_sampling_draws_only_what_hf_s_warpers_allow():
     """Each sampled token is one HF's temperature/top-k/top-p/min-p warpers leave a nonzero
     probability for, recomputed from the logits it was drawn from."""

@@ -643,18 +643,19 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if bool((given[:, -1] == 0).any()):
         raise ValueError("attention_mask has padding on the right: pad prompts on the left "
                          "(tokenizer.padding_side = 'left') for generation")
+    if rows < batch:  # fill the cache's batch with copies of the first row, dropped at the end
+        # (before the processors are built: HF's repetition penalty checks their batch)
+        fill = torch.cat([torch.arange(rows, device=device),
+                          torch.zeros(batch - rows, dtype=torch.long, device=device)])
+        ids, given = ids[fill], given[fill]
     rules = _rules_class()(decoder.config)
-    rules._prepare_special_tokens(config, attention_mask is not None, device, rows)
+    rules._prepare_special_tokens(config, attention_mask is not None, device, batch)
     processors = rules._get_logits_processor(
         config, input_ids_seq_length=length, encoder_input_ids=ids, device=device,
         logits_processor=logits_processor or LogitsProcessorList(),
         model_kwargs={"attention_mask": given})
     criteria = rules._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList())
     pad = config._pad_token_tensor
-    if rows < batch:  # fill the cache's batch with copies of the first row, dropped at the end
-        fill = torch.cat([torch.arange(rows, device=device),
-                          torch.zeros(batch - rows, dtype=torch.long, device=device)])
-        ids, given = ids[fill], given[fill]
     if cuda_graph is None:
         cuda_graph = device.type == "cuda"
     step_fn = decoder.graphed_decode() if cuda_graph is True else \
