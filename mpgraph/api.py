@@ -500,7 +500,7 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
     base = copy.deepcopy(gm) if opts.tolerance is not None else None
     from_plan = None
     if opts.plan is not None:
-        check_plan_fits(opts.plan, gm)
+        check_plan_fits(opts.plan, gm, model)
         from_plan = {r.name: (r.dtype, r.reason) for r in opts.plan.compute_nodes}
     costs = cost_model(opts, gm, args, kwargs, model)
     low, range_dtype, keep_fp32, chosen = opts.low, opts.range_dtype, opts.keep_fp32, None
@@ -623,7 +623,23 @@ def _to_match(plan: Plan, names: set) -> list:
             if r.target != EXPORT_GUARD and not (r.inserted_by and r.name not in names)]
 
 
-def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
+def _dropout_in(plan: Plan, model: Optional[torch.nn.Module]) -> bool:
+    """Whether a plan holds dropout nodes (FollowTrainingFlag's "dropout_mode", or a call of a
+    model's nn.Dropout): made from the model in training mode."""
+    for r in plan.nodes:
+        if r.target.endswith("_mode") and "dropout" in r.target:
+            return True
+        try:
+            module = model.get_submodule(r.module) if model is not None and r.module else None
+        except AttributeError:
+            continue
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            return True
+    return False
+
+
+def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule,
+                    model: Optional[torch.nn.Module] = None) -> None:
     """Raise PlanMismatchError unless every node the plan decides is in ``gm`` with the same op
     and output shape, and every node of ``gm`` that needs a decision is in the plan."""
     records = {r.name: r for r in _to_match(plan, {node.name for node in gm.graph.nodes})}
@@ -650,6 +666,10 @@ def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule) -> None:
             problems.append(f"node {node.name}: shape {shape}, the plan has {tuple(record.shape)}")
     problems += [f"node {name} of the plan is not in the model's graph"
                  for name in records if name not in seen]
+    if problems and not gm.training and _dropout_in(plan, model):
+        problems.insert(0, "the plan was made from the model in training mode (its dropout "
+                           "nodes), and the model is in eval mode now: put it in the mode the "
+                           "plan was made in (model.train()), or make a plan in this one")
     if problems and all(": shape " in p for p in problems):
         problems.insert(0, "a plan is made for the shapes of the inputs it was made with, and "
                            "these inputs give other shapes: apply it with inputs of those "

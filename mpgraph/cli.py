@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import inspect
 import logging
+import os
 import sys
 import warnings
 
@@ -159,6 +160,11 @@ def _inspect(args) -> int:
     from mpgraph.errors import MpgraphError
     from mpgraph.tools.report import report
     from mpgraph.passes.infra import recording
+    for fmt in ("html", "json", "dot"):  # (before the conversion, not after it)
+        folder = os.path.dirname(os.path.abspath(getattr(args, fmt) or "."))
+        if getattr(args, fmt) and not os.path.isdir(folder):
+            raise ValueError(f"cannot write --{fmt} {getattr(args, fmt)}: directory {folder} "
+                             "does not exist")
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     try:
         check = {"auto": True, "off": False}.get(args.check, args.check)

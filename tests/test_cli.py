@@ -112,6 +112,14 @@ def test_cli_names_a_missing_module_and_a_size_below_one_without_a_traceback(cap
         assert "expected a size of 1 or more" in capsys.readouterr().err
 
 
+def test_cli_checks_a_report_path_before_converting(tmp_path, capsys):
+    factory = tmp_path / "plain.py"
+    factory.write_text("raise SystemExit('the factory was loaded')\n")  # (not reached)
+    assert cli.main(["inspect", f"{factory}:build", "--json",
+                     str(tmp_path / "missing" / "x.json")]) == 2
+    assert "cannot write --json" in capsys.readouterr().err
+
+
 def test_cli_prints_mpgraph_warnings_as_one_line(tmp_path, capsys):
     factory = tmp_path / "small.py"
     factory.write_text("import torch, torch.nn as nn\n"

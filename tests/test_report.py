@@ -115,6 +115,18 @@ def test_what_a_saved_plan_decides_asked_for_otherwise_is_refused_not_ignored():
     assert mpgraph.convert(model, x, plan=plan, dtype="bf16").plan.dtype == torch.bfloat16
 
 
+def test_a_plan_made_in_training_mode_applied_in_eval_mode_says_so():
+    """The mismatch listed nodes (dropout, contiguous) without the cause: the model's mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1), nn.Linear(64, 64))
+    x = torch.randn(16, 64)
+    with pytest.warns(UserWarning, match="is in training mode"):
+        plan = mpgraph.convert(model.train(), x, dtype="bf16", target=GPU).plan  # (dropout kept)
+    with pytest.raises(mpgraph.PlanMismatchError, match=r"the plan was made from the model in "
+                                                        r"training mode .*\(model\.train\(\)\)"):
+        mpgraph.convert(model.eval(), x, plan=plan)
+
+
 def test_a_plan_for_another_model_is_a_clear_error():
     model, x = _blocks()
     plan = mpgraph.convert(model, x, dtype="bf16", target=GPU).plan
