@@ -5,7 +5,6 @@ import argparse
 import contextlib
 import inspect
 import logging
-import os
 import sys
 import warnings
 
@@ -158,13 +157,11 @@ def explain(runs) -> str:
 def _inspect(args) -> int:
     from mpgraph.api import convert
     from mpgraph.errors import MpgraphError
-    from mpgraph.tools.report import report
+    from mpgraph.tools.report import check_folder, report
     from mpgraph.passes.infra import recording
     for fmt in ("html", "json", "dot"):  # (before the conversion, not after it)
-        folder = os.path.dirname(os.path.abspath(getattr(args, fmt) or "."))
-        if getattr(args, fmt) and not os.path.isdir(folder):
-            raise ValueError(f"cannot write --{fmt} {getattr(args, fmt)}: directory {folder} "
-                             "does not exist")
+        if getattr(args, fmt):
+            check_folder(getattr(args, fmt), f"--{fmt} {getattr(args, fmt)}")
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     try:
         check = {"auto": True, "off": False}.get(args.check, args.check)

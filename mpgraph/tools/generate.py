@@ -459,9 +459,15 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
         if calibration is not None else None
     decode_args = _step_args(ids[:, -1:].contiguous(), length, max_cache_len)
     options = dict(convert_options, dtype=dtype, target=target)
-    prefill = convert(step, prefill_args, calibration=prompts, **options).eval()
-    decode = convert(step, decode_args, calibration=_decode_calibration(
-        model, decode_args, ids, max_cache_len), **options).eval()
+
+    def convert_prefill(**options):
+        return convert(step, prefill_args, calibration=prompts, **options).eval()
+
+    def convert_decode(**options):
+        return convert(step, decode_args, calibration=_decode_calibration(
+            model, decode_args, ids, max_cache_len), **options).eval()
+
+    prefill, decode = convert_prefill(**options), convert_decode(**options)
     fell_back = [gm for gm in (prefill, decode)
                  if (gm.plan.dtype_choice or {}).get("fallback")]
     if dtype is None and fell_back and prefill.plan.dtype != decode.plan.dtype:
@@ -472,10 +478,9 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
                  fell_back[0].plan.dtype_choice["fallback"])
         bf16 = dict(options, dtype=torch.bfloat16)
         if fell_back[0] is prefill:
-            decode = convert(step, decode_args, calibration=_decode_calibration(
-                model, decode_args, ids, max_cache_len), **bf16).eval()
+            decode = convert_decode(**bf16)
         else:
-            prefill = convert(step, prefill_args, calibration=prompts, **bf16).eval()
+            prefill = convert_prefill(**bf16)
     names = cache_names(prefill)
     if names != cache_names(decode):
         raise ValueError(f"the two graphs have different cache buffers: {names} vs "

@@ -39,12 +39,18 @@ def report(obj, format: str = "text", path: Union[None, str, os.PathLike] = None
     else:
         text = {"text": text_report, "json": json_report, "html": html_report}[format](plan, measured)
     if path is not None:
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"cannot write {path}: directory {folder} does not exist")
+        check_folder(path)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     return text
+
+
+def check_folder(path, name: Optional[str] = None) -> None:
+    """FileNotFoundError, naming ``name`` (default: the path), where the folder ``path`` would
+    be written in does not exist (the CLI checks before converting, not after)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {name or path}: directory {folder} does not exist")
 
 
 # -- shared pieces ----------------------------------------------------------------------------
