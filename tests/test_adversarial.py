@@ -804,6 +804,42 @@ def test_transformer_encoder_s_nested_tensor_fast_path_is_said():
                         dtype="fp16", target=GPU, strategy="rules")
 
 
+def test_torch_nn_transformer_inside_a_users_model_is_converted_not_kept_whole():
+    """nn.TransformerEncoder and nn.TransformerDecoder inside a user's module: torch.fx takes
+    torch.nn's modules as leaves, so each was one opaque call, an unknown op kept float32 with
+    every matmul in it (converted 1/4 nodes: only the head). They are traced into."""
+    torch.manual_seed(0)
+
+    class Seq2Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(100, 32)
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+                32, 4, 64, batch_first=True, dropout=0.0), 2, enable_nested_tensor=False)
+            self.dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(
+                32, 4, 64, batch_first=True, dropout=0.0), 1)
+            self.head = nn.Linear(32, 100)
+
+        def forward(self, src, tgt):
+            memory = self.enc(self.emb(src))
+            mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+            return self.head(self.dec(self.emb(tgt), memory, tgt_mask=mask, tgt_is_causal=True))
+
+    model = Seq2Seq().eval()
+    src, tgt = torch.randint(0, 100, (2, 12)), torch.randint(0, 100, (2, 7))
+    fast = mpgraph.convert(model, (src, tgt), dtype="fp16", target=GPU, strategy="rules")
+    plan = fast.plan
+    assert plan.unknown_nodes == []
+    low = [r.name for r in plan.nodes if r.dtype == "float16" and r.op_class == "tensor_core"]
+    # every Linear of both stacks (two per layer, plus attention's in/out projections) and the head
+    assert len(low) >= 2 * 2 + 2 * 1 + 1
+    with torch.no_grad():
+        reference = model(src, tgt)
+        assert relative_l2(fast(src, tgt), reference) < 5e-3
+        src2, tgt2 = torch.randint(0, 100, (3, 9)), torch.randint(0, 100, (3, 5))
+        assert relative_l2(fast(src2, tgt2), model(src2, tgt2)) < 5e-3
+
+
 class VarArgs(nn.Module):
     def __init__(self):
         super().__init__()

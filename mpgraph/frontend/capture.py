@@ -32,6 +32,7 @@ from mpgraph.ir.meta import CAPTURE, OBSERVED, READS_TRAINING, STATIC_SHAPES
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 from mpgraph.ir.fake import fake_mode, is_abstract
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
+from mpgraph.passes.op_table import MODULE_TABLE
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +335,12 @@ class _Tracer(torch.fx.Tracer):
         # (torch.export takes it where fx cannot, with the softmax its own float32 op)
         if isinstance(m, torch.nn.MultiheadAttention):
             return False
+        # torch.nn's composites the op table does not know as one op (nn.TransformerEncoder,
+        # nn.Transformer and their layers) are traced into as well: one opaque call is an
+        # unknown op, kept float32 whole with every matmul in it
+        if next(m.children(), None) is not None and \
+                not any(klass in MODULE_TABLE for klass in type(m).__mro__):
+            return False
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root, concrete_args=None):
@@ -539,7 +546,8 @@ def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None
     if fast_path:
         warnings.warn(f"{', '.join(p or type(model).__name__ for p in fast_path[:3])} "
                       "(nn.TransformerEncoder, enable_nested_tensor) runs PyTorch's nested-tensor "
-                      "fast path in eval under no_grad, which gives 0 at padded positions; the "
+                      "fast path in eval under no_grad when given a src_key_padding_mask, which gives 0 at "
+                      "padded positions; the "
                       "converted graph computes the standard path, whose values there are not 0 "
                       "(real positions agree). Build it with enable_nested_tensor=False to compare "
                       "outputs whole", UserWarning, stacklevel=5)
