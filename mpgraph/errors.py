@@ -19,6 +19,12 @@ CAPTURE_FIXES = (
      "generation with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "
      "max_cache_len=...); to convert the forward alone, pass use_cache=False (in "
      "example_kwargs, or model.config.use_cache = False)"),
+    (("changes the model's Python attributes",),
+     "keep state a forward carries from call to call in a buffer "
+     "(self.register_buffer('step', torch.zeros((), dtype=torch.long)), updated in place or "
+     "reassigned: the converted graph updates buffers as the model does); a value set on the "
+     "first call (an initialisation from data), set before converting: run the model once on "
+     "real inputs first; an attribute that only counts or logs, set outside forward"),
     (("missing a required argument", "missing 1 required positional argument",
       "got an unexpected keyword argument"),
      "the example inputs do not bind to the forward's parameters: a tuple is taken as positional "

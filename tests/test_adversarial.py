@@ -936,3 +936,67 @@ def test_attention_onnxruntime_cannot_run_at_opset_23_exports_at_opset_18(tmp_pa
                              session.get_inputs()[1].name: padding.numpy()})[0]
     with torch.no_grad():
         assert relative_l2(out, model(x, padding)) < 5e-3
+
+
+class StepCounter(nn.Module):
+    """A warm-up schedule driven by a Python counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.step = nn.Linear(16, 16), 0
+
+    def forward(self, x):
+        self.step += 1
+        return self.fc(x) * min(1.0, self.step / 3)
+
+
+class FirstCallInit(nn.Module):
+    """Initialise a shift from the first batch (ActNorm's pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("shift", torch.zeros(16))
+        self.initialised = False
+
+    def forward(self, x):
+        h = self.fc(x)
+        if not self.initialised:
+            self.shift.copy_(h.mean((0, 1)).detach())
+            self.initialised = True
+        return h - self.shift
+
+
+class KeepsLast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.last = nn.Linear(16, 16), None
+
+    def forward(self, x):
+        self.last = self.fc(x)
+        return self.last.relu()
+
+
+@pytest.mark.parametrize("cls, words", [
+    (StepCounter, "self.step (0 -> 1)"), (FirstCallInit, "self.initialised (False -> True)"),
+    (KeepsLast, "self.last (None -> a ")])
+def test_a_forward_that_changes_python_attributes_is_refused_not_frozen(cls, words):
+    """A graph neither keeps Python attributes nor reads them again: torch.export put them back
+    after its trace and froze the values into the graph (a step counter stuck at 1: wrong by 0.5
+    from the second call; a first-call initialisation re-run on every call: 0.16), with a check
+    that passed on the first call. Refused, naming the attribute and the way out."""
+    model = cls().eval()
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(model, (_x(2, 4, 16),), dtype="fp16", target=GPU, strategy="rules")
+    text = str(caught.value)
+    assert "changes the model's Python attributes" in text and words in text
+    assert "register_buffer" in text and "run the model once" in text
+    assert (getattr(model, "step", 0), getattr(model, "initialised", False),
+            getattr(model, "last", None)) == (0, False, None)  # the user's model as it was
+    if cls is FirstCallInit:  # the way out: initialised on real inputs before converting
+        model(_x(2, 4, 16, seed=3))
+        fast = mpgraph.convert(model, (_x(2, 4, 16),), dtype="fp16", target=GPU,
+                               strategy="rules")
+        other = _x(3, 5, 16, seed=4)
+        assert relative_l2(fast(other), model(other)) < TOL["fp16"]
+

@@ -135,7 +135,10 @@ def _quiet():
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = True,
-            train: bool = False) -> torch.fx.GraphModule:
+            train: bool = False, state: Optional[dict] = None) -> torch.fx.GraphModule:
+    """torch.export, non-strict. ``state`` (``_python_state``): the attributes the forward
+    changes are recorded in ``ModelChangesState`` (torch.export puts them back after its trace,
+    saying nothing of those that are not tensors)."""
     frozen = [f"{k}={v!r}" for k, v in list(enumerate(args)) + list(kwargs.items())
               if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor)]
     if frozen:  # (a call with another value is a TypeError naming it: CallSignature)
@@ -146,10 +149,19 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     # (torch.export otherwise takes a size > 1 as given and checks nothing: a module converted
     # at batch 2 ran the batch-2 branch at batch 1, silently)
     # a custom autograd.Function is one op that keeps its backward (frontend.functions)
-    with _quiet(), _size_oblivious(), opaque_functions("train" if train else "inference"), \
-            _explicit_keywords(model, args, kwargs):
-        ep = torch.export.export(model, args, kwargs, strict=False,
-                                 dynamic_shapes=dynamic_spec(model, args, kwargs) if dynamic else None)
+    changed: list[str] = []
+    watch = None if state is None else model.register_forward_hook(
+        lambda module, inputs, output: changed.extend(_changed_state(module, state, restore=False)))
+    try:
+        with _quiet(), _size_oblivious(), opaque_functions("train" if train else "inference"), \
+                _explicit_keywords(model, args, kwargs):
+            ep = torch.export.export(model, args, kwargs, strict=False,
+                                     dynamic_shapes=dynamic_spec(model, args, kwargs) if dynamic else None)
+    finally:
+        if watch is not None:
+            watch.remove()
+    if changed:
+        raise ModelChangesState(changed)
     unlifted = ep.module()
     guards = getattr(unlifted, EXPORT_GUARD, None)
     if guards is not None and InputGuard.of(guards) is not None:  # one that pickles
@@ -570,22 +582,131 @@ def _keep_persistence(gm: torch.nn.Module, model: torch.nn.Module) -> None:
             gm.get_submodule(owner_path)._non_persistent_buffers_set.add(leaf)
 
 
+# what every nn.Module has in its __dict__ (its parameters, buffers, submodules, hooks, flag)
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))
+
+
+# what torch.fx sets on the traced module for a tensor the forward makes (its constants)
+_FX_CONSTANT = re.compile(r"_tensor_constant\d+$")
+
+
+def _python_state(model: torch.nn.Module) -> dict:
+    """Each module's own Python attributes (``self.step``, ``self.initialised``, ``self.cache``),
+    with a copy of the lists, dicts and sets among them: what a forward may change that no graph
+    records."""
+    return {(path, key): (value, copy.copy(value) if type(value) in (list, dict, set) else None)
+            for path, m in model.named_modules() for key, value in vars(m).items()
+            if _users_state(m, key, value)}
+
+
+def _users_state(module: torch.nn.Module, key: str, value) -> bool:
+    """Whether ``module.key`` is state of the user's (``self.step``, ``self._cache``): not
+    what every module has, fx's constants, methods (transformers wraps ``forward`` on the first
+    call), or the private bookkeeping of torch's and transformers' own modules (nn.RNN's
+    ``_flat_weights``, transformers' ``_output_capturing_hooks_installed``)."""
+    if key in _MODULE_STATE or _FX_CONSTANT.match(key) or \
+            (callable(value) and not isinstance(value, torch.Tensor)):
+        return False
+    return not (key.startswith("_") and
+                type(module).__module__.startswith(("torch.", "transformers.")))
+
+
+def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -> list[str]:
+    """The attributes a run of the forward changed (set, rebound, added to, deleted), put back
+    as they were (``restore``): each tracer runs the forward, and the next one must see the
+    model unchanged (a Proxy fx left on ``self.running`` failed torch.export after it)."""
+    now = {(path, key): value for path, m in model.named_modules()
+           for key, value in vars(m).items() if _users_state(m, key, value)}
+    changed = []
+    for (path, key), value in now.items():
+        name = f"self.{path + '.' if path else ''}{key}"
+        if (path, key) not in before:
+            changed.append(f"{name} (set to {_brief_value(value)})")
+            if restore:
+                delattr(model.get_submodule(path), key)
+            continue
+        old, content = before[(path, key)]
+        # (torch.export's own snapshot rebuilds containers: a dict equal item for item is kept)
+        rebuilt = type(value) is type(old) and isinstance(old, (list, tuple, dict, set)) and \
+            not _differ(content if content is not None else old, value)
+        if value is not old and not rebuilt:
+            changed.append(f"{name} ({_brief_value(old)} -> {_brief_value(value)})")
+        elif content is not None and _differ(content, value):
+            changed.append(f"{name} (its items changed)")
+        else:
+            continue
+        if restore:
+            setattr(model.get_submodule(path), key,
+                    copy.copy(content) if content is not None else old)
+    for (path, key), (old, content) in before.items():
+        if (path, key) not in now:
+            changed.append(f"self.{path + '.' if path else ''}{key} (deleted)")
+            if restore:
+                setattr(model.get_submodule(path), key, old)
+    return changed
+
+
+class ModelChangesState(Exception):
+    """The forward changed the model's Python attributes while torch.export traced it."""
+
+    def __init__(self, changed: list[str]):
+        self.changed = changed
+        super().__init__(_state_report(changed))
+
+
+def _state_report(changed: list[str]) -> str:
+    return ("the forward changes the model's Python attributes, which a graph neither keeps nor "
+            "reads again: " + ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "") +
+            "; the converted graph would compute with the values they had when it was traced")
+
+
+def _differ(a, b) -> bool:
+    try:
+        return bool(a != b)
+    except Exception:  # (items that compare as tensors do)
+        return True
+
+
+def _brief_value(value) -> str:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    if isinstance(value, torch.fx.Proxy):
+        return "a traced value"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
 def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic):
     reports: dict[str, str] = {}
+    state = _python_state(work)
     # export_only (training): every parameter a get_attr node, no leaf module hiding its weights.
     # HuggingFace models do not trace with plain fx (transformers 5): straight to torch.export
     hf = type(model).__module__.startswith("transformers.") and has_inputs
     attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work, args, kwargs))]
     if has_inputs:
-        attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only)))
+        attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only, state)))
     failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
     for name, trace in attempts:
         try:
             gm = trace()
+        except ModelChangesState as e:
+            _changed_state(work, state)  # (new attributes: torch.export puts back the others)
+            failure, reports[name] = None, str(e)
+            continue
         except Exception as e:
             failure = e
             reports[name] = _brief(e)
             log.info("%s failed: %s", name, reports[name])
+            changed = _changed_state(work, state)
+            if changed:  # (what the forward did before it failed may be why)
+                reports[name] += f" (the forward changed {', '.join(changed[:3])})"
+            continue
+        # every tracer runs the forward: each would see the change, and freeze it
+        changed = _changed_state(work, state)
+        if changed:
+            failure, reports[name] = None, _state_report(changed)
             continue
         if has_inputs:
             symbolic = name == SYMBOLIC
@@ -610,6 +731,10 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
                 continue
             if name == EXPORT and dynamic:
                 _waive_harmless_guards(gm, work, args, kwargs)
+            changed = _changed_state(work, state)  # (the eager runs' above, put back)
+            if changed:
+                failure, reports[name] = None, _state_report(changed)
+                continue
         gm.meta[CAPTURE] = name
         _keep_persistence(gm, model)
         _say_what_hooks_do(gm, work)
