@@ -11,6 +11,7 @@ from mpgraph.passes.channels_last import ChannelsLast
 from mpgraph.passes.check_conversion import CheckConversion
 from mpgraph.passes.classify_ops import ClassifyOps
 from mpgraph.passes.estimate_cost import EstimateCost
+from mpgraph.passes.fold_dtype_reads import FoldDtypeReads
 from mpgraph.passes.follow_training_flag import FollowTrainingFlag
 from mpgraph.passes.functionalize import Functionalize
 from mpgraph.passes.fuse_sibling_gemv import FuseSiblingGemv
@@ -25,7 +26,7 @@ from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
 from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
-           "CheckConversion", "ClassifyOps", "EstimateCost", "FollowTrainingFlag", "Functionalize",
+           "CheckConversion", "ClassifyOps", "EstimateCost", "FoldDtypeReads", "FollowTrainingFlag", "Functionalize",
            "FuseSiblingGemv", "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "MatVecLinear", "NumericSafety", "PropagateTensorInfo", "PruneForInference",
            "RetargetDtypeAsserts", "StoreWeights"]

@@ -10,7 +10,7 @@ from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
-                            FollowTrainingFlag, Functionalize, PruneForInference,
+                            FoldDtypeReads, FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
                             FuseSiblingGemv, LintTensorCores, MatVecLinear, NumericSafety, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
@@ -31,6 +31,7 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
     ``fuse``: False for a saved plan made without FuseSiblingGemv (its nodes are the plan's)."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
+        FoldDtypeReads(),                     # rewrite: x.to(w.dtype) reads the model's dtype
         Functionalize(),                      # rewrite: in-place ops on intermediates out of place
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes

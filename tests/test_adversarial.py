@@ -1000,3 +1000,26 @@ def test_a_forward_that_changes_python_attributes_is_refused_not_frozen(cls, wor
         other = _x(3, 5, 16, seed=4)
         assert relative_l2(fast(other), model(other)) < TOL["fp16"]
 
+
+def test_a_value_cast_to_a_weights_dtype_follows_the_models_dtype():
+    """``x.to(self.proj.weight.dtype)`` (diffusers', CLIP's idiom) and a factory given
+    ``dtype=h.dtype`` ask the model's precision, float32. The traced reads answered with the
+    plan's instead: a float32 input to a bf16 weight (RuntimeError: mat1 and mat2 must have the
+    same dtype) and a factory in a dtype the plan did not say (ConversionError)."""
+
+    class Idioms(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.out = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            h = self.proj(x.to(self.proj.weight.dtype))
+            bias = torch.full((32,), 0.5, dtype=h.dtype)
+            pooled = torch.zeros(4, 32, dtype=h.dtype).index_add(0, torch.arange(x.shape[0]) % 4, h[:, 0])
+            return self.out(h + bias), pooled
+
+    for dtype in ("fp16", "bf16"):
+        fast = assert_right(Idioms().eval(), (_x(6, 3, 16),), [((_x(6, 5, 16, seed=2),), {})],
+                            dtype=dtype)
+        assert ".dtype" not in fast.code  # (read at capture: float32)
+
