@@ -63,12 +63,32 @@ def float_leaves(value: Any) -> list[torch.Tensor]:
 
 
 def output_errors(outputs: Any, references: Any) -> list[float]:
-    """``relative_l2`` of each float output against float32's, in output order."""
-    got, want = float_leaves(outputs), float_leaves(references)
+    """``relative_l2`` of each float output against float32's, in output order (a Python
+    float among them too: ``loss.item()``)."""
+    def floats(value):
+        return [torch.tensor(t, dtype=torch.float64) if type(t) is float else t
+                for t in leaves(value) if type(t) is float or
+                (isinstance(t, torch.Tensor) and t.is_floating_point())]
+    got, want = floats(outputs), floats(references)
     if len(got) != len(want):
         raise ValueError(f"the converted model returns {len(got)} float outputs, float32 "
                          f"returned {len(want)}")
     return [relative_l2(g, w) for g, w in zip(got, want)]
+
+
+def discrete_mismatches(outputs: Any, references: Any) -> dict[str, float]:
+    """Of each integer or bool tensor output (an argmax, a mask, quantised codes), the fraction
+    of its values that differ from float32's, by its place among the outputs' leaves
+    (``leaves``), where any differ: rounding moves a value across a threshold or a rounding
+    boundary, which no relative error says."""
+    differ = {}
+    for i, (g, w) in enumerate(zip(leaves(outputs), leaves(references))):
+        if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and g.shape == w.shape \
+                and g.numel() and not (g.is_floating_point() or g.is_complex()):
+            fraction = float((g.detach().cpu() != w.detach().cpu()).float().mean())
+            if fraction:
+                differ[str(i)] = fraction
+    return differ
 
 
 def worst_error(runs: Sequence[tuple[Any, Any]]) -> float:

@@ -36,7 +36,7 @@ from mpgraph.errors import ConversionError, ValueCheckError
 from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
-from mpgraph.numerics import output_errors, rounding
+from mpgraph.numerics import discrete_mismatches, output_errors, rounding
 from mpgraph.ir.meta import (CHECK, COST, PRECISION, RANGE, REFERENCE, TENSOR,
                              dtype_name, is_inserted_cast, planned_dtype)
 from mpgraph.passes.infra import Pass, PassResult
@@ -159,6 +159,9 @@ class CheckConversion(Pass):
         error = max(errors, default=0.0)
         bound = value_bound(low)
         gm.meta[CHECK] = {"error": error, "bound": bound, "outputs": errors}
+        differ = discrete_mismatches(outputs, reference.outputs)
+        if differ:  # (not bounded: an argmax may move where two logits tie to rounding)
+            gm.meta[CHECK]["discrete"] = differ
         if error <= bound:
             return
         worst = errors.index(error)

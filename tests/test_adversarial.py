@@ -1023,3 +1023,30 @@ def test_a_value_cast_to_a_weights_dtype_follows_the_models_dtype():
                             dtype=dtype)
         assert ".dtype" not in fast.code  # (read at capture: float32)
 
+
+def test_integer_bool_and_python_float_outputs_are_checked_as_a_user_compares_them():
+    """The check compared float tensor outputs only: codes rounded from a bf16 value (99.8% of
+    them differ from float32's), a thresholded mask and ``.item()`` were left out, and the
+    summary said "error 0". Integer and bool outputs now report the fraction of values that
+    differ, and a Python float counts in the error like any float output."""
+
+    class Codes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 64)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return (h * 1e4).long(), h > 0.1, h.mean().item()
+
+    model = Codes().eval()
+    x = _x(8, 16)
+    fast = mpgraph.convert(model, (x,), dtype="bf16", target=GPU, strategy="rules")
+    got, want = fast(x), model(x)
+    codes = float((got[0] != want[0]).float().mean())
+    mask = float((got[1] != want[1]).float().mean())
+    check = fast.plan.check
+    assert codes > 0.5 and check["discrete"]["0"] == pytest.approx(codes)
+    assert check["discrete"].get("1", 0.0) == pytest.approx(mask)
+    assert check["error"] == pytest.approx(abs(got[2] - want[2]) / abs(want[2]), rel=1e-6)
+    assert f"{100 * codes:.2g}% of output 0's values" in fast.plan.summary()

@@ -263,6 +263,11 @@ class Plan:
         elif self.check:
             text += (f"; checked: error {self.check['error']:.2g} vs float32 (bound "
                      f"{self.check['bound']:.2g})")
+            differ = self.check.get("discrete") or {}
+            if differ:
+                text += ("; integer/bool outputs: " + ", ".join(
+                    f"{100 * d:.2g}% of output {i}'s values" for i, d in differ.items()) +
+                    " differ from float32's")
         if self.tolerance:
             t = self.tolerance
             text += (f"; tolerance {t['tolerance']:g}: error {t['error']:.3g} with "
