@@ -334,3 +334,37 @@ def test_numeric_safety_lowers_what_the_flag_marks_whatever_the_reason_says(flag
         assert exp.reason.startswith("all float inputs are float16"), exp.reason
     else:
         assert exp.dtype == "float32" and exp.op_class == FP32_ONLY and exp.reason == text
+
+
+class TransposedWeight(nn.Module):
+    """Falcon's FalconLinear (``x @ self.weight.T``) and its cousins, captured by torch.export
+    (the branch on a shape stops symbolic_trace)."""
+
+    def __init__(self, spell):
+        super().__init__()
+        self.spell = spell
+        self.w = nn.Parameter(torch.randn(64, 32) / 8)
+
+    def forward(self, x):
+        if x.shape[-1] != 32:
+            raise ValueError("expected 32 features")
+        return torch.relu(x @ self.spell(self.w))
+
+
+@pytest.mark.parametrize("name, spell", [
+    ("T", lambda w: w.T), ("mT", lambda w: w.mT), ("mH", lambda w: w.mH),
+    ("swapaxes", lambda w: w.swapaxes(0, 1)), ("swapdims", lambda w: w.swapdims(0, 1)),
+    ("adjoint", lambda w: w.adjoint()), ("moveaxis", lambda w: torch.moveaxis(w, 0, 1))])
+def test_a_transposed_weight_is_stored_low_not_cast_on_every_call(name, spell):
+    """aten.numpy_T, mT, swapaxes ... were unknown ops: the weight stayed float32 and was cast
+    to bf16 on every call (Falcon: 0 weights stored low, 8 weight casts a forward), and
+    export_onnx refused its own plan ("runtime weight cast"). They are views, as transpose is."""
+    import mpgraph
+    from mpgraph.numerics import relative_l2
+    model = TransposedWeight(spell).eval()
+    x = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(0))
+    fast = mpgraph.convert(model, (x,), dtype="bf16", target="a100", strategy="rules")
+    assert "torch.export" in fast.plan.summary() and fast.plan.unknown_nodes == []
+    assert fast.w.dtype == torch.bfloat16
+    assert all(c.numel != 64 * 32 for c in fast.plan.casts), fast.plan.format_casts()
+    assert relative_l2(fast(x), model(x)) < 3e-2

@@ -26,7 +26,8 @@ MOVES: dict[str, Move] = {
     # views holding every element once (reshape, contiguous and flatten may copy instead: for
     # aliasing a possible view counts as one)
     **_moves("""view _unsafe_view view_as reshape reshape_as permute transpose t unsqueeze squeeze
-             flatten unflatten movedim contiguous detach alias""",
+             flatten unflatten movedim contiguous detach alias numpy_T mT mH matrix_H adjoint
+             swapaxes swapdims moveaxis ravel""",
              view=True, same_elements=True, passes_zero=True),
     # views onto some of the elements, or onto elements repeated
     **_moves("""expand expand_as narrow select slice diagonal split split_with_sizes chunk unbind
