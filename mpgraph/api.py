@@ -522,7 +522,7 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
                                   overrides={**opts.overrides, **(pins or {})},
                                   keep_fp32=keep_fp32, check=opts.check,
                                   range_dtype=range_dtype, from_plan=from_plan, train=opts.train,
-                                  simulate=simulate)
+                                  simulate=simulate, tolerance=opts.tolerance)
         return run_passes(passes, graph)
 
     try:

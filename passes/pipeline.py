@@ -74,10 +74,11 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
                      overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                      check: Union[bool, str] = True, range_dtype: Optional[torch.dtype] = None,
                      from_plan: Optional[dict] = None, train: bool = False,
-                     simulate: bool = False) -> list[Pass]:
+                     simulate: bool = False, tolerance: Optional[float] = None) -> list[Pass]:
     """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify.
     ``range_dtype`` (bf16 beside fp16) computes the nodes fp16's range keeps out of fp16;
-    ``simulate``: the check computes as the target would (a GPU plan checked on a CPU)."""
+    ``simulate``: the check computes as the target would (a GPU plan checked on a CPU);
+    ``tolerance``: the value check's bound, met by the tolerance search that follows."""
     passes = decide_pipeline(low_dtype, costs=costs, spec=spec, strategy=strategy,
                              keep_io_types=keep_io_types, op_table=op_table, overrides=overrides,
                              keep_fp32=keep_fp32, range_dtype=range_dtype, from_plan=from_plan,
@@ -91,5 +92,6 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
     ]
     if check:
         passes.append(CheckConversion(example_args, example_kwargs, keep_io_types,  # verify by running
-                                  simulate=simulate, values={"values": True, "dtypes": False}.get(check)))
+                                  simulate=simulate, values={"values": True, "dtypes": False}.get(check),
+                                  tolerance=tolerance))
     return passes

@@ -1050,3 +1050,30 @@ def test_integer_bool_and_python_float_outputs_are_checked_as_a_user_compares_th
     assert check["discrete"].get("1", 0.0) == pytest.approx(mask)
     assert check["error"] == pytest.approx(abs(got[2] - want[2]) / abs(want[2]), rel=1e-6)
     assert f"{100 * codes:.2g}% of output 0's values" in fast.plan.summary()
+
+
+def test_a_stated_tolerance_rescues_a_plan_that_fails_the_value_check():
+    """The value check's error says "state a tolerance= and the nodes that need it are pinned";
+    stating one raised the same error: the check ran before the tolerance search. With a
+    tolerance, the check records the error against it and the search pins what it needs."""
+
+    class VarianceOffset(nn.Module):  # variance as E[x^2] - E[x]^2 on values with a large mean
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = self.fc(x) + 100.0
+            mu = h.mean(-1, keepdim=True)
+            var = (h * h).mean(-1, keepdim=True) - mu * mu
+            return self.out((h - mu) / torch.sqrt(var.clamp_min(0) + 1e-5))
+
+    model, x = VarianceOffset().eval(), _x(4, 16, 32)
+    with pytest.raises(mpgraph.ValueCheckError, match="state a tolerance="):
+        mpgraph.convert(model, (x,), dtype="bf16", target=GPU, strategy="rules")
+    fast = mpgraph.convert(model, (x,), dtype="bf16", target=GPU, strategy="rules",
+                           tolerance=1e-2)
+    measured = relative_l2(fast(x), model(x))
+    assert measured <= 1e-2 and fast.plan.tolerance["pinned"]
+    assert fast.plan.check["bound"] == 1e-2
+    assert fast.plan.check["error"] == pytest.approx(measured, rel=1e-4)
