@@ -1077,3 +1077,85 @@ def test_a_stated_tolerance_rescues_a_plan_that_fails_the_value_check():
     assert measured <= 1e-2 and fast.plan.tolerance["pinned"]
     assert fast.plan.check["bound"] == 1e-2
     assert fast.plan.check["error"] == pytest.approx(measured, rel=1e-4)
+
+
+class SharedBlock(nn.Module):
+    """One Linear under two names, and one block repeated in a ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.alias = self.fc
+        block = nn.Linear(16, 16)
+        self.layers = nn.ModuleList([block] * 3)
+
+    def forward(self, x):
+        x = self.alias(torch.relu(self.fc(x)))
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("options", [dict(dtype="fp16", target=GPU, strategy="rules"),
+                                     dict(dtype="bf16", target=GPU)])
+def test_a_module_held_under_two_names_keeps_both_in_the_state_dict(options):
+    """The tracers name each module once: the converted state dict lacked ``alias.*`` and
+    ``layers.1.*``/``layers.2.*``, so ``fast.load_state_dict(model.state_dict())`` failed on
+    unexpected keys, and the model could not load the converted module's state dict back."""
+    model, other = SharedBlock().eval(), SharedBlock().eval()
+    x = _x(2, 8, 16)
+    fast = mpgraph.convert(model, (x,), **options)
+    assert sorted(fast.state_dict()) == sorted(model.state_dict())
+    fast.load_state_dict(other.state_dict())
+    assert relative_l2(fast(x), other(x)) < TOL[options["dtype"]]
+    SharedBlock().load_state_dict(fast.state_dict())  # and back
+
+
+def test_falcon_stores_its_transposed_weights_low_and_keeps_the_models_state_dict_keys():
+    """transformers' Falcon multiplies by ``self.weight.T`` (aten.numpy_T, once an unknown op:
+    no weight stored low, each cast on every call) and makes tensors in its forward that
+    torch.export lifts as buffers (``lifted_tensor_0``: keys the model's state dict lacks, so
+    loading it failed on missing keys)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, use_cache=False)
+    model, other = transformers.FalconModel(config).eval(), transformers.FalconModel(config).eval()
+    ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast = mpgraph.convert(model, (ids,), dtype="bf16", target=GPU, strategy="rules")
+    assert fast.plan.unknown_nodes == []
+    assert len([w for w in fast.plan.weights if w.dtype == torch.bfloat16]) >= 8  # 4 a layer
+    assert sorted(fast.state_dict()) == sorted(model.state_dict())
+    fast.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert relative_l2(fast(ids).last_hidden_state,
+                           other(ids).last_hidden_state) < TOL["bf16"]
+
+
+def test_old_style_weight_norm_and_spectral_norm_models_convert():
+    """``torch.nn.utils.weight_norm``/``spectral_norm`` (HiFi-GAN's vocoders, many GANs) set
+    ``module.weight`` from their parameters with autograd in a pre-hook: deepcopy refuses such a
+    tensor, so no model using them converted ("the model must be deep-copyable"); and the hook
+    sets it again on every call, which is not the model changing its own state."""
+    from torch.nn.utils import spectral_norm, weight_norm
+
+    class Vocoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = weight_norm(nn.Conv1d(16, 32, 5, padding=2))
+            self.mid = spectral_norm(nn.Conv1d(32, 16, 3, padding=1))
+            self.out = weight_norm(nn.Linear(16, 16))
+
+        def forward(self, x):
+            h = F.leaky_relu(self.mid(F.leaky_relu(self.up(x), 0.1)), 0.1)
+            return self.out(h.transpose(1, 2))
+
+    torch.manual_seed(0)
+    model = Vocoder().eval()
+    weight = model.up.weight
+    fast = mpgraph.convert(model, (_x(2, 16, 40),), dtype="fp16", target=GPU, strategy="rules")
+    assert model.up.weight is weight  # the user's model as it was
+    assert fast.plan.unknown_nodes == [] and len(fast.plan.casts) == 2
+    other = _x(3, 16, 24, seed=1)
+    with torch.no_grad():
+        assert relative_l2(fast(other), model(other)) < TOL["fp16"]

@@ -302,7 +302,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))
     has_inputs = example_inputs is not None or example_kwargs is not None
     try:
-        work = copy.deepcopy(model)
+        work = copy.deepcopy(model, _computed_attributes(model))
     except Exception as e:
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
@@ -311,6 +311,16 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         args, kwargs = abstract.fake_inputs(args, kwargs)
     with _CAPTURE_LOCK, fake_mode(abstract):
         return _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+
+
+def _computed_attributes(model: torch.nn.Module) -> dict:
+    """deepcopy's memo with a detached copy of each tensor attribute computed with autograd
+    (``torch.nn.utils.weight_norm`` and ``spectral_norm`` set ``module.weight`` from their
+    parameters that way): deepcopy refuses such tensors, so no model using them converted. The
+    hooks compute them again on every call."""
+    return {id(t): t.detach().clone() for m in model.modules() for t in vars(m).values()
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+            and t.grad_fn is not None}
 
 
 def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -573,11 +583,14 @@ def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None
 
 def _keep_persistence(gm: torch.nn.Module, model: torch.nn.Module) -> None:
     """The model's non-persistent buffers (HF's position_ids) stay out of the graph module's
-    state dict (torch.export registers every buffer as persistent): its keys are the model's."""
+    state dict (torch.export registers every buffer as persistent), nor do the constants
+    torch.export lifts out of the forward (Falcon's ``lifted_tensor_0``): its keys are the
+    model's."""
     gone = {f"{prefix}{'.' if prefix else ''}{name}" for prefix, m in model.named_modules()
             for name in m._non_persistent_buffers_set}
+    model_buffers = {path for path, _ in model.named_buffers(remove_duplicate=False)}
     for path, _ in list(gm.named_buffers()):
-        if path in gone:
+        if path in gone or path not in model_buffers:
             owner_path, _, leaf = path.rpartition(".")
             gm.get_submodule(owner_path)._non_persistent_buffers_set.add(leaf)
 
@@ -605,7 +618,8 @@ def _users_state(module: torch.nn.Module, key: str, value) -> bool:
     call), or the private bookkeeping of torch's and transformers' own modules (nn.RNN's
     ``_flat_weights``, transformers' ``_output_capturing_hooks_installed``)."""
     if key in _MODULE_STATE or _FX_CONSTANT.match(key) or \
-            (callable(value) and not isinstance(value, torch.Tensor)):
+            (callable(value) and not isinstance(value, torch.Tensor)) or \
+            key in _set_by_hooks(module):
         return False
     return not (key.startswith("_") and
                 type(module).__module__.startswith(("torch.", "transformers.")))
@@ -654,6 +668,14 @@ class ModelChangesState(Exception):
         super().__init__(_state_report(changed))
 
 
+def _set_by_hooks(module: torch.nn.Module) -> set:
+    """What torch's weight_norm/spectral_norm pre-hooks set on every call (``weight``)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    return {hook.name for hook in module._forward_pre_hooks.values()
+            if isinstance(hook, (WeightNorm, SpectralNorm))}
+
+
 def _state_report(changed: list[str]) -> str:
     return ("the forward changes the model's Python attributes, which a graph neither keeps nor "
             "reads again: " + ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "") +
@@ -676,6 +698,27 @@ def _brief_value(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor {tuple(value.shape)}"
     return f"a {type(value).__name__}"
+
+
+def _keep_aliases(gm: torch.nn.Module, model: torch.nn.Module) -> None:
+    """A submodule the model holds under two names (``self.alias = self.fc``,
+    ``nn.ModuleList([block] * 3)``) is held under both in the graph module too: its state dict
+    then has the model's keys (the tracers name each module once, and a load of the model's
+    state dict failed on the other name's keys)."""
+    first = {id(m): path for path, m in model.named_modules()}
+    have = dict(gm.named_modules(remove_duplicate=False))
+    for path, m in model.named_modules(remove_duplicate=False):
+        target = have.get(first[id(m)])
+        if not path or path in have or target is None:
+            continue
+        owner = gm
+        *parents, leaf = path.split(".")
+        for name in parents:  # (a container the tracer did not keep: an empty one)
+            if name not in owner._modules:
+                owner._modules[name] = torch.nn.Module()
+            owner = owner._modules[name]
+        owner._modules[leaf] = target
+        have = dict(gm.named_modules(remove_duplicate=False))
 
 
 def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic):
@@ -737,6 +780,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
                 continue
         gm.meta[CAPTURE] = name
         _keep_persistence(gm, model)
+        _keep_aliases(gm, model)
         _say_what_hooks_do(gm, work)
         readers = reads_training(work)
         if readers:
