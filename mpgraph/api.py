@@ -25,8 +25,8 @@ from mpgraph.errors import PlanMismatchError, ValueCheckError
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
 from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, WeightCopies, planned_layout,
                                 refuse_hooks)
-from mpgraph.ir.meta import (CONSTANT_INPUTS, FUSED, PRECISION, REFERENCE, TENSOR, Kind, dtype_name,
-                             is_float32_tensor, shape_of)
+from mpgraph.ir.meta import (CONSTANT_INPUTS, FUSED, OP_CLASS, PRECISION, REFERENCE, TENSOR,
+                             TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
 from mpgraph.ir.fake import Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors
@@ -397,9 +397,18 @@ class Options:
             if dtype is not None and not (isinstance(dtype, str) and dtype.lower() == "auto") \
                     and resolve_dtype(dtype) != plan.dtype:
                 conflicts.append(f"dtype={dtype!r} (the plan is {dtype_name(plan.dtype)})")
+            if not keep_io_types and plan.keep_io_types:
+                conflicts.append("keep_io_types=False (the plan keeps the inputs' and outputs' "
+                                 "dtypes)")
+            if strategy != "optimal" and plan.strategy and strategy != plan.strategy:
+                conflicts.append(f"strategy={strategy!r} (the plan was made by "
+                                 f"strategy={plan.strategy!r})")
+            if target is not None and plan.target and resolve_target(target).name != plan.target:
+                conflicts.append(f"target={target!r} (the plan was made for {plan.target}; "
+                                 "convert without plan= to plan for it)")
             if conflicts:
-                raise ValueError("a saved plan is applied as it is, with its own dtype, mode and "
-                                 "decisions: " + "; ".join(conflicts))
+                raise ValueError("a saved plan is applied as it is, with its own dtype, mode, "
+                                 "target and decisions: " + "; ".join(conflicts))
             keep_io_types, strategy = plan.keep_io_types, plan.strategy or strategy
             mode = plan.mode
             target = target if target is not None else plan.target
@@ -546,8 +555,15 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
     if chosen is not None and chosen["candidates"] and not any(
             (d := n.meta.get(PRECISION)) is not None and d.dtype in LOW_DTYPES
             and n.op.startswith("call_") for n in gm.graph.nodes):
-        keep_fp32 = (f"no node is faster in {' or '.join(chosen['candidates'])} "
-                     f"than in float32 on {costs.name} ({costs.source})")
+        matmuls = [n.meta[PRECISION].reason for n in gm.graph.nodes
+                   if n.op.startswith("call_") and n.meta.get(PRECISION) is not None
+                   and getattr(n.meta.get(OP_CLASS), "op_class", None) == TENSOR_CORE]
+        if matmuls and all(r.startswith("user override") for r in matmuls):
+            keep_fp32 = ("the overrides keep every matmul/conv in float32 (" + ", ".join(
+                sorted({r[len("user override ("):-1] for r in matmuls})) + ")")
+        else:
+            keep_fp32 = (f"no node is faster in {' or '.join(chosen['candidates'])} "
+                         f"than in float32 on {costs.name} ({costs.source})")
     return gm, report, low, keep_fp32, chosen
 
 

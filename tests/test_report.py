@@ -108,11 +108,19 @@ def test_what_a_saved_plan_decides_asked_for_otherwise_is_refused_not_ignored():
     for options, said in (({"overrides": {"blocks.1.*": "fp32"}}, r"overrides=\{'blocks\.1\.\*': "
                                                                   r"'fp32'\} \(edit the saved plan"),
                           ({"mode": "train"}, r"mode='train' \(the plan is for mode='inference'\)"),
-                          ({"dtype": "fp16"}, r"dtype='fp16' \(the plan is bfloat16\)")):
+                          ({"dtype": "fp16"}, r"dtype='fp16' \(the plan is bfloat16\)"),
+                          # (these three were accepted and ignored too, the target relabelled)
+                          ({"keep_io_types": False}, r"keep_io_types=False \(the plan keeps"),
+                          ({"target": "t4"}, r"target='t4' \(the plan was made for NVIDIA A100")):
         with pytest.raises(ValueError, match=r"a saved plan is applied as it is, with its own "
-                                             r"dtype, mode and decisions: " + said):
+                                             r"dtype, mode, target and decisions: " + said):
             mpgraph.convert(model, x, plan=plan, **options)
-    assert mpgraph.convert(model, x, plan=plan, dtype="bf16").plan.dtype == torch.bfloat16
+    assert mpgraph.convert(model, x, plan=plan, dtype="bf16", target=GPU,
+                           strategy="rules").plan.dtype == torch.bfloat16
+    optimal = mpgraph.convert(model, x, dtype="bf16", target=GPU).plan
+    with pytest.raises(ValueError, match=r"strategy='rules' \(the plan was made by "
+                                         r"strategy='optimal'\)"):
+        mpgraph.convert(model, x, plan=optimal, strategy="rules")
 
 
 def test_a_plan_made_in_training_mode_applied_in_eval_mode_says_so():
@@ -370,3 +378,12 @@ def test_cli_inspect_writes_every_format(tmp_path, capsys):
     assert mpgraph.Plan.load(json_path).dtype == torch.float16
     assert html_path.read_text().startswith("<!DOCTYPE html>")
     assert cli(["inspect", f"{factory}:build", "--html", str(tmp_path / "no" / "x.html")]) == 2
+
+
+def test_a_plan_the_overrides_keep_float32_says_so_not_that_nothing_is_faster():
+    """overrides={"*": "fp32"} gave "kept float32: no node is faster in float16 or bfloat16 than
+    in float32", a false reason beside each node's own ("user override ('*')")."""
+    model, x = _blocks()
+    plan = mpgraph.convert(model, x, target=GPU, overrides={"*": "fp32"}).plan
+    assert "kept float32: the overrides keep every matmul/conv in float32 ('*')" in plan.summary()
+    assert "no node is faster" not in plan.summary()
