@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from mpgraph.errors import CalibrationError, ToleranceError
-from mpgraph.ir.graph import input_nodes, run_recording
+from mpgraph.ir.graph import input_nodes, is_inplace, run_recording
 from mpgraph.ir.simulate import run_simulated
 from mpgraph.numerics import float_leaves, relative_l2, worst_error
 from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name
@@ -55,7 +55,9 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
 
     def keep(node, value):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            ref[node.name] = value
+            # an in-place write's result is the tensor written (a buffer), which the run puts
+            # back afterwards: a copy, or the store was charged an error of inf against zeros
+            ref[node.name] = value.clone() if is_inplace(node, base) else value
 
     run_recording(base, *call, keep)
     err: dict[str, float] = {}

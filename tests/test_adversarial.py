@@ -1159,3 +1159,28 @@ def test_old_style_weight_norm_and_spectral_norm_models_convert():
     other = _x(3, 16, 24, seed=1)
     with torch.no_grad():
         assert relative_l2(fast(other), model(other)) < TOL["fp16"]
+
+
+def test_the_tolerance_search_charges_a_buffer_store_its_real_error():
+    """A store into a buffer (``self.last.copy_(h)``) was charged an error of inf: the float32
+    run's result was the buffer itself, which the run puts back to zeros afterwards. Pinned
+    first, it cost a float32 store for nothing."""
+
+    class Ring(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+            self.register_buffer("last", torch.zeros(4, 8, 32))
+
+        def forward(self, x):
+            h = self.fc(x)
+            out = h - self.last
+            self.last.copy_(h)
+            return out
+
+    batches = [_x(4, 8, 32, seed=s) for s in range(3)]
+    fast = mpgraph.convert(Ring().eval(), batches[0], calibration=batches, dtype="fp16",
+                           target=GPU, strategy="rules", tolerance=1e-4)
+    assert fast.plan.tolerance["pinned"]  # (fc's error is above 1e-4)
+    assert all(error < 1 for _, error in fast.plan.tolerance["pinned"])
+    assert "copy_" not in [name for name, _ in fast.plan.tolerance["pinned"]]
