@@ -97,6 +97,9 @@ def test_an_edited_plan_is_applied(tmp_path):
     edited = mpgraph.convert(model, x, plan=mpgraph.Plan.from_dict(data))
     changed = mpgraph.diff(gm, edited).changed
     assert [(c.name, c.dtype_a, c.dtype_b) for c in changed] == [("blocks_1_0", "bfloat16", "float32")]
+    # its reason says the edit, not the bf16 decision's reason alone as if it were float32's
+    assert edited.plan.node("blocks_1_0").reason.startswith(
+        "saved plan: edited to float32 (decided bfloat16: matrix multiply")
 
 
 def test_what_a_saved_plan_decides_asked_for_otherwise_is_refused_not_ignored():
@@ -192,7 +195,7 @@ def test_diff_of_two_targets_lists_every_changed_node():
     a100 = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, runtime="graphs")
     d = mpgraph.diff(t4, a100)
     changed = {c.name for c in d.changed}
-    assert len(changed) > 10 and {"linear_12", "tanh"} <= changed, str(d)
+    assert len(changed) > 10 and "linear_12" in changed, str(d)
     for r in t4.plan.compute_nodes:
         other = a100.plan.node(r.name).dtype
         assert (r.dtype != other) == (r.name in changed)

@@ -175,6 +175,9 @@ class Plan:
 
         def node(d):
             d = dict(d)
+            decided = d.pop("decided", d.get("dtype"))
+            if d.get("dtype") != decided:  # edited by hand: its reason was for the other dtype
+                d["reason"] = f"edited to {d.get('dtype')} (decided {decided}: {d.get('reason')})"
             for key in ("safety", "inputs"):
                 d[key] = tuple(d.get(key) or ())
             d["shape"] = tuple(d["shape"]) if d.get("shape") is not None else None
@@ -315,7 +318,8 @@ class Plan:
             "calibration_batches": self.calibration_batches, "check": self.check,
             "dtype_choice": self.dtype_choice,
             "tolerance": _jsonable(self.tolerance),
-            "nodes": [_jsonable(asdict(r)) for r in self.nodes],
+            # "decided": the dtype its reason is for (a hand edit of "dtype" leaves it)
+            "nodes": [_jsonable({**asdict(r), "decided": r.dtype}) for r in self.nodes],
             "casts": [_jsonable(asdict(c)) for c in self.casts],
             "model_casts": [_jsonable(asdict(c)) for c in self.model_casts],
             "weights": [{**asdict(w), "dtype": dtype_name(w.dtype)} for w in self.weights],
@@ -344,7 +348,7 @@ def _validate(data: dict, source: str) -> None:
             fail(f"{key} must be a string, got {data.get(key)!r}")
     if not isinstance(data.get("keep_io_types"), bool):
         fail(f"keep_io_types must be true or false, got {data.get('keep_io_types')!r}")
-    fields = {f.name for f in dataclasses.fields(NodeRecord)}
+    fields = {f.name for f in dataclasses.fields(NodeRecord)} | {"decided"}
     for key, kind in (("nodes", "node"), ("casts", "cast"), ("weights", "weight")):
         records = data.get(key)
         if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
