@@ -41,6 +41,15 @@ GPU = "a100"
 # the op-list rules (every Tensor Core op low, whatever its size) planned for that GPU
 convert_rules = functools.partial(mpgraph.convert, strategy="rules", target=GPU)
 
+
+def kernels_only(target: str = GPU):
+    """A GPU's roofline priced on its kernels alone, no host time and no least time a kernel:
+    the tests' tiny models then plan low where their arithmetic says (replayed, they would be
+    launch-bound, and nothing would pay)."""
+    from mpgraph.cost.device import resolve_target
+    from mpgraph.cost.roofline import Roofline
+    return Roofline(resolve_target(target), runtime="graphs", kernel_floor=0.0)
+
 # the example model loaders (examples/crepe.py, ...) are importable from the tests
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 

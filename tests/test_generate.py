@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import mpgraph
 from mpgraph.numerics import relative_l2
-from conftest import GPU, MLP, Recorder
+from conftest import GPU, MLP, Recorder, kernels_only
 from mpgraph.ir.graph import fetch_attr, is_inplace
 from mpgraph.tools.generate import cache_names, share_tensors
 
@@ -551,7 +551,7 @@ def test_a_graph_whose_automatic_fp16_falls_back_takes_the_other_graph_to_bf16_w
         model.model.embed_tokens.weight[:5] *= 10
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=12, target=GPU,
-                                      runtime="graphs")
+                                      costs=kernels_only())
     assert decoder.decode.plan.dtype_choice["fallback"].startswith("float16's plan failed")
     assert decoder.prefill.plan.dtype == decoder.decode.plan.dtype == torch.bfloat16
     assert {c.dtype for c in decoder.cache_plan} == {"bfloat16"}

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from conftest import GPU, convert_rules, small_bert
+from conftest import GPU, convert_rules, kernels_only, small_bert
 
 import mpgraph
 from mpgraph.frontend.capture import capture
@@ -194,7 +194,7 @@ def test_tolerance_search_on_small_bert_meets_the_bar_and_reports_pins(dtype, to
 def test_auto_on_a100_uses_bf16_where_fp16_overflows_and_fp16_elsewhere(tmp_path):
     model, inputs = build("activations 1e5 before LayerNorm")
     gm = mpgraph.convert(model, inputs, dtype="auto", target="a100", strategy="rules",
-                         runtime="graphs")
+                         costs=kernels_only())
     plan = gm.plan
     assert plan.dtype == FP16
     assert [(r.name, r.dtype) for r in plan.range_nodes] == [("up", "bfloat16")]
@@ -215,10 +215,10 @@ def test_auto_on_a100_uses_bf16_where_fp16_overflows_and_fp16_elsewhere(tmp_path
 def test_auto_bf16_region_that_misses_the_tolerance_goes_back_to_fp32():
     model, inputs = build("exp of large logits")  # exp of ~15 in bf16: 1.3e-2 off
     loose = mpgraph.convert(model, inputs, dtype="auto", target="a100", strategy="rules",
-                         runtime="graphs")
+                         costs=kernels_only())
     assert loose.plan.node("exp").dtype == "bfloat16"
     tight = mpgraph.convert(model, inputs, dtype="auto", target="a100", strategy="rules",
-                         runtime="graphs",
+                         costs=kernels_only(),
                             tolerance=1e-3)
     assert tight.plan.node("exp").dtype == "float32"
     assert "exp" in dict(tight.plan.tolerance["pinned"]) and tight.plan.tolerance["error"] <= 1e-3
@@ -411,7 +411,7 @@ def test_underflow_findings_survive_a_json_round_trip_and_an_override_cannot_low
 def test_auto_on_a100_computes_the_tiny_probability_in_bf16_which_has_the_range():
     model, inputs = build("sigmoid then log")
     gm = mpgraph.convert(model, inputs, dtype="auto", target="a100", strategy="rules",
-                         runtime="graphs")
+                         costs=kernels_only())
     plan = gm.plan
     assert plan.node("head").dtype == "float16" and plan.node("log").dtype == "float32"
     assert plan.node("sigmoid").dtype == "bfloat16"

@@ -158,7 +158,8 @@ class Roofline(CostModel):
     of a GPU calibration file (``read_calibration``), applied to the peaks and the host floor."""
 
     def __init__(self, spec: DeviceSpec, tf32: Optional[bool] = None,
-                 calibration: Optional[dict] = None, runtime: str = "eager"):
+                 calibration: Optional[dict] = None, runtime: str = "eager",
+                 kernel_floor: Optional[float] = None):
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         self.spec, self.kind, self.name = spec, spec.kind, spec.name
@@ -167,7 +168,8 @@ class Roofline(CostModel):
         self.runtime = runtime
         self.host = self.calibration.get("host_per_node_s", GPU_HOST_S if spec.kind == Kind.GPU
                                          else spec.launch)
-        self.kernel_floor = self.calibration.get("kernel_floor_s", GPU_KERNEL_S)
+        self.kernel_floor = kernel_floor if kernel_floor is not None else \
+            self.calibration.get("kernel_floor_s", GPU_KERNEL_S)
         if spec.kind == Kind.GPU:
             where = (f"calibrated on {self.calibration.get('device', spec.name)} "
                      f"({self.calibration.get('written', 'a GPU run')})" if calibration
