@@ -19,12 +19,10 @@ CAPTURE_FIXES = (
      "generation with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "
      "max_cache_len=...); to convert the forward alone, pass use_cache=False (in "
      "example_kwargs, or model.config.use_cache = False)"),
-    (("changes the model's Python attributes",),
-     "keep state a forward carries from call to call in a buffer "
-     "(self.register_buffer('step', torch.zeros((), dtype=torch.long)), updated in place or "
-     "reassigned: the converted graph updates buffers as the model does); a value set on the "
-     "first call (an initialisation from data), set before converting: run the model once on "
-     "real inputs first; an attribute that only counts or logs, set outside forward"),
+    (("must be deep-copyable",),
+     "make copy.deepcopy(model) work (mpgraph converts a copy, so that your model is never "
+     "modified): a tensor attribute computed with autograd, compute it under torch.no_grad() or "
+     "register it as a buffer; a file, lock or process a module holds, keep it outside the model"),
     (("missing a required argument", "missing 1 required positional argument",
       "got an unexpected keyword argument"),
      "the example inputs do not bind to the forward's parameters: a tuple is taken as positional "
@@ -48,7 +46,7 @@ class CaptureError(MpgraphError):
         lines = ["could not capture the model's graph:"]
         for tracer, message in self.reports.items():
             lines.append(f"  {tracer}: {message}")
-        if "torch.export" not in self.reports:
+        if "torch.export" not in self.reports and "torch.fx.symbolic_trace" in self.reports:
             lines.append("  (pass example_inputs so that torch.export can be tried)")
         # the fix for what stopped torch.export, the tracer that takes the most: symbolic_trace
         # fails on much that export captures (its "control flow" is not the cause then)

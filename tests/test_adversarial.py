@@ -980,23 +980,27 @@ class KeepsLast(nn.Module):
 @pytest.mark.parametrize("cls, words", [
     (StepCounter, "self.step (0 -> 1)"), (FirstCallInit, "self.initialised (False -> True)"),
     (KeepsLast, "self.last (None -> a ")])
-def test_a_forward_that_changes_python_attributes_is_refused_not_frozen(cls, words):
+def test_a_forward_that_changes_python_attributes_is_said_not_silent(cls, words):
     """A graph neither keeps Python attributes nor reads them again: torch.export put them back
-    after its trace and froze the values into the graph (a step counter stuck at 1: wrong by 0.5
-    from the second call; a first-call initialisation re-run on every call: 0.16), with a check
-    that passed on the first call. Refused, naming the attribute and the way out."""
+    after its trace and froze their values into the graph (a step counter stuck at 1: wrong by
+    0.5 from the second call; a first-call initialisation re-run on every call: 0.16), silently,
+    with a check that passed on the first call. It is said, naming each attribute and the way
+    out. (A warning, not an error: transformers' Swin, Funnel, LeViT and user rotary caches set
+    attributes the same way on every call, harmlessly.)"""
     model = cls().eval()
-    with pytest.raises(mpgraph.CaptureError) as caught:
+    with pytest.warns(UserWarning, match="forward changes its Python attributes") as said:
         mpgraph.convert(model, (_x(2, 4, 16),), dtype="fp16", target=GPU, strategy="rules")
-    text = str(caught.value)
-    assert "changes the model's Python attributes" in text and words in text
-    assert "register_buffer" in text and "run the model once" in text
+    text = " ".join(str(w.message) for w in said)
+    assert words in text and "register_buffer" in text and "run the model once" in text
     assert (getattr(model, "step", 0), getattr(model, "initialised", False),
             getattr(model, "last", None)) == (0, False, None)  # the user's model as it was
     if cls is FirstCallInit:  # the way out: initialised on real inputs before converting
         model(_x(2, 4, 16, seed=3))
-        fast = mpgraph.convert(model, (_x(2, 4, 16),), dtype="fp16", target=GPU,
-                               strategy="rules")
+        with warnings.catch_warnings(record=True) as later:
+            warnings.simplefilter("always")
+            fast = mpgraph.convert(model, (_x(2, 4, 16),), dtype="fp16", target=GPU,
+                                   strategy="rules")
+        assert not [w for w in later if "Python attributes" in str(w.message)]  # none changes
         other = _x(3, 5, 16, seed=4)
         assert relative_l2(fast(other), model(other)) < TOL["fp16"]
 
@@ -1068,6 +1072,7 @@ def test_a_stated_tolerance_rescues_a_plan_that_fails_the_value_check():
             var = (h * h).mean(-1, keepdim=True) - mu * mu
             return self.out((h - mu) / torch.sqrt(var.clamp_min(0) + 1e-5))
 
+    torch.manual_seed(0)
     model, x = VarianceOffset().eval(), _x(4, 16, 32)
     with pytest.raises(mpgraph.ValueCheckError, match="state a tolerance="):
         mpgraph.convert(model, (x,), dtype="bf16", target=GPU, strategy="rules")
@@ -1184,3 +1189,22 @@ def test_the_tolerance_search_charges_a_buffer_store_its_real_error():
     assert fast.plan.tolerance["pinned"]  # (fc's error is above 1e-4)
     assert all(error < 1 for _, error in fast.plan.tolerance["pinned"])
     assert "copy_" not in [name for name, _ in fast.plan.tolerance["pinned"]]
+
+
+def test_a_model_that_cannot_be_deep_copied_gets_the_way_out_that_applies():
+    """A module holding a lock: the error asked to "pass example_inputs so that torch.export can
+    be tried" (they were passed) and to convert submodules apart, neither of which helps."""
+
+    class Locked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.lock = nn.Linear(8, 8), threading.Lock()
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(Locked(), (_x(2, 8),))
+    text = str(caught.value)
+    assert "must be deep-copyable" in text and "make copy.deepcopy(model) work" in text
+    assert "pass example_inputs" not in text and "convert the submodules" not in text

@@ -37,6 +37,7 @@ from mpgraph.passes.op_table import MODULE_TABLE
 log = logging.getLogger(__name__)
 
 SYMBOLIC = "torch.fx.symbolic_trace"
+SYMBOLIC_WHOLE = "torch.fx.symbolic_trace (torch.nn's composite modules whole)"
 EXPORT = "torch.export"
 
 
@@ -135,10 +136,11 @@ def _quiet():
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = True,
-            train: bool = False, state: Optional[dict] = None) -> torch.fx.GraphModule:
+            train: bool = False, state: Optional[dict] = None,
+            changed: Optional[list] = None) -> torch.fx.GraphModule:
     """torch.export, non-strict. ``state`` (``_python_state``): the attributes the forward
-    changes are recorded in ``ModelChangesState`` (torch.export puts them back after its trace,
-    saying nothing of those that are not tensors)."""
+    changes are added to ``changed`` (torch.export puts them back after its trace, saying
+    nothing of those that are not tensors)."""
     frozen = [f"{k}={v!r}" for k, v in list(enumerate(args)) + list(kwargs.items())
               if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor)]
     if frozen:  # (a call with another value is a TypeError naming it: CallSignature)
@@ -149,8 +151,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     # (torch.export otherwise takes a size > 1 as given and checks nothing: a module converted
     # at batch 2 ran the batch-2 branch at batch 1, silently)
     # a custom autograd.Function is one op that keeps its backward (frontend.functions)
-    changed: list[str] = []
-    watch = None if state is None else model.register_forward_hook(
+    watch = None if state is None or changed is None else model.register_forward_hook(
         lambda module, inputs, output: changed.extend(_changed_state(module, state, restore=False)))
     try:
         with _quiet(), _size_oblivious(), opaque_functions("train" if train else "inference"), \
@@ -160,8 +161,6 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     finally:
         if watch is not None:
             watch.remove()
-    if changed:
-        raise ModelChangesState(changed)
     unlifted = ep.module()
     guards = getattr(unlifted, EXPORT_GUARD, None)
     if guards is not None and InputGuard.of(guards) is not None:  # one that pickles
@@ -351,6 +350,10 @@ class _Tracer(torch.fx.Tracer):
 
     proxy_buffer_attributes = True
 
+    def __init__(self, whole: bool = False):
+        super().__init__()
+        self.whole = whole  # torch.nn's composites as leaves: one unknown op each, float32
+
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         # nn.MultiheadAttention as one opaque call would run its softmax in whatever the plan
         # gives the call, and export to ONNX as ops the plan never decided: traced into
@@ -360,8 +363,7 @@ class _Tracer(torch.fx.Tracer):
         # torch.nn's composites the op table does not know as one op (nn.TransformerEncoder,
         # nn.Transformer and their layers) are traced into as well: one opaque call is an
         # unknown op, kept float32 whole with every matmul in it
-        if next(m.children(), None) is not None and \
-                not any(klass in MODULE_TABLE for klass in type(m).__mro__):
+        if not self.whole and _composite(m):
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
@@ -398,13 +400,24 @@ def _absent_nones(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _symbolic_trace(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None
-                    ) -> torch.fx.GraphModule:
+def _composite(m: torch.nn.Module) -> bool:
+    """A torch.nn module of modules that the op table does not know as one op."""
+    return type(m).__module__.startswith("torch.nn") and next(m.children(), None) is not None \
+        and not isinstance(m, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)) \
+        and not any(klass in MODULE_TABLE for klass in type(m).__mro__)
+
+
+def _has_composites(model: torch.nn.Module) -> bool:
+    return any(_composite(m) for _, m in model.named_modules() if m is not model)
+
+
+def _symbolic_trace(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None,
+                    whole: bool = False) -> torch.fx.GraphModule:
     # a forward that assigns to a buffer (self.n += 1) leaves the traced value (a Proxy) there:
     # the buffers are put back before the graph module takes its attributes from the model
     buffers = [(m, dict(m._buffers)) for m in model.modules()]
     with _quiet(), opaque_functions("inference"):
-        tracer = _Tracer()
+        tracer = _Tracer(whole)
         try:
             graph = tracer.trace(model, concrete_args=_absent_nones(model, args, kwargs or {})
                                  or None)
@@ -613,16 +626,14 @@ def _python_state(model: torch.nn.Module) -> dict:
 
 
 def _users_state(module: torch.nn.Module, key: str, value) -> bool:
-    """Whether ``module.key`` is state of the user's (``self.step``, ``self._cache``): not
-    what every module has, fx's constants, methods (transformers wraps ``forward`` on the first
-    call), or the private bookkeeping of torch's and transformers' own modules (nn.RNN's
-    ``_flat_weights``, transformers' ``_output_capturing_hooks_installed``)."""
-    if key in _MODULE_STATE or _FX_CONSTANT.match(key) or \
-            (callable(value) and not isinstance(value, torch.Tensor)) or \
-            key in _set_by_hooks(module):
-        return False
-    return not (key.startswith("_") and
-                type(module).__module__.startswith(("torch.", "transformers.")))
+    """Whether ``module.key`` is state of the user's (``self.step``, ``self._cache``) in a
+    module of the user's: not what every module has, fx's constants, methods, or anything of
+    torch's and transformers' own modules (nn.RNN's ``_flat_weights``, Swin's window size set
+    again on every call, transformers' hooks installed on the first)."""
+    if type(module).__module__.startswith(("torch.", "transformers.")):
+        return False  # (their forwards keep no state of that kind: Swin's window size, ...)
+    return not (key in _MODULE_STATE or _FX_CONSTANT.match(key) or key in _set_by_hooks(module)
+                or (callable(value) and not isinstance(value, (torch.Tensor, torch.fx.Proxy))))
 
 
 def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -> list[str]:
@@ -643,7 +654,9 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
         # (torch.export's own snapshot rebuilds containers: a dict equal item for item is kept)
         rebuilt = type(value) is type(old) and isinstance(old, (list, tuple, dict, set)) and \
             not _differ(content if content is not None else old, value)
-        if value is not old and not rebuilt:
+        same = isinstance(old, (bool, int, float, str)) and type(_plain(value)) is type(old) \
+            and _plain(value) == old  # (a SymInt standing for the same number)
+        if value is not old and not rebuilt and not same:
             changed.append(f"{name} ({_brief_value(old)} -> {_brief_value(value)})")
         elif content is not None and _differ(content, value):
             changed.append(f"{name} (its items changed)")
@@ -660,14 +673,6 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
     return changed
 
 
-class ModelChangesState(Exception):
-    """The forward changed the model's Python attributes while torch.export traced it."""
-
-    def __init__(self, changed: list[str]):
-        self.changed = changed
-        super().__init__(_state_report(changed))
-
-
 def _set_by_hooks(module: torch.nn.Module) -> set:
     """What torch's weight_norm/spectral_norm pre-hooks set on every call (``weight``)."""
     from torch.nn.utils.spectral_norm import SpectralNorm
@@ -676,10 +681,19 @@ def _set_by_hooks(module: torch.nn.Module) -> set:
             if isinstance(hook, (WeightNorm, SpectralNorm))}
 
 
-def _state_report(changed: list[str]) -> str:
-    return ("the forward changes the model's Python attributes, which a graph neither keeps nor "
-            "reads again: " + ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "") +
-            "; the converted graph would compute with the values they had when it was traced")
+def _say_what_state_changes(model: torch.nn.Module, changed: list[str]) -> None:
+    """A graph neither keeps the model's Python attributes nor reads them again: what the
+    forward computes from one it changes (a step counter, a flag set by a first-call
+    initialisation) is frozen at its value when traced. Said, once; a cache the forward fills
+    the same way each call (rotary tables, a recorded shape) is harmless."""
+    shown = sorted(set(changed))
+    warnings.warn(f"{type(model).__name__}'s forward changes its Python attributes: "
+                  f"{', '.join(shown[:5])}{' ...' if len(shown) > 5 else ''}. The converted graph "
+                  "neither keeps nor reads them again: it computes with their values when it was "
+                  "traced, so a counter or a first-call initialisation does not go on as in the "
+                  "model. Keep such state in a buffer (register_buffer: the graph updates it), "
+                  "or run the model once before converting; a cache filled the same way on every "
+                  "call is harmless", UserWarning, stacklevel=5)
 
 
 def _differ(a, b) -> bool:
@@ -687,6 +701,14 @@ def _differ(a, b) -> bool:
         return bool(a != b)
     except Exception:  # (items that compare as tensors do)
         return True
+
+
+def _plain(value):
+    """A symbolic number torch.export traced (SymInt) as the number it stands for."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = getattr(value.node, "hint", None)
+        return hint if hint is not None else value
+    return value
 
 
 def _brief_value(value) -> str:
@@ -728,16 +750,18 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     # HuggingFace models do not trace with plain fx (transformers 5): straight to torch.export
     hf = type(model).__module__.startswith("transformers.") and has_inputs
     attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work, args, kwargs))]
+    exported_changes: list[str] = []
     if has_inputs:
-        attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only, state)))
+        attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only, state,
+                                                 exported_changes)))
+    if attempts and attempts[0][0] == SYMBOLIC and _has_composites(work):
+        # (what was captured before torch.nn's composites were traced into: nn.Transformer with
+        # a causal mask it checks by value stops both tracers inside it)
+        attempts.append((SYMBOLIC_WHOLE, lambda: _symbolic_trace(work, args, kwargs, whole=True)))
     failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
     for name, trace in attempts:
         try:
             gm = trace()
-        except ModelChangesState as e:
-            _changed_state(work, state)  # (new attributes: torch.export puts back the others)
-            failure, reports[name] = None, str(e)
-            continue
         except Exception as e:
             failure = e
             reports[name] = _brief(e)
@@ -746,13 +770,10 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             if changed:  # (what the forward did before it failed may be why)
                 reports[name] += f" (the forward changed {', '.join(changed[:3])})"
             continue
-        # every tracer runs the forward: each would see the change, and freeze it
-        changed = _changed_state(work, state)
-        if changed:
-            failure, reports[name] = None, _state_report(changed)
-            continue
+        # every tracer runs the forward: what it changed is put back, and said
+        changed = _changed_state(work, state) + (exported_changes if name == EXPORT else [])
         if has_inputs:
-            symbolic = name == SYMBOLIC
+            symbolic = name.startswith(SYMBOLIC)
             try:  # one run: shapes, what calibration measures, and what the comparison needs
                 PropagateTensorInfo(args, kwargs, observe=observe or symbolic, buffers=symbolic)(gm)
             except Exception as e:
@@ -774,10 +795,9 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
                 continue
             if name == EXPORT and dynamic:
                 _waive_harmless_guards(gm, work, args, kwargs)
-            changed = _changed_state(work, state)  # (the eager runs' above, put back)
-            if changed:
-                failure, reports[name] = None, _state_report(changed)
-                continue
+            changed += _changed_state(work, state)  # (the eager runs' above, put back)
+        if changed:
+            _say_what_state_changes(model, changed)
         gm.meta[CAPTURE] = name
         _keep_persistence(gm, model)
         _keep_aliases(gm, model)
