@@ -403,7 +403,10 @@ class Options:
             if strategy != "optimal" and plan.strategy and strategy != plan.strategy:
                 conflicts.append(f"strategy={strategy!r} (the plan was made by "
                                  f"strategy={plan.strategy!r})")
-            if target is not None and plan.target and resolve_target(target).name != plan.target:
+            named = resolve_target(target) if target is not None else None
+            # (a CPU plan applies on any CPU: its name says the threads it was measured with)
+            if named is not None and plan.target and named.name != plan.target and not (
+                    named.kind == Kind.CPU and plan.target.startswith("CPU")):
                 conflicts.append(f"target={target!r} (the plan was made for {plan.target}; "
                                  "convert without plan= to plan for it)")
             if conflicts:
