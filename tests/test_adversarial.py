@@ -11,6 +11,7 @@ import collections
 import copy
 import io
 import threading
+import types
 import warnings
 
 import pytest
@@ -1111,6 +1112,10 @@ def test_a_module_held_under_two_names_keeps_both_in_the_state_dict(options):
     x = _x(2, 8, 16)
     fast = mpgraph.convert(model, (x,), **options)
     assert sorted(fast.state_dict()) == sorted(model.state_dict())
+    # one module under two names is one holder of its weights: stored low once, no float32 kept
+    assert not any(w.shared for w in fast.plan.weights)
+    if options.get("strategy") == "rules":  # (optimal keeps these tiny layers float32)
+        assert {w.name for w in fast.plan.weights} >= {"fc.weight", "layers.0.weight"}
     fast.load_state_dict(other.state_dict())
     assert relative_l2(fast(x), other(x)) < TOL[options["dtype"]]
     SharedBlock().load_state_dict(fast.state_dict())  # and back
@@ -1208,3 +1213,56 @@ def test_a_model_that_cannot_be_deep_copied_gets_the_way_out_that_applies():
     text = str(caught.value)
     assert "must be deep-copyable" in text and "make copy.deepcopy(model) work" in text
     assert "pass example_inputs" not in text and "convert the submodules" not in text
+
+
+class PartsFromFx(nn.Module):
+    """A counter, and a branch that a Proxy takes otherwise than a tensor (fx's graph parts from
+    the model, and torch.export takes over)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.step = nn.Linear(8, 8), 0
+        self.sched = types.SimpleNamespace(calls=0)
+
+    def forward(self, x):
+        self.step += 1
+        self.sched.calls += 1
+        scale = 1.0 / (self.step * self.sched.calls)
+        if isinstance(x, torch.Tensor):
+            return self.fc(x) * scale
+        return self.fc(x) * scale * 2
+
+
+def test_each_tracer_starts_from_the_models_attributes_as_they_were():
+    """Found by review: after fx's graph parted from the model, the eager comparison's changes
+    stayed on the copy torch.export then traced (the graph computed with step 2: half the
+    model's first call); an attribute of a plain object (``self.sched.calls``) was neither put
+    back nor said (the graph was frozen at the model's third call)."""
+    torch.manual_seed(0)
+    model, x = PartsFromFx().eval(), _x(2, 8)
+    with pytest.warns(UserWarning, match="forward changes its Python attributes") as said:
+        fast = mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules")
+    text = " ".join(str(w.message) for w in said)
+    assert "self.step (0 -> 1)" in text and "self.sched (its items changed)" in text
+    assert (model.step, model.sched.calls) == (0, 0)
+    with torch.no_grad():
+        assert relative_l2(fast(x), model(x)) < TOL["fp16"]  # the model's first call
+
+
+def test_a_dtype_read_of_a_value_that_follows_the_input_stays_read_at_run_time():
+    """Found by review: FoldDtypeReads fixed ``x.flatten(1).dtype`` at float32, so an fp16 or
+    fp64 input came back float32 where the model hands back the caller's dtype."""
+
+    class CallersDtype(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = x.flatten(1)
+            return self.fc(h.float()).to(h.dtype)
+
+    model = CallersDtype().eval()
+    fast = mpgraph.convert(model, (_x(2, 8),), dtype="bf16", target=GPU, strategy="rules")
+    for dtype in (torch.float16, torch.float64):
+        assert fast(_x(2, 8).to(dtype)).dtype == model(_x(2, 8).to(dtype)).dtype == dtype

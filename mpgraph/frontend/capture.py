@@ -620,9 +620,21 @@ def _python_state(model: torch.nn.Module) -> dict:
     """Each module's own Python attributes (``self.step``, ``self.initialised``, ``self.cache``),
     with a copy of the lists, dicts and sets among them: what a forward may change that no graph
     records."""
-    return {(path, key): (value, copy.copy(value) if type(value) in (list, dict, set) else None)
+    return {(path, key): (value, _contents(value))
             for path, m in model.named_modules() for key, value in vars(m).items()
             if _users_state(m, key, value)}
+
+
+def _contents(value):
+    """What a forward may change inside an attribute's value: a list's, dict's or set's items,
+    a plain object's attributes (``self.sched.step += 1``); None for anything else."""
+    if type(value) in (list, dict, set):
+        return copy.copy(value)
+    if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type)) \
+            and not inspect.isroutine(value) and not inspect.ismodule(value) \
+            and type(value).__module__.split(".")[0] not in ("torch", "transformers", "numpy"):
+        return dict(vars(value))
+    return None
 
 
 def _users_state(module: torch.nn.Module, key: str, value) -> bool:
@@ -658,13 +670,18 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
             and _plain(value) == old  # (a SymInt standing for the same number)
         if value is not old and not rebuilt and not same:
             changed.append(f"{name} ({_brief_value(old)} -> {_brief_value(value)})")
-        elif content is not None and _differ(content, value):
+        elif content is not None and _differ(content, _contents(value)):
             changed.append(f"{name} (its items changed)")
         else:
             continue
         if restore:
-            setattr(model.get_submodule(path), key,
-                    copy.copy(content) if content is not None else old)
+            if content is not None and type(old) not in (list, dict, set):
+                vars(old).clear()
+                vars(old).update(content)  # (a plain object: its attributes as they were)
+                setattr(model.get_submodule(path), key, old)
+            else:
+                setattr(model.get_submodule(path), key,
+                        copy.copy(content) if content is not None else old)
     for (path, key), (old, content) in before.items():
         if (path, key) not in now:
             changed.append(f"self.{path + '.' if path else ''}{key} (deleted)")
@@ -780,6 +797,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
                 failure = e
                 reports[name] = "traced, but the traced graph failed on the example inputs: " + _brief(e)
                 log.info("%s", reports[name])
+                _changed_state(work, state)  # (the next tracer starts from the model as it was)
                 continue
             # symbolic_trace records what the forward does to proxies: attribute assignments
             # (self.n += 1), output objects it cannot build, reads of self.training are lost or
@@ -792,6 +810,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             if parted:
                 reports[name] = f"traced, but the graph is not the model on the example inputs: {parted}"
                 log.info("%s", reports[name])
+                changed += _changed_state(work, state)  # (that eager run's, put back)
+                exported_changes.extend(changed)  # (said if the next tracer succeeds)
                 continue
             if name == EXPORT and dynamic:
                 _waive_harmless_guards(gm, work, args, kwargs)
