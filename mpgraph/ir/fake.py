@@ -33,17 +33,19 @@ def is_abstract(t: torch.Tensor) -> bool:
 
 
 def module_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """Every parameter, buffer and plain tensor attribute (export's lifted constants), by path."""
+    """Every parameter, buffer and plain tensor attribute (export's lifted constants), by path:
+    once per module attribute (a submodule held under two names, ``self.alias = self.fc``, is
+    one holder of its weight; a weight tied into two modules has two)."""
     seen = set()
     for path, mod in module.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
         for name, value in list(mod._parameters.items()) + list(mod._buffers.items()):
-            if value is not None and prefix + name not in seen:
-                seen.add(prefix + name)
+            if value is not None and (id(mod), name) not in seen:
+                seen.add((id(mod), name))
                 yield prefix + name, value
         for name, value in list(vars(mod).items()):
-            if isinstance(value, torch.Tensor) and prefix + name not in seen:
-                seen.add(prefix + name)
+            if isinstance(value, torch.Tensor) and (id(mod), name) not in seen:
+                seen.add((id(mod), name))
                 yield prefix + name, value
 
 
