@@ -8,7 +8,9 @@ weight was bf16 (a dtype error inside torch), and the factory a tensor in a dtyp
 not say (a ConversionError). torch.export folds these reads at capture; this pass does the same
 for symbolic traces, so the plan sees constants and places its casts around them.
 
-Graph inputs' dtypes stay read at run time: they are the caller's, whatever the plan.
+Graph inputs' dtypes stay read at run time, and so do those of values that take theirs
+(``x.flatten(1).dtype``, ``(x * 2).dtype``): they are the caller's, whatever the plan. A value
+computed with a weight, or cast to a named dtype, has the model's.
 """
 from __future__ import annotations
 
@@ -19,7 +21,33 @@ from mpgraph.ir.meta import TENSOR, TensorInfo
 from mpgraph.passes.infra import Pass, PassResult
 
 
-def _captured_dtype(node: torch.fx.Node):
+_NAMED_CASTS = {"float", "half", "double", "bfloat16"}
+
+
+def _callers_dtype(gm: torch.fx.GraphModule) -> set:
+    """The nodes whose dtype follows a float graph input's: reached from one through ops that
+    neither read a parameter or buffer (a weight fixes the dtype: float32) nor cast to a dtype
+    they name."""
+    follows = set()
+    for node in gm.graph.nodes:
+        info = node.meta.get(TENSOR)
+        if node.op == "placeholder":
+            if isinstance(info, TensorInfo) and info.dtype.is_floating_point:
+                follows.add(node)
+            continue
+        if not node.op.startswith("call_"):
+            continue
+        named = (node.op == "call_method" and node.target in _NAMED_CASTS) or any(
+            isinstance(a, torch.dtype) for a in list(node.args[1:]) + list(node.kwargs.values()))
+        weighted = any(a.op == "get_attr" for a in node.all_input_nodes) or (
+            node.op == "call_module" and
+            next(gm.get_submodule(node.target).parameters(), None) is not None)
+        if not named and not weighted and any(a in follows for a in node.all_input_nodes):
+            follows.add(node)
+    return follows
+
+
+def _captured_dtype(node: torch.fx.Node, callers: set):
     """The dtype ``node`` (a ``getattr(value, "dtype")``) read at capture, where it is the
     model's and not the caller's; None otherwise."""
     if node.op != "call_function" or node.target is not getattr or len(node.args) != 2 \
@@ -27,8 +55,7 @@ def _captured_dtype(node: torch.fx.Node):
         return None
     value = node.args[0]
     info = value.meta.get(TENSOR)
-    if value.op == "placeholder" or not isinstance(info, TensorInfo) \
-            or not info.dtype.is_floating_point:
+    if value in callers or not isinstance(info, TensorInfo) or not info.dtype.is_floating_point:
         return None
     return info.dtype
 
@@ -38,9 +65,9 @@ class FoldDtypeReads(Pass):
     rewrites = True
 
     def call(self, gm):
-        folded = 0
+        folded, callers = 0, _callers_dtype(gm)
         for node in list(gm.graph.nodes):
-            dtype = _captured_dtype(node)
+            dtype = _captured_dtype(node, callers)
             if dtype is None:
                 continue
             for user in list(node.users):
