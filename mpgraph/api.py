@@ -639,9 +639,8 @@ def _to_match(plan: Plan, names: set) -> list:
     dynamic captures of one model), nor a node a rewriting pass added that the graph lacks
     (ChannelsLast's layout change: that pass adds it again), nor a ``.dtype`` read that
     FoldDtypeReads now folds (a plan saved before it)."""
-    return [r for r in plan.compute_nodes
-            if r.target != EXPORT_GUARD and not (r.inserted_by and r.name not in names)
-            and not (r.target == "getattr" and r.name not in names)]
+    return [r for r in plan.compute_nodes if r.target != EXPORT_GUARD
+            and not ((r.inserted_by or r.target == "getattr") and r.name not in names)]
 
 
 def _dropout_in(plan: Plan, model: Optional[torch.nn.Module]) -> bool:

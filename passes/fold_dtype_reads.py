@@ -70,10 +70,11 @@ class FoldDtypeReads(Pass):
             dtype = _captured_dtype(node, callers)
             if dtype is None:
                 continue
+            def constant(n, node=node, dtype=dtype):
+                return dtype if n is node else n
             for user in list(node.users):
-                user.args = torch.fx.node.map_arg(user.args, lambda n: dtype if n is node else n)
-                user.kwargs = torch.fx.node.map_arg(user.kwargs,
-                                                    lambda n: dtype if n is node else n)
+                user.args = torch.fx.node.map_arg(user.args, constant)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, constant)
             value = node.args[0]
             gm.graph.erase_node(node)
             if value.op == "get_attr" and not value.users:  # (read for its dtype alone)

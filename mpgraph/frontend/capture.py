@@ -581,9 +581,9 @@ def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None
     if fast_path:
         warnings.warn(f"{', '.join(p or type(model).__name__ for p in fast_path[:3])} "
                       "(nn.TransformerEncoder, enable_nested_tensor) runs PyTorch's nested-tensor "
-                      "fast path in eval under no_grad when given a src_key_padding_mask, which gives 0 at "
-                      "padded positions; the "
-                      "converted graph computes the standard path, whose values there are not 0 "
+                      "fast path in eval under no_grad when given a src_key_padding_mask, which "
+                      "gives 0 at padded positions; the converted graph computes the standard "
+                      "path, whose values there are not 0 "
                       "(real positions agree). Build it with enable_nested_tensor=False to compare "
                       "outputs whole", UserWarning, stacklevel=5)
     if hooked:
@@ -620,9 +620,13 @@ def _python_state(model: torch.nn.Module) -> dict:
     """Each module's own Python attributes (``self.step``, ``self.initialised``, ``self.cache``),
     with a copy of the lists, dicts and sets among them: what a forward may change that no graph
     records."""
-    return {(path, key): (value, _contents(value))
-            for path, m in model.named_modules() for key, value in vars(m).items()
-            if _users_state(m, key, value)}
+    return {where: (value, _contents(value)) for where, value in _user_attributes(model)}
+
+
+def _user_attributes(model: torch.nn.Module):
+    """((module path, name), value) of each attribute ``_users_state`` counts."""
+    return (((path, key), value) for path, m in model.named_modules()
+            for key, value in vars(m).items() if _users_state(m, key, value))
 
 
 def _contents(value):
@@ -652,8 +656,7 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
     """The attributes a run of the forward changed (set, rebound, added to, deleted), put back
     as they were (``restore``): each tracer runs the forward, and the next one must see the
     model unchanged (a Proxy fx left on ``self.running`` failed torch.export after it)."""
-    now = {(path, key): value for path, m in model.named_modules()
-           for key, value in vars(m).items() if _users_state(m, key, value)}
+    now = dict(_user_attributes(model))
     changed = []
     for (path, key), value in now.items():
         name = f"self.{path + '.' if path else ''}{key}"
@@ -767,10 +770,16 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     # HuggingFace models do not trace with plain fx (transformers 5): straight to torch.export
     hf = type(model).__module__.startswith("transformers.") and has_inputs
     attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work, args, kwargs))]
-    exported_changes: list[str] = []
+    # what the forward changed under the tracers that made a graph (each change is put back at
+    # once): said when one of them is taken
+    changes: list[str] = []
+
+    def put_back() -> None:
+        changes.extend(_changed_state(work, state))
+
     if has_inputs:
         attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only, state,
-                                                 exported_changes)))
+                                                 changes)))
     if attempts and attempts[0][0] == SYMBOLIC and _has_composites(work):
         # (what was captured before torch.nn's composites were traced into: nn.Transformer with
         # a causal mask it checks by value stops both tracers inside it)
@@ -787,8 +796,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             if changed:  # (what the forward did before it failed may be why)
                 reports[name] += f" (the forward changed {', '.join(changed[:3])})"
             continue
-        # every tracer runs the forward: what it changed is put back, and said
-        changed = _changed_state(work, state) + (exported_changes if name == EXPORT else [])
+        put_back()  # (every tracer runs the forward)
         if has_inputs:
             symbolic = name.startswith(SYMBOLIC)
             try:  # one run: shapes, what calibration measures, and what the comparison needs
@@ -810,14 +818,13 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             if parted:
                 reports[name] = f"traced, but the graph is not the model on the example inputs: {parted}"
                 log.info("%s", reports[name])
-                changed += _changed_state(work, state)  # (that eager run's, put back)
-                exported_changes.extend(changed)  # (said if the next tracer succeeds)
+                put_back()  # (that eager run's)
                 continue
             if name == EXPORT and dynamic:
                 _waive_harmless_guards(gm, work, args, kwargs)
-            changed += _changed_state(work, state)  # (the eager runs' above, put back)
-        if changed:
-            _say_what_state_changes(model, changed)
+            put_back()  # (the eager runs' above)
+        if changes:
+            _say_what_state_changes(model, changes)
         gm.meta[CAPTURE] = name
         _keep_persistence(gm, model)
         _keep_aliases(gm, model)
