@@ -20,6 +20,7 @@ from mpgraph.passes.insert_casts import InsertCasts
 from mpgraph.passes.lint_tensor_cores import LintTensorCores
 from mpgraph.passes.mat_vec_linear import MatVecLinear
 from mpgraph.passes.numeric_safety import NumericSafety
+from mpgraph.passes.pack_cpu_linears import PackCpuLinears
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.prune_for_inference import PruneForInference
 from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
@@ -28,5 +29,5 @@ from mpgraph.passes.store_weights import StoreWeights
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
            "CheckConversion", "ClassifyOps", "EstimateCost", "FoldDtypeReads", "FollowTrainingFlag", "Functionalize",
            "FuseSiblingGemv", "FuseTanhGelu", "InsertCasts",
-           "LintTensorCores", "MatVecLinear", "NumericSafety", "PropagateTensorInfo", "PruneForInference",
+           "LintTensorCores", "MatVecLinear", "NumericSafety", "PackCpuLinears", "PropagateTensorInfo", "PruneForInference",
            "RetargetDtypeAsserts", "StoreWeights"]

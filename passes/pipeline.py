@@ -12,7 +12,7 @@ from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
                             FoldDtypeReads, FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
-                            FuseSiblingGemv, LintTensorCores, MatVecLinear, NumericSafety, RetargetDtypeAsserts, StoreWeights)
+                            FuseSiblingGemv, LintTensorCores, MatVecLinear, NumericSafety, PackCpuLinears, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
 from mpgraph.ir.meta import Kind
 
@@ -89,6 +89,7 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
         InsertCasts(keep_io_types),           # rewrite: shared casts
         ChannelsLast(),                       # rewrite: NHWC layout for low-precision 2-D convs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts
+        *([PackCpuLinears()] if spec.kind == Kind.CPU and not train else []),  # bf16 weights packed once
     ]
     if check:
         passes.append(CheckConversion(example_args, example_kwargs, keep_io_types,  # verify by running

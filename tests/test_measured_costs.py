@@ -143,7 +143,7 @@ def test_measurement_covers_each_op_in_each_native_dtype_and_a_second_conversion
     assert "(4 of 4 nodes)" in plan.estimate["source"]
     with open(table.path) as f:
         saved = json.load(f)
-    assert saved["format"] == "mpgraph-cost-table/5" and saved["key"] == table.key
+    assert saved["format"] == "mpgraph-cost-table/6" and saved["key"] == table.key
     assert "torch " + torch.__version__ in table.key and "threads" in table.key
 
 

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
+from mpgraph.ir.cpu_linear import CpuLinears, packable, packing_available
 from mpgraph.ir.graph import (RecordingInterpreter, fetch_attr, flat_inputs, fresh, is_conv2d,
                               is_inplace, is_view, read_transposed, seeded, state_kept,
                               target_name)
@@ -43,7 +44,7 @@ from mpgraph.ir.meta import TENSOR, Kind, TensorInfo, dtype_name, tensor_infos
 log = logging.getLogger(__name__)
 progress = logging.getLogger("mpgraph.progress")
 
-TABLE_FORMAT = "mpgraph-cost-table/5"  # 5: weights streamed as the graph runs, in the key
+TABLE_FORMAT = "mpgraph-cost-table/6"  # 6: bf16 linears timed over packed weights
 SETTLED = 0.05          # relative change of the running median at which a timing stops
 VARIANT_BUDGET_S = 0.5  # seconds the variants of one op may take together to settle
 MIN_CALLS, MAX_CALLS = 5, 200
@@ -407,9 +408,19 @@ class _Timer(RecordingInterpreter):
         sets = self._copies(n, args, kwargs, module) if n in self.where.streamed \
             else [(module, args, kwargs)]
         turn = [len(sets) - 1]
+        # a bf16 linear runs over its weight packed once (PackCpuLinears): timed so, each copy
+        # of a streamed weight packed before the timing
+        kind = packable(n, self.module) if dtype == torch.bfloat16 and packing_available() \
+            else None
+        linears = CpuLinears() if kind is not None else None
 
         def call():
             module, args, kwargs = sets[turn[0]]
+            if linears is not None:
+                key = str(turn[0])
+                if kind == "module":
+                    return linears.module(key, module, *args)
+                return getattr(linears, kind)(key, *args)
             if n.op == "call_module":
                 return module(*args, **kwargs)
             if n.op == "call_method":
@@ -418,6 +429,10 @@ class _Timer(RecordingInterpreter):
 
         def advance():
             turn[0] = (turn[0] + 1) % len(sets)
+        if linears is not None:
+            for _ in sets:
+                advance()
+                call()
         return call, (advance if len(sets) > 1 else None)
 
     def run_node(self, n):

@@ -13,7 +13,7 @@ import torch.fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.meta import FUSED, INSERTED_BY, TENSOR, TensorInfo, tensor_infos
+from mpgraph.ir.meta import FUSED, INSERTED_BY, PACKED, TENSOR, TensorInfo, tensor_infos
 from mpgraph.ir.ops import move_names
 
 # Ops whose output aliases their first input (a view), so mutating the output mutates the input.
@@ -206,7 +206,13 @@ class RecordingInterpreter(torch.fx.Interpreter):
         self._on_node = on_node
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        result = super().run_node(n)
+        if n.meta.get(PACKED):  # as the converted module's code runs it (PackCpuLinears)
+            from mpgraph.ir.cpu_linear import run_packed
+            with self._set_current_node(n):
+                args, _ = self.fetch_args_kwargs_from_env(n)
+                result = run_packed(self.module, n, args)
+        else:
+            result = super().run_node(n)
         self._on_node(n, result)
         return result
 

@@ -46,6 +46,9 @@ LINEAR_BIAS = "mpgraph.linear_bias"
 # on gm.meta: FuseSiblingGemv's weights, [(fused tensor's path, ((member's path, first row,
 # row after), ...))]: the members are row views of the fused tensor (``modules.FusedWeights``)
 FUSED = "mpgraph.fused"
+# node.meta: True on a bf16 linear PackCpuLinears marked: the converted module runs it through
+# oneDNN over a weight packed once (``cpu_linear``)
+PACKED = "mpgraph.packed"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import InputMismatchError
-from mpgraph.ir.meta import EVAL_ONLY, READS_TRAINING, STATIC_SHAPES
+from mpgraph.ir.meta import EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES
 
 
 class TrainingBatchNorm(torch.nn.Module):
@@ -701,6 +701,13 @@ class ConvertedModule(torch.fx.GraphModule):
         _keep_non_persistent(new, self)
         return new
 
+    @property
+    def cpu_linears(self):
+        """The weights this module's bf16 linears run over, packed (``ir/cpu_linear``):
+        ``clear()`` after writing a weight through ``.data``."""
+        from mpgraph.ir.cpu_linear import cpu_linears_of
+        return cpu_linears_of(self)
+
     def recompile(self):
         """GraphModule's code, with each parameter and buffer read as a lookup in the dict that
         holds it (``self._modules['encoder']._modules['0']._parameters['weight']``) instead of a
@@ -811,15 +818,19 @@ def guard_error(module: torch.nn.Module, message: str) -> "InputMismatchError":
 
 
 def _direct_reads(root: torch.fx.GraphModule, previous):
-    """A code transformer for ``Graph.on_generate_code``: see ``ConvertedModule.recompile``."""
+    """A code transformer for ``Graph.on_generate_code``: see ``ConvertedModule.recompile``.
+    Nodes PackCpuLinears marked call ``self.cpu_linears`` (``ir/cpu_linear``)."""
     def transform(body: list) -> list:
         body = previous(body) if previous is not None else body
-        nodes = {n.name: n for n in root.graph.nodes if n.op in ("get_attr", "call_module")}
+        nodes = {n.name: n for n in root.graph.nodes
+                 if n.op in ("get_attr", "call_module") or n.meta.get(PACKED)}
         out = []
         for line in body:
             name, sep, rhs = line.partition(" = ")
             node = nodes.get(name) if sep else None
-            if node is not None and node.op == "get_attr":
+            if node is not None and node.meta.get(PACKED):
+                line = _packed_line(root, node, line)
+            elif node is not None and node.op == "get_attr":
                 expr = _lookup(root, node.target)
                 line = f"{name} = {expr}" if expr else line
             elif node is not None:  # a submodule call: fx writes getattr(self.body, "0")(x)
@@ -829,6 +840,19 @@ def _direct_reads(root: torch.fx.GraphModule, previous):
             out.append(line)
         return out
     return transform
+
+
+def _packed_line(root: torch.fx.GraphModule, node: torch.fx.Node, line: str) -> str:
+    """fx's line for ``node`` (``name = op(args);  x = None``) calling ``CpuLinears`` instead."""
+    from mpgraph.ir.cpu_linear import packed_code
+    indent = line[:len(line) - len(line.lstrip())]
+    _, _, freed = line.partition(";  ")  # the names fx frees after their last use
+    module_expr = None
+    if node.op == "call_module":
+        found = _module_path(root, node.target)
+        module_expr = found[1] if found else _fx_path(node.target)
+    call = f"{indent}{node.name} = {packed_code(node, module_expr)}"
+    return f"{call};  {freed}" if freed else call
 
 
 def _fx_path(target: str) -> str:

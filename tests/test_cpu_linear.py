@@ -1,0 +1,202 @@
+"""bf16 linears of CPU plans run over weights packed once (PackCpuLinears, ir/cpu_linear): the
+module computes what its graph says, the check reports the error of the kernels the module runs,
+and a packed weight never outlives the weight it was packed from.
+
+Where this CPU has no native bf16 (AVX2 only) the packing kernels do not run; the tests then put
+plain-torch stand-ins in their place (``packing``), so that what they test (which nodes are
+marked, the code, the cache, the fallbacks) is tested on every CPU."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mpgraph
+from mpgraph.ir import cpu_linear
+from mpgraph.ir.graph import run_recording
+from mpgraph.ir.meta import PACKED
+from mpgraph.numerics import relative_l2
+
+NATIVE = cpu_linear.packing_available()
+
+
+@pytest.fixture
+def packing(monkeypatch):
+    """Counts packs; plain-torch stand-ins for oneDNN's kernels where this CPU lacks them."""
+    packs = []
+    pack, run = cpu_linear._pack, cpu_linear._run
+    if not NATIVE:
+        monkeypatch.setattr("mpgraph.passes.pack_cpu_linears.packing_available", lambda: True)
+        pack, run = (lambda w: w.detach().clone()), (lambda x, p, b: F.linear(x, p, b))
+
+    def counted(w):
+        packs.append(tuple(w.shape))
+        return pack(w)
+    monkeypatch.setattr(cpu_linear, "_pack", counted)
+    monkeypatch.setattr(cpu_linear, "_run", run)
+    return packs
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Functional(nn.Module):  # F.linear on parameters (torch.fx's call_function)
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(48, 64) * 0.1), nn.Parameter(torch.randn(48))
+
+    def forward(self, x):
+        return F.linear(x, self.w, self.b).relu()
+
+
+def _bf16(model, x, **kw):
+    """Every matmul in bf16 on this CPU, whatever it costs here (the test does not depend on
+    which CPU it lands on)."""
+    return mpgraph.convert(model, (x,), dtype="bf16", strategy="rules", **kw)
+
+
+def _marked(fast) -> list[str]:
+    return [n.name for n in fast.graph.nodes if n.meta.get(PACKED)]
+
+
+def test_marked_linears_run_packed_and_the_check_reports_their_error(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    assert _marked(fast) == ["fc1", "fc2"]
+    assert fast.code.count("self.cpu_linears.module(") == 2
+    with torch.no_grad():
+        got, want = fast(x), model(x)
+    assert got.dtype == torch.float32
+    assert sorted(set(packing)) == [(32, 128), (128, 64)]
+    # the error the plan reports is the one the caller computes on the module's own output
+    assert relative_l2(got, want) == pytest.approx(fast.plan.check["error"], rel=1e-4)
+    assert 1e-4 < fast.plan.check["error"] < 2e-2
+    # the graph's own run (the check's interpreter) and the module's code agree bit for bit
+    graph_out = run_recording(fast, (x,), {}, lambda n, v: None)
+    assert torch.equal(graph_out, got)
+
+
+def test_functional_linear_and_packs_made_once(packing):
+    torch.manual_seed(0)
+    model, x = Functional().eval(), torch.randn(4, 64)
+    fast = _bf16(model, x)
+    assert len(_marked(fast)) == 1 and "self.cpu_linears.linear(" in fast.code
+    packing.clear()
+    with torch.no_grad():
+        first = fast(x)
+        for _ in range(3):
+            assert torch.equal(fast(x), first)
+    assert packing == []  # packed once, by the conversion's check: not again on each call
+    assert relative_l2(first, model(x)) < 2e-2
+
+
+def test_a_written_or_replaced_weight_is_packed_again(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    other = MLP().eval()
+
+    def expected():  # the same weights converted afresh
+        ref = _bf16(copy.deepcopy(model), x)
+        ref.load_state_dict(fast.state_dict())
+        with torch.no_grad():
+            return ref(x)
+
+    with torch.no_grad():
+        before = fast(x)
+        fast.load_state_dict(other.state_dict())  # copies in place: the version moves
+        after = fast(x)
+        assert not torch.allclose(after, before)
+        assert relative_l2(after, other(x)) < 2e-2
+        fast.fc1.weight.mul_(2)  # an in-place write
+        model.load_state_dict(other.state_dict())
+        model.fc1.weight.mul_(2)
+        assert relative_l2(fast(x), model(x)) < 2e-2
+        fast.fc2.weight = nn.Parameter(fast.fc2.weight * 0.5)  # a new tensor in its place
+        model.fc2.weight.mul_(0.5)
+        assert relative_l2(fast(x), model(x)) < 2e-2
+        assert torch.equal(fast(x), expected())
+        # a write through .data is not seen by the version counter: clear() says so
+        fast.fc1.weight.data.zero_()
+        fast.cpu_linears.clear()
+        model.fc1.weight.data.zero_()
+        assert relative_l2(fast(x), model(x)) < 2e-2
+
+
+def test_autograd_and_tracers_take_atens_own_op(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    packing.clear()
+    out = fast(x.requires_grad_())  # grad mode: autograd records aten.linear
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert packing == []
+    x = x.detach()
+    exported = torch.export.export(fast, (x,))
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert "aten.linear.default" in targets and not any("mkldnn" in t for t in targets)
+    with torch.no_grad():
+        assert relative_l2(exported.module()(x), fast(x)) < 1e-2
+    traced = torch.jit.trace(fast, (x,), check_trace=False)
+    assert "mkldnn" not in str(traced.graph)
+
+
+def test_gpt2_conv1d_addmm_is_packed_transposed(packing):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=100, n_positions=32,
+                                  use_cache=False)
+    model = transformers.GPT2Model(cfg).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    fast = _bf16(model, ids)
+    assert fast.code.count("self.cpu_linears.addmm(") == 4
+    assert (192, 64) in packing  # c_attn's weight, stored k x n (64 x 192), packed as n x k
+    with torch.no_grad():
+        got, want = fast(ids).last_hidden_state, model(ids).last_hidden_state
+    assert relative_l2(got, want) == pytest.approx(fast.plan.check["error"], rel=1e-4)
+
+
+def test_no_marks_for_gpus_training_or_float32(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    assert _marked(mpgraph.convert(model, (x,), target="a100", dtype="bf16",
+                                   strategy="rules")) == []
+    assert _marked(_bf16(MLP().train(), x, mode="train")) == []
+    kept = mpgraph.convert(model, (x,), dtype="bf16", strategy="rules", overrides={"fc2": "fp32"})
+    assert _marked(kept) == ["fc1"]
+
+
+def test_copies_pack_their_own(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    twin = copy.deepcopy(fast)
+    with torch.no_grad():
+        want = fast(x)
+        assert twin.cpu_linears is not fast.cpu_linears
+        twin.fc1.weight.zero_()
+        assert torch.equal(fast(x), want)  # the original's packs are its own weights'
+        assert not torch.equal(twin(x), want)
+
+
+@pytest.mark.skipif(not NATIVE, reason="this CPU has no native bf16 (oneDNN's packed kernels)")
+def test_native_kernels_agree_with_atens():
+    torch.manual_seed(0)
+    for shape in ((16, 64), (2, 5, 64), (1, 64), (64,), (0, 64)):
+        x = torch.randn(*shape).bfloat16()
+        w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+        got = cpu_linear.CpuLinears().linear("l", x, w, b)
+        want = F.linear(x, w, b)
+        assert got.shape == want.shape
+        assert relative_l2(got.float(), want.float()) < 1e-2
