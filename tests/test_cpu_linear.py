@@ -196,7 +196,28 @@ def test_native_kernels_agree_with_atens():
     for shape in ((16, 64), (2, 5, 64), (1, 64), (64,), (0, 64)):
         x = torch.randn(*shape).bfloat16()
         w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
-        got = cpu_linear.CpuLinears().linear("l", x, w, b)
+        got = cpu_linear.CpuLinears().linear(x, w, b)
         want = F.linear(x, w, b)
         assert got.shape == want.shape
         assert relative_l2(got.float(), want.float()) < 1e-2
+
+
+def test_a_decoders_two_graphs_share_their_packs(packing):
+    """convert_decoder's prefill and decode graphs hold the same weight tensors: one pack each
+    (batch 2: the decode step's linears have two rows, so they are packed too)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=16, dtype="bf16",
+                                      strategy="rules")
+    assert _marked(decoder.prefill) and _marked(decoder.decode)
+    packing.clear()
+    with torch.no_grad():
+        out = decoder.generate(ids, max_new_tokens=4, do_sample=False)
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                              do_sample=False)
+    assert packing == []  # the check's packs serve both graphs: none made again
+    assert out.shape == want.shape and torch.equal(out[:, :6], ids)

@@ -417,10 +417,9 @@ class _Timer(RecordingInterpreter):
         def call():
             module, args, kwargs = sets[turn[0]]
             if linears is not None:
-                key = str(turn[0])
                 if kind == "module":
-                    return linears.module(key, module, *args)
-                return getattr(linears, kind)(key, *args)
+                    return linears.module(module, *args)
+                return getattr(linears, kind)(*args)
             if n.op == "call_module":
                 return module(*args, **kwargs)
             if n.op == "call_method":

@@ -19,10 +19,12 @@ or dtype, a tensor subclass, an inference-mode weight. A weight is packed again 
 call after it is replaced or written in place (``load_state_dict``, ``param.copy_()``, an
 optimizer step: its version counter moves); a write through ``param.data`` is not seen by
 autograd's version counter, and so not here either: call ``module.cpu_linears.clear()`` after
-one. The packed copies cost the memory of the bf16 weights once more.
+one. The packed copies cost the memory of the bf16 weights once more; modules holding the same
+weight tensor (``convert_decoder``'s two graphs) share its pack.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -89,16 +91,53 @@ def _eager(*tensors) -> bool:
     return True
 
 
-class CpuLinears:
-    """The packed weights of one converted module, by node name, each with what it was packed
-    from (the tensor object, its version and address), checked on every call (~1 us)."""
+# the packs of every weight in the process, by (id(weight), transposed): (a weak reference to
+# the weight, its version, its address, the pack). Shared by the modules holding the same tensor
+# (convert_decoder's prefill and decode graphs); an entry goes when its weight is freed.
+_PACKS: dict = {}
 
-    def __init__(self):
-        self._packs: dict = {}
+
+def _forget(key):
+    def drop(ref):
+        found = _PACKS.get(key)
+        if found is not None and found[0] is ref:
+            del _PACKS[key]
+    return drop
+
+
+def packed_weight(weight: torch.Tensor, transposed: bool = False) -> Optional[torch.Tensor]:
+    """``weight`` (``transposed``: its transpose) packed, from the store while the weight is the
+    same tensor at the same version and address, else packed now; None for a weight that cannot
+    be followed (an inference tensor has no version counter)."""
+    if weight.is_inference() or weight.dim() != 2:
+        return None
+    key = (id(weight), transposed)
+    found = _PACKS.get(key)
+    if found is not None and found[0]() is weight and found[1] == weight._version \
+            and found[2] == weight.data_ptr():
+        return found[3]
+    with torch.no_grad():
+        w = weight.detach()
+        packed = _pack(w.t() if transposed else w)
+    _PACKS[key] = (weakref.ref(weight, _forget(key)), weight._version, weight.data_ptr(), packed)
+    return packed
+
+
+class CpuLinears:
+    """What a converted module's code calls for the linears PackCpuLinears marked; each call
+    checks that its weight's pack is current (~1 us)."""
+
+    def __init__(self, root: Optional[torch.nn.Module] = None):
+        self._root = weakref.ref(root) if root is not None else None
 
     def clear(self) -> None:
-        """Drops the packed weights: each is packed again from its tensor on its next call."""
-        self._packs.clear()
+        """Drops the packs of this module's weights: each is packed again on its next call (after
+        a write through ``.data``, which no version counter sees)."""
+        root = self._root() if self._root is not None else None
+        tensors = list(root.parameters()) + list(root.buffers()) if root is not None else []
+        for t in tensors:
+            for transposed in (False, True):
+                _PACKS.pop((id(t), transposed), None)
 
     def __getstate__(self):
         return {}
@@ -106,53 +145,40 @@ class CpuLinears:
     def __setstate__(self, state):
         self.__init__()
 
-    def __copy__(self):  # a copy of the module packs its own
-        return CpuLinears()
+    def __copy__(self):  # (the copy's own is made on its first call: cpu_linears_of)
+        return None
 
     def __deepcopy__(self, memo):
-        return CpuLinears()
+        return None
 
-    def _packed(self, key: str, weight: torch.Tensor, transposed: bool) -> Optional[torch.Tensor]:
-        if weight.is_inference() or weight.dim() != 2:  # (an inference tensor has no version)
-            return None
-        found = self._packs.get(key)
-        if found is not None and found[0] is weight and found[1] == weight._version \
-                and found[2] == weight.data_ptr():
-            return found[3]
-        with torch.no_grad():
-            w = weight.detach()
-            packed = _pack(w.t() if transposed else w)
-        self._packs[key] = (weight, weight._version, weight.data_ptr(), packed)
-        return packed
-
-    def linear(self, key: str, x, weight, bias=None):
+    def linear(self, x, weight, bias=None):
         if _eager(x, weight, bias) and x.dim() >= 1:
-            packed = self._packed(key, weight, False)
+            packed = packed_weight(weight)
             if packed is not None:
                 return _run(x, packed, bias)
         return torch.nn.functional.linear(x, weight, bias)
 
-    def addmm(self, key: str, bias, x, weight):
+    def addmm(self, bias, x, weight):
         """``addmm(bias, x, weight)``: ``weight`` is k x n (GPT-2's Conv1D)."""
         if _eager(x, weight, bias) and x.dim() == 2 and bias.dim() == 1 \
                 and bias.shape[0] == weight.shape[-1]:
-            packed = self._packed(key, weight, True)
+            packed = packed_weight(weight, transposed=True)
             if packed is not None:
                 return _run(x, packed, bias)
         return torch.addmm(bias, x, weight)
 
-    def module(self, key: str, mod: torch.nn.Module, x):
+    def module(self, mod: torch.nn.Module, x):
         """An ``nn.Linear`` called (another module swapped in runs as it is)."""
         if type(mod) is torch.nn.Linear and not (mod._forward_hooks or mod._forward_pre_hooks):
-            return self.linear(key, x, mod.weight, mod.bias)
+            return self.linear(x, mod.weight, mod.bias)
         return mod(x)
 
 
 def cpu_linears_of(root: torch.nn.Module) -> CpuLinears:
     """``root``'s CpuLinears, made on first use (kept in its ``__dict__``)."""
     found = root.__dict__.get("_cpu_linears")
-    if found is None:
-        found = root.__dict__["_cpu_linears"] = CpuLinears()
+    if found is None or found._root is None or found._root() is not root:
+        found = root.__dict__["_cpu_linears"] = CpuLinears(root)
     return found
 
 
@@ -160,8 +186,8 @@ def run_packed(root: torch.nn.Module, node: torch.fx.Node, args: tuple):
     """A node PackCpuLinears marked, run as the converted module's code runs it."""
     linears, kind = cpu_linears_of(root), packable(node, root)
     if kind == "module":
-        return linears.module(node.name, root.get_submodule(node.target), *args)
-    return getattr(linears, kind)(node.name, *args)
+        return linears.module(root.get_submodule(node.target), *args)
+    return getattr(linears, kind)(*args)
 
 
 def packed_code(node: torch.fx.Node, module_expr: Optional[str] = None) -> str:
@@ -169,6 +195,6 @@ def packed_code(node: torch.fx.Node, module_expr: Optional[str] = None) -> str:
     ``nn.Linear``'s module)."""
     names = ", ".join(a.name for a in node.args)
     if node.op == "call_module":
-        return f"self.cpu_linears.module({node.name!r}, {module_expr}, {names})"
+        return f"self.cpu_linears.module({module_expr}, {names})"
     kind = "linear" if node.target in _LINEARS else "addmm"
-    return f"self.cpu_linears.{kind}({node.name!r}, {names})"
+    return f"self.cpu_linears.{kind}({names})"
