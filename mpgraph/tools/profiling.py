@@ -22,7 +22,7 @@ import torch
 import torch.fx
 from torch.autograd import DeviceType
 
-from mpgraph.ir.graph import as_call, flat_inputs, to_device
+from mpgraph.ir.graph import RecordingInterpreter, as_call, flat_inputs, to_device
 from mpgraph.ir.meta import dtype_name, is_inserted_cast
 from mpgraph.plans.plan import Plan
 
@@ -167,11 +167,12 @@ class ProfileResult:
         return "\n".join(rows)
 
 
-class _RangeInterpreter(torch.fx.Interpreter):
-    """Runs each node inside ranges named after it: record_function, and NVTX on CUDA."""
+class _RangeInterpreter(RecordingInterpreter):
+    """Runs each node inside ranges named after it: record_function, and NVTX on CUDA; each
+    node's kernels are the module's own (a packed bf16 linear runs packed: RecordingInterpreter)."""
 
     def __init__(self, gm, nvtx: bool):
-        super().__init__(gm)
+        super().__init__(gm, lambda node, value: None)
         self.nvtx = nvtx
 
     def run_node(self, n: torch.fx.Node) -> Any:
