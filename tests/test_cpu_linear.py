@@ -240,3 +240,110 @@ def test_profile_times_the_kernels_the_module_runs(packing):
         cpu_linear._run = run
     assert len(calls) >= 2  # fc1 and fc2 ran packed under the profiler too
     assert {"fc1", "fc2"} <= {n.name for n in result.nodes}
+
+
+class OddBias(nn.Module):
+    """A bias oneDNN's linear would read wrongly: strided, broadcast from one element, 2-D."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.w = nn.Parameter(torch.randn(256, 64) * 0.1)
+        self.b = nn.Parameter(torch.randn(256, 2) if kind == "strided" else
+                              torch.randn(1) if kind == "broadcast" else torch.randn(1, 256))
+
+    def forward(self, x):
+        b = self.b[:, 0] if self.kind == "strided" else \
+            self.b.expand(256) if self.kind == "broadcast" else self.b
+        return F.linear(x, self.w, b)
+
+
+@pytest.mark.parametrize("kind", ["strided", "broadcast", "row"])
+def test_a_bias_the_packed_kernel_cannot_read_takes_atens_op(packing, kind):
+    torch.manual_seed(0)
+    model, x = OddBias(kind).eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)  # (the check ran the module's kernels: it would fail the conversion)
+    with torch.no_grad():
+        assert relative_l2(fast(x), model(x)) < 1e-2
+    assert fast.plan.check["error"] < 1e-2
+
+
+def test_forward_ad_and_vmap_see_atens_op(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    v = torch.randn_like(x)
+    with torch.no_grad():
+        _, tangent = torch.func.jvp(fast, (x,), (v,))
+        _, want = torch.func.jvp(model, (x,), (v,))
+        assert relative_l2(tangent, want) < 2e-2
+        batched = torch.func.vmap(fast)(x[:, None])
+    assert relative_l2(batched[:, 0], model(x).detach()) < 2e-2
+
+
+def test_a_weight_given_new_data_twice_is_packed_again(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    w = fast.fc1.weight
+    reused = 0
+    for _ in range(8):  # the allocator puts the second new storage where the packed one was
+        with torch.no_grad():
+            fast(x)
+        packed_at = w.data_ptr()
+        w.data = w.data * 2
+        w.data = w.data * 2
+        reused += w.data_ptr() == packed_at
+        with torch.no_grad():
+            got = fast(x)
+            want = fast.fc2(F.gelu(F.linear(x.bfloat16(), w, fast.fc1.bias))).float()
+        assert torch.equal(got, want)
+
+
+def test_global_hooks_and_a_patched_forward_are_honoured(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, i, o: seen.append(type(mod).__name__))
+    try:
+        with torch.no_grad():
+            fast(x)
+    finally:
+        handle.remove()
+    assert seen.count("Linear") == 2
+    fast.fc2.forward = lambda inp: torch.zeros(inp.shape[0], 32, dtype=inp.dtype)
+    with torch.no_grad():
+        assert torch.equal(fast(x), torch.zeros(8, 32))
+
+
+def test_a_torch_function_mode_sees_linear(packing):
+    from torch.overrides import TorchFunctionMode
+
+    class Zero(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 0 if func is F.linear else out
+
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    with torch.no_grad(), Zero():
+        out = fast(x)
+    assert torch.equal(out.abs(), torch.zeros(8, 32))  # the mode zeroed both layers' results
+
+
+def test_tiny_layers_and_a_wrong_width_take_atens_op(packing):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).eval()
+    x = torch.randn(2, 16)
+    fast = _bf16(model, x)
+    packing.clear()
+    with torch.no_grad():
+        fast(torch.randn(4, 16))  # 4 x 16 x 16 = 1024: ATen's small GEMM is faster
+    assert packing == []
+    big = _bf16(MLP().eval(), torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        with torch.no_grad():
+            big.cpu_linears.linear(torch.randn(8, 63).bfloat16(), big.fc1.weight, big.fc1.bias)

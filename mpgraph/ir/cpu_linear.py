@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 import torch.fx
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 aten = torch.ops.aten
@@ -75,10 +76,18 @@ def packable(node: torch.fx.Node, root: torch.nn.Module) -> Optional[str]:
     return "linear" if node.target in _LINEARS else "addmm"
 
 
+SMALL = 4096  # rows * n * k at or below which ATen's own small GEMM is faster (it keeps such
+# products off oneDNN too): a packed call costs ~20 us more on a 16x16 layer
+
+
 def _eager(*tensors) -> bool:
-    """Whether this is a plain eager call on CPU bf16 tensors that records no autograd."""
+    """Whether this is a plain eager call on CPU bf16 tensors that records no derivative and
+    that no user mode or transform wants to see as ``linear``."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() \
-            or _get_current_dispatch_mode() is not None:
+            or _get_current_dispatch_mode() is not None \
+            or torch._C._is_torch_function_mode_enabled() \
+            or torch._C._functorch.peek_interpreter_stack() is not None \
+            or forward_ad._current_level >= 0:  # (vmap, jvp, dual tensors: no rule for mkldnn)
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -89,6 +98,28 @@ def _eager(*tensors) -> bool:
         if t.dtype is not torch.bfloat16 or t.device.type != "cpu" or (grad and t.requires_grad):
             return False
     return True
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias, transposed: bool) -> bool:
+    """Whether oneDNN's linear computes what ATen's would here: a 2-D weight whose k is x's
+    last dimension, a bias of exactly (n,) and contiguous (ATen broadcasts others, oneDNN reads
+    them as (n,)), and a product above SMALL."""
+    if weight.dim() != 2 or x.dim() < 1:
+        return False
+    n, k = weight.shape[::-1] if transposed else weight.shape
+    if x.shape[-1] != k or (bias is not None and (bias.shape != (n,) or not bias.is_contiguous())):
+        return False
+    return x.numel() * n > SMALL
+
+
+def _plain_call(mod: torch.nn.Module) -> bool:
+    """Whether calling ``mod`` runs its class's forward and nothing else (no hooks of its own or
+    global ones, no forward set on the instance): what ``nn.Module._call_impl`` tests too."""
+    from torch.nn.modules import module as m
+    return not (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks
+                or mod._backward_pre_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks or "forward" in mod.__dict__)
 
 
 # the packs of every weight in the process, by (id(weight), transposed): (a weak reference to
@@ -119,7 +150,9 @@ def packed_weight(weight: torch.Tensor, transposed: bool = False) -> Optional[to
     with torch.no_grad():
         w = weight.detach()
         packed = _pack(w.t() if transposed else w)
-    _PACKS[key] = (weakref.ref(weight, _forget(key)), weight._version, weight.data_ptr(), packed)
+    # (w keeps the storage packed from alive: a tensor given new .data twice cannot have its
+    # new storage at the old address, which would pass for the same weight)
+    _PACKS[key] = (weakref.ref(weight, _forget(key)), weight._version, weight.data_ptr(), packed, w)
     return packed
 
 
@@ -152,7 +185,7 @@ class CpuLinears:
         return None
 
     def linear(self, x, weight, bias=None):
-        if _eager(x, weight, bias) and x.dim() >= 1:
+        if _eager(x, weight, bias) and _fits(x, weight, bias, False):
             packed = packed_weight(weight)
             if packed is not None:
                 return _run(x, packed, bias)
@@ -160,8 +193,7 @@ class CpuLinears:
 
     def addmm(self, bias, x, weight):
         """``addmm(bias, x, weight)``: ``weight`` is k x n (GPT-2's Conv1D)."""
-        if _eager(x, weight, bias) and x.dim() == 2 and bias.dim() == 1 \
-                and bias.shape[0] == weight.shape[-1]:
+        if _eager(x, weight, bias) and x.dim() == 2 and _fits(x, weight, bias, True):
             packed = packed_weight(weight, transposed=True)
             if packed is not None:
                 return _run(x, packed, bias)
@@ -169,7 +201,7 @@ class CpuLinears:
 
     def module(self, mod: torch.nn.Module, x):
         """An ``nn.Linear`` called (another module swapped in runs as it is)."""
-        if type(mod) is torch.nn.Linear and not (mod._forward_hooks or mod._forward_pre_hooks):
+        if type(mod) is torch.nn.Linear and _plain_call(mod):
             return self.linear(x, mod.weight, mod.bias)
         return mod(x)
 
