@@ -89,7 +89,7 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
         InsertCasts(keep_io_types),           # rewrite: shared casts
         ChannelsLast(),                       # rewrite: NHWC layout for low-precision 2-D convs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts
-        *([PackCpuLinears()] if spec.kind == Kind.CPU and not train else []),  # bf16 weights packed once
+        *([PackCpuLinears(costs)] if spec.kind == Kind.CPU and not train else []),  # packed bf16 weights
     ]
     if check:
         passes.append(CheckConversion(example_args, example_kwargs, keep_io_types,  # verify by running
