@@ -301,7 +301,7 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     table = CostTable.for_device(device)
     fresh = CostTable(device, path=table.path)
     with stage("measure"):
-        measure(gm, args, kwargs, fresh, lows, budget_s=budget_s)
+        measure(gm, args, kwargs, fresh, lows, budget_s=budget_s, packs=spec.kind == Kind.CPU)
     table.entries.update(fresh.entries)
     table.measured_now = fresh.measured_now
     table.save()
@@ -469,11 +469,12 @@ def cost_model(opts: Options, gm, args: tuple, kwargs: dict, model) -> CostModel
     table = CostTable.for_device(device)
     lows = tuple(d for d in LOW_DTYPES if not emulated(d, spec)) if spec.kind == Kind.CPU \
         else tuple(d for d in LOW_DTYPES if spec.matmul_peak(d) is not None)
+    packs = spec.kind == Kind.CPU and not opts.train  # (PackCpuLinears: inference on a CPU)
     with stage("measure"):
-        keys = measure(gm, args, kwargs, table, lows)
+        keys = measure(gm, args, kwargs, table, lows, packs=packs)
     if table.measured_now:
         log.info("measured %d op variants on %s", table.measured_now, table.name)
-    return Measured(table, roofline, lows, keys)
+    return Measured(table, roofline, lows, keys, packs=packs)
 
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)

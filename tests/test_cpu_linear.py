@@ -292,18 +292,15 @@ def test_a_weight_given_new_data_twice_is_packed_again(packing):
     model, x = MLP().eval(), torch.randn(8, 64)
     fast = _bf16(model, x)
     w = fast.fc1.weight
-    reused = 0
-    for _ in range(8):  # the allocator puts the second new storage where the packed one was
+    for _ in range(8):  # (before: the second new storage landed where the packed one had been)
         with torch.no_grad():
             fast(x)
-        packed_at = w.data_ptr()
         w.data = w.data * 2
         w.data = w.data * 2
-        reused += w.data_ptr() == packed_at
         with torch.no_grad():
             got = fast(x)
             want = fast.fc2(F.gelu(F.linear(x.bfloat16(), w, fast.fc1.bias))).float()
-        assert torch.equal(got, want)
+        assert relative_l2(got, want) < 1e-2  # (a stale pack: off by 30-170 in absolute terms)
 
 
 def test_global_hooks_and_a_patched_forward_are_honoured(packing):
@@ -365,10 +362,59 @@ def test_packed_only_where_timed_faster(packing, monkeypatch):
     fast = _bf16(model, x)
     node = fast.graph.find_nodes(op="call_module", target="fc1")[0]
     monkeypatch.undo()
-    for packed, plain, faster in ((1e-4, 2e-4, True), (3e-4, 2e-4, False), (None, 2e-4, False)):
+    # (faster by less than the timings' noise, 10%, is not faster)
+    for packed, plain, faster in ((1e-4, 2e-4, True), (1.9e-4, 2e-4, False), (3e-4, 2e-4, False),
+                                  (None, 2e-4, False)):
         entries = {"k|fp32": 5e-4, "k|bf16": plain, **({"k|bf16 packed": packed} if packed else {})}
         costs = Measured(CostTable(torch.device("cpu"), entries), Roofline(measure_cpu()),
-                         (torch.bfloat16,), keys={node: "k"})
+                         (torch.bfloat16,), keys={node: "k"}, packs=True)
         assert costs.packed_faster(node, fast) is faster
         # the plan's bf16 time is the way the module will run it
         assert costs.node_cost(node, fast, torch.bfloat16).t_low == (packed if faster else plain)
+
+
+def test_the_interpreter_runs_a_swapped_in_module_and_autocast_sees_linear(packing):
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+
+    class Sub(nn.Linear):  # (what the marked node calls now is not an nn.Linear itself)
+        pass
+    sub = Sub(64, 128).to(torch.bfloat16)
+    sub.load_state_dict(fast.fc1.state_dict())
+    fast.fc1 = sub
+    with torch.no_grad():
+        out = run_recording(fast, (x,), {}, lambda n, v: None)
+        assert relative_l2(out, fast(x)) < 1e-2
+        with torch.autocast("cpu", dtype=torch.float16):  # autocast decides linear's dtype
+            direct = fast.cpu_linears.linear(x.bfloat16(), fast.fc2.weight[:, :64],
+                                             fast.fc2.bias)
+        assert direct.dtype == torch.float16
+
+
+def test_tolerance_search_keeps_the_packing_choice(packing, monkeypatch):
+    """The tolerance search converts deep copies of the graph: the cost table's keys travel with
+    the nodes, so the copy packs what the plan priced packed."""
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    monkeypatch.setattr(Measured, "packed_faster", Measured.__dict__["packed_faster"])
+
+    def packed_s(self, node, gm):  # packed wins wherever the node's measured key is found
+        return 1e-12 if self._key_of(node, gm) in set(self.keys.values()) else None
+    monkeypatch.setattr(Measured, "packed_s", packed_s)
+    fast = mpgraph.convert(model, (x,), dtype="bf16", strategy="rules", tolerance=3e-3)
+    low = [r.name for r in fast.plan.compute_nodes if r.dtype == "bfloat16"]
+    assert "fc2" in low and "fc1" not in low  # (the search pinned fc1: it ran on copies)
+    assert _marked(fast) == ["fc2"]
+
+
+def test_training_and_gpu_tables_price_no_packed_time(packing):
+    """Training never packs and a GPU table is not this CPU's: their bf16 linears cost ATen's."""
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    fast = _bf16(model, x)
+    node = fast.graph.find_nodes(op="call_module", target="fc1")[0]
+    entries = {"k|fp32": 5e-4, "k|bf16": 2e-4, "k|bf16 packed": 1e-4}
+    costs = Measured(CostTable(torch.device("cpu"), entries), Roofline(measure_cpu()),
+                     (torch.bfloat16,), keys={node: "k"})  # packs=False: a training plan's
+    assert costs.packed_s(node, fast) is None and costs.node_cost(node, fast, torch.bfloat16).t_low == 2e-4

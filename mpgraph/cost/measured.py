@@ -35,11 +35,11 @@ from torch.utils import _pytree as pytree
 from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
-from mpgraph.ir.cpu_linear import CpuLinears, packable, packing_available
+from mpgraph.ir.cpu_linear import CpuLinears, fits_at, packable, packing_available
 from mpgraph.ir.graph import (RecordingInterpreter, fetch_attr, flat_inputs, fresh, is_conv2d,
                               is_inplace, is_view, read_transposed, seeded, state_kept,
                               target_name)
-from mpgraph.ir.meta import TENSOR, Kind, TensorInfo, dtype_name, tensor_infos
+from mpgraph.ir.meta import COST_KEY, TENSOR, Kind, TensorInfo, dtype_name, tensor_infos
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger("mpgraph.progress")
@@ -358,10 +358,10 @@ class _Timer(RecordingInterpreter):
     channels_last where the plan holds them so, weights read from memory where streamed."""
 
     def __init__(self, gm, table: CostTable, lows: tuple, deadline: float, keys: dict,
-                 where: Layout):
+                 where: Layout, packs: bool = False):
         super().__init__(gm, lambda node, value: None)
         self.table, self.lows, self.deadline = table, lows, deadline
-        self.keys, self.where = keys, where
+        self.keys, self.where, self.packs = keys, where, packs
         self.done = 0
 
     def _copies(self, n, args, kwargs, module):
@@ -447,7 +447,7 @@ class _Timer(RecordingInterpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         entries, fns, prepares = [], [], []
         variants = [(dtype, False) for dtype in (torch.float32,) + self.lows]
-        if torch.bfloat16 in self.lows and _packs(n, self.module):
+        if self.packs and torch.bfloat16 in self.lows and _packs(n, self.module):
             variants.append((torch.bfloat16, True))
         for dtype, packed in variants:
             entry = f"{key}|{_SHORT[dtype]}{PACKED_SUFFIX if packed else ''}"
@@ -485,9 +485,9 @@ PACKED_SUFFIX = " packed"  # a bf16 linear's entry timed over its weight packed 
 
 
 def _packs(n: torch.fx.Node, gm) -> bool:
-    """Whether a bf16 ``n`` may run packed on this machine (PackCpuLinears): then it is timed
-    both ways, and the plan packs it only where that was the faster."""
-    return packing_available() and packable(n, gm) is not None
+    """Whether a bf16 ``n`` may run packed on this machine (PackCpuLinears) at the example's
+    shapes: then it is timed both ways, and the plan packs it only where packed was faster."""
+    return packing_available() and fits_at(n, gm)
 
 
 def emulated(dtype: torch.dtype, spec) -> bool:
@@ -496,7 +496,8 @@ def emulated(dtype: torch.dtype, spec) -> bool:
     return rate is None or rate < EMULATED * spec.peak["fp32"]
 
 
-def _wanted(gm: torch.fx.GraphModule, lows: tuple, where: Layout) -> tuple[dict, list]:
+def _wanted(gm: torch.fx.GraphModule, lows: tuple, where: Layout,
+            packs: bool = False) -> tuple[dict, list]:
     """Each call node's key and the entries a measurement of ``gm`` would write, from the
     graph's tensor facts alone (what _Timer writes from the values it runs)."""
     keys, wanted = {}, []
@@ -505,7 +506,7 @@ def _wanted(gm: torch.fx.GraphModule, lows: tuple, where: Layout) -> tuple[dict,
             continue
         keys[n] = key = measure_key(n, gm, where)
         wanted += [f"{key}|{_SHORT[dtype]}" for dtype in (torch.float32,) + lows]
-        if torch.bfloat16 in lows and _packs(n, gm):
+        if packs and torch.bfloat16 in lows and _packs(n, gm):
             wanted.append(f"{key}|bf16{PACKED_SUFFIX}")
         info = n.meta.get(TENSOR)
         if isinstance(info, TensorInfo) and info.dtype == torch.float32 and info.numel:
@@ -515,16 +516,19 @@ def _wanted(gm: torch.fx.GraphModule, lows: tuple, where: Layout) -> tuple[dict,
 
 
 def measure(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, table: CostTable,
-            lows: tuple, budget_s: float = 120.0) -> dict[torch.fx.Node, str]:
+            lows: tuple, budget_s: float = 120.0, packs: bool = False) -> dict[torch.fx.Node, str]:
     """Time every distinct op of ``gm`` on these inputs in float32 and in ``lows`` (and the casts
     of its outputs) into ``table``; returns each node's key. Ops measured before (the table's
     cache) are not measured again; ``budget_s`` bounds the whole (the rest then costs what the
     roofline says)."""
     where = layout(gm)
-    keys, wanted = _wanted(gm, tuple(lows), where)
+    packs = packs and table.device.type == "cpu"  # (an inference plan for this CPU)
+    keys, wanted = _wanted(gm, tuple(lows), where, packs)
+    for node, key in keys.items():  # (a deep copy of the graph, the tolerance search's, keeps
+        node.meta[COST_KEY] = key   # them: its rewritten nodes would key otherwise)
     if all(entry in table.entries for entry in wanted):  # all cached: no need to run the graph
         return keys
-    timer = _Timer(gm, table, tuple(lows), time.perf_counter() + budget_s, keys, where)
+    timer = _Timer(gm, table, tuple(lows), time.perf_counter() + budget_s, keys, where, packs)
     flat = fresh(flat_inputs(gm, args, kwargs))
     with torch.no_grad(), seeded(), state_kept(gm):
         timer.run(*flat, enable_io_processing=False)
@@ -538,8 +542,9 @@ class Measured(CostModel):
     or an op that could not run alone) costs what ``fallback`` (the roofline) says."""
 
     def __init__(self, table: CostTable, fallback: Roofline, lows: tuple,
-                 keys: Optional[dict] = None):
+                 keys: Optional[dict] = None, packs: bool = False):
         self.table, self.fallback = table, fallback
+        self.packs = packs  # an inference plan for this CPU: bf16 linears may run packed
         self.keys = dict(keys or {})  # node -> op key (measure's); others keyed when asked
         self.kind = Kind.GPU if table.device.type == "cuda" else Kind.CPU
         self.name = table.name
@@ -564,17 +569,21 @@ class Measured(CostModel):
         value = self.table.entries.get(f"{key}|{_SHORT[dtype]}")
         return None if value is None else float(value)
 
+    def _key_of(self, node, gm) -> str:
+        return self.keys.get(node) or node.meta.get(COST_KEY) or self._key(node, gm)
+
     def node_cost(self, node, gm, low) -> NodeCost:
         guess = self.fallback.node_cost(node, gm, low)
-        key = self.keys.get(node) or self._key(node, gm)
+        key = self._key_of(node, gm)
         t32 = self._get(key, torch.float32)
         if t32 is None:
             return guess
         if low not in self.lows:  # emulated here: never faster
             return NodeCost(guess.flops, guess.bytes_fp32, guess.bytes_low, t32, math.inf)
         tlow = self._get(key, low)
-        packed = self.packed_s(node, gm) if low == torch.bfloat16 else None
-        if packed is not None and (tlow is None or packed < tlow):
+        packed = self.packed_s(node, gm) if low == torch.bfloat16 and self.packed_faster(node, gm) \
+            else None
+        if packed is not None:
             tlow = packed  # (PackCpuLinears runs it packed: packed_faster)
         if tlow is None:  # an op that could not run alone in this dtype: the roofline's ratio
             tlow = t32 * guess.t_low / guess.t_fp32 if guess.t_fp32 else math.inf
@@ -583,9 +592,11 @@ class Measured(CostModel):
         return NodeCost(guess.flops, guess.bytes_fp32, guess.bytes_low, t32, tlow)
 
     def packed_s(self, node, gm) -> Optional[float]:
-        """Seconds of a bf16 linear over its weight packed once, where measured."""
-        key = self.keys.get(node) or self._key(node, gm)
-        value = self.table.entries.get(f"{key}|bf16{PACKED_SUFFIX}")
+        """Seconds of a bf16 linear over its weight packed once, where measured (and the plan
+        packs: inference on this CPU)."""
+        if not self.packs:
+            return None
+        value = self.table.entries.get(f"{self._key_of(node, gm)}|bf16{PACKED_SUFFIX}")
         return None if value is None else float(value)
 
     def packed_faster(self, node, gm) -> bool:
@@ -593,8 +604,8 @@ class Measured(CostModel):
         own bf16 linear (which packs it on each call): oneDNN's packed kernel is 1.2-1.4x faster
         at most sizes here and 0.71x at 512 rows of a 2048->768 layer."""
         packed = self.packed_s(node, gm)
-        plain = self._get(self.keys.get(node) or self._key(node, gm), torch.bfloat16)
-        return packed is not None and (plain is None or packed < plain)
+        plain = self._get(self._key_of(node, gm), torch.bfloat16)
+        return packed is not None and (plain is None or packed < plain * (1 - NOISE))
 
     def cast_cost(self, node, low) -> tuple[float, float]:
         info = node.meta.get(TENSOR)

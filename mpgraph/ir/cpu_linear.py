@@ -24,6 +24,7 @@ weight tensor (``convert_decoder``'s two graphs) share its pack.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Optional
 
@@ -85,6 +86,7 @@ def _eager(x, weight, bias) -> bool:
     that no user mode or transform wants to see as ``linear`` (~1 us: every call asks)."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() \
             or _get_current_dispatch_mode() is not None \
+            or torch.is_autocast_enabled("cpu") or not torch._C._get_mkldnn_enabled() \
             or torch._C._is_torch_function_mode_enabled() \
             or torch._C._functorch.peek_interpreter_stack() is not None \
             or forward_ad._current_level >= 0:  # (vmap, jvp, dual tensors: no rule for mkldnn)
@@ -131,7 +133,7 @@ def _forget(key):
     def drop(ref):
         found = _PACKS.get(key)
         if found is not None and found[0] is ref:
-            del _PACKS[key]
+            _PACKS.pop(key, None)
     return drop
 
 
@@ -163,13 +165,10 @@ class CpuLinears:
         self._root = weakref.ref(root) if root is not None else None
 
     def clear(self) -> None:
-        """Drops the packs of this module's weights: each is packed again on its next call (after
-        a write through ``.data``, which no version counter sees)."""
-        root = self._root() if self._root is not None else None
-        tensors = list(root.parameters()) + list(root.buffers()) if root is not None else []
-        for t in tensors:
-            for transposed in (False, True):
-                _PACKS.pop((id(t), transposed), None)
+        """Drops the packed weights (every module's: each is packed again on its next call),
+        after a write through ``.data``, which no version counter sees. A device move
+        (``.to()``) calls it too, so no host copy outlives the weights it was made from."""
+        _PACKS.clear()
 
     def __getstate__(self):
         return {}
@@ -177,11 +176,11 @@ class CpuLinears:
     def __setstate__(self, state):
         self.__init__()
 
-    def __copy__(self):  # (the copy's own is made on its first call: cpu_linears_of)
-        return None
+    def __copy__(self):  # (bound to the copied module on its first call: cpu_linears_of)
+        return CpuLinears()
 
     def __deepcopy__(self, memo):
-        return None
+        return CpuLinears()
 
     def linear(self, x, weight, bias=None):
         if _fits(x, weight, bias, False) and _eager(x, weight, bias):
@@ -215,7 +214,7 @@ def cpu_linears_of(root: torch.nn.Module) -> CpuLinears:
 
 def run_packed(root: torch.nn.Module, node: torch.fx.Node, args: tuple):
     """A node PackCpuLinears marked, run as the converted module's code runs it."""
-    linears, kind = cpu_linears_of(root), packable(node, root)
+    linears, kind = cpu_linears_of(root), _kind(node)
     if kind == "module":
         return linears.module(root.get_submodule(node.target), *args)
     return getattr(linears, kind)(*args)
@@ -227,5 +226,37 @@ def packed_code(node: torch.fx.Node, module_expr: Optional[str] = None) -> str:
     names = ", ".join(a.name for a in node.args)
     if node.op == "call_module":
         return f"self.cpu_linears.module({module_expr}, {names})"
-    kind = "linear" if node.target in _LINEARS else "addmm"
-    return f"self.cpu_linears.{kind}({names})"
+    return f"self.cpu_linears.{_kind(node)}({names})"
+
+
+def _kind(node: torch.fx.Node) -> str:
+    """The CpuLinears method a marked node calls, from the node alone (not from the module it
+    calls now: another module swapped in runs as it is, through ``module``)."""
+    if node.op == "call_module":
+        return "module"
+    return "linear" if node.target in _LINEARS else "addmm"
+
+
+def fits_at(node: torch.fx.Node, root: torch.nn.Module) -> bool:
+    """Whether a packable node, at the shapes its graph records (the example's), would run
+    packed: what the cost table times packed (a smaller product runs ATen's op anyway)."""
+    from mpgraph.ir.meta import TENSOR, TensorInfo
+    kind = packable(node, root)
+    if kind is None:
+        return False
+    if kind == "module":
+        mod = root.get_submodule(node.target)
+        x, w, b = node.args[0], mod.weight.shape, None if mod.bias is None else mod.bias.shape
+    else:
+        infos = [a.meta.get(TENSOR) for a in node.args]
+        if not all(isinstance(i, TensorInfo) for i in infos):
+            return False
+        shapes = [tuple(i.shape) for i in infos]
+        b, x, w = (shapes[0], node.args[1], shapes[2]) if kind == "addmm" else \
+            (shapes[2] if len(shapes) == 3 else None, node.args[0], shapes[1])
+    xi = x.meta.get(TENSOR)
+    if not isinstance(xi, TensorInfo) or len(w) != 2 or not xi.shape:
+        return False
+    n, k = (w[1], w[0]) if kind == "addmm" else (w[0], w[1])
+    rows = math.prod(xi.shape[:-1])
+    return xi.shape[-1] == k and (b is None or tuple(b) == (n,)) and rows * k * n > SMALL

@@ -49,6 +49,9 @@ FUSED = "mpgraph.fused"
 # node.meta: True on a bf16 linear PackCpuLinears marked: the converted module runs it through
 # oneDNN over a weight packed once (``cpu_linear``)
 PACKED = "mpgraph.packed"
+# node.meta: the key its op's measured times are under (``cost.measured.measure``), kept by a
+# deep copy of the graph whose rewritten nodes would key otherwise
+COST_KEY = "mpgraph.cost_key"
 
 
 @dataclass(frozen=True)

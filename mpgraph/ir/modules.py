@@ -594,6 +594,8 @@ class ConvertedModule(torch.fx.GraphModule):
 
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
+        if "_cpu_linears" in self.__dict__:  # (.to(): no host pack outlives its weights' move)
+            self.cpu_linears.clear()
         if self.__dict__.get("planned_tensors"):
             refresh_fused(self)  # (.to(device): the members moved apart from their stack)
         return result
