@@ -70,14 +70,19 @@ def _bf16(model, x, **kw):
     return mpgraph.convert(model, (x,), dtype="bf16", strategy="rules", **kw)
 
 
+def _converted_mlp():
+    """(the MLP, an 8-row input, its bf16 conversion for this CPU)."""
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(8, 64)
+    return model, x, _bf16(model, x)
+
+
 def _marked(fast) -> list[str]:
     return [n.name for n in fast.graph.nodes if n.meta.get(PACKED)]
 
 
 def test_marked_linears_run_packed_and_the_check_reports_their_error(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     assert _marked(fast) == ["fc1", "fc2"]
     assert fast.code.count("self.cpu_linears.module(") == 2
     with torch.no_grad():
@@ -107,9 +112,7 @@ def test_functional_linear_and_packs_made_once(packing):
 
 
 def test_a_written_or_replaced_weight_is_packed_again(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     other = MLP().eval()
 
     def expected():  # the same weights converted afresh
@@ -140,9 +143,7 @@ def test_a_written_or_replaced_weight_is_packed_again(packing):
 
 
 def test_autograd_and_tracers_take_atens_own_op(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     packing.clear()
     out = fast(x.requires_grad_())  # grad mode: autograd records aten.linear
     out.sum().backward()
@@ -184,9 +185,7 @@ def test_no_marks_for_gpus_training_or_float32(packing):
 
 
 def test_copies_pack_their_own(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     twin = copy.deepcopy(fast)
     with torch.no_grad():
         want = fast(x)
@@ -230,9 +229,7 @@ def test_a_decoders_two_graphs_share_their_packs(packing):
 
 
 def test_profile_times_the_kernels_the_module_runs(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     calls = []
     run = cpu_linear._run
 
@@ -275,9 +272,7 @@ def test_a_bias_the_packed_kernel_cannot_read_takes_atens_op(packing, kind):
 
 
 def test_forward_ad_and_vmap_see_atens_op(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     v = torch.randn_like(x)
     with torch.no_grad():
         _, tangent = torch.func.jvp(fast, (x,), (v,))
@@ -288,9 +283,7 @@ def test_forward_ad_and_vmap_see_atens_op(packing):
 
 
 def test_a_weight_given_new_data_twice_is_packed_again(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     w = fast.fc1.weight
     for _ in range(8):  # (before: the second new storage landed where the packed one had been)
         with torch.no_grad():
@@ -304,9 +297,7 @@ def test_a_weight_given_new_data_twice_is_packed_again(packing):
 
 
 def test_global_hooks_and_a_patched_forward_are_honoured(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     seen = []
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda mod, i, o: seen.append(type(mod).__name__))
@@ -329,9 +320,7 @@ def test_a_torch_function_mode_sees_linear(packing):
             out = func(*args, **(kwargs or {}))
             return out * 0 if func is F.linear else out
 
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     with torch.no_grad(), Zero():
         out = fast(x)
     assert torch.equal(out.abs(), torch.zeros(8, 32))  # the mode zeroed both layers' results
@@ -374,9 +363,7 @@ def test_packed_only_where_timed_faster(packing, monkeypatch):
 
 
 def test_the_interpreter_runs_a_swapped_in_module_and_autocast_sees_linear(packing):
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
 
     class Sub(nn.Linear):  # (what the marked node calls now is not an nn.Linear itself)
         pass
@@ -410,9 +397,7 @@ def test_tolerance_search_keeps_the_packing_choice(packing, monkeypatch):
 
 def test_training_and_gpu_tables_price_no_packed_time(packing):
     """Training never packs and a GPU table is not this CPU's: their bf16 linears cost ATen's."""
-    torch.manual_seed(0)
-    model, x = MLP().eval(), torch.randn(8, 64)
-    fast = _bf16(model, x)
+    model, x, fast = _converted_mlp()
     node = fast.graph.find_nodes(op="call_module", target="fc1")[0]
     entries = {"k|fp32": 5e-4, "k|bf16": 2e-4, "k|bf16 packed": 1e-4}
     costs = Measured(CostTable(torch.device("cpu"), entries), Roofline(measure_cpu()),
