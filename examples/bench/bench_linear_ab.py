@@ -20,9 +20,6 @@ import mpgraph
 class _Unpacked:
     """What the converted module's code calls for its marked linears, run by ATen's op."""
 
-    def __init__(self, root):
-        self._root = lambda: root
-
     def module(self, mod, x):
         return mod(x)
 
@@ -43,7 +40,7 @@ def main(argv=None):
     x = torch.randn(a.rows, 1024)
     fast = mpgraph.convert(model, (x,))
     unpacked = mpgraph.convert(model, (x,))
-    unpacked.__dict__["_cpu_linears"] = _Unpacked(unpacked)
+    unpacked.__dict__["_cpu_linears"] = _Unpacked()
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     runs = {"model.to(bf16)": lambda: bf16(x.bfloat16()), "mpgraph": lambda: fast(x),
             "mpgraph, unpacked": lambda: unpacked(x)}

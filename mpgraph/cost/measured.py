@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.cost.device import cache_dir, cpu_flags, cpu_name, isa_caps
 from mpgraph.cost.model import CostModel, NodeCost
 from mpgraph.cost.roofline import Roofline, node_flops
-from mpgraph.ir.cpu_linear import CpuLinears, fits_at, packable, packing_available
+from mpgraph.ir.cpu_linear import CpuLinears, call_packed, fits_at, packable, packing_available
 from mpgraph.ir.graph import (RecordingInterpreter, fetch_attr, flat_inputs, fresh, is_conv2d,
                               is_inplace, is_view, read_transposed, seeded, state_kept,
                               target_name)
@@ -422,9 +422,7 @@ class _Timer(RecordingInterpreter):
         def call():
             module, args, kwargs = sets[turn[0]]
             if linears is not None:
-                if kind == "module":
-                    return linears.module(module, *args)
-                return getattr(linears, kind)(*args)
+                return call_packed(linears, kind, module, args)
             if n.op == "call_module":
                 return module(*args, **kwargs)
             if n.op == "call_method":

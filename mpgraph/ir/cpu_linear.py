@@ -24,7 +24,6 @@ weight tensor (``convert_decoder``'s two graphs) share its pack.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Optional
 
@@ -32,6 +31,8 @@ import torch
 import torch.fx
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from mpgraph.ir.meta import TENSOR, TensorInfo
 
 aten = torch.ops.aten
 _LINEARS = (aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear)
@@ -72,9 +73,7 @@ def packable(node: torch.fx.Node, root: torch.nn.Module) -> Optional[str]:
         weight = node.args[2]
     else:
         return None
-    if weight.op != "get_attr":
-        return None
-    return "linear" if node.target in _LINEARS else "addmm"
+    return _kind(node) if weight.op == "get_attr" else None
 
 
 SMALL = 4096  # rows * n * k at or below which ATen's own small GEMM is faster (it keeps such
@@ -161,22 +160,13 @@ class CpuLinears:
     """What a converted module's code calls for the linears PackCpuLinears marked; each call
     checks that its weight's pack is current (~1 us)."""
 
-    def __init__(self, root: Optional[torch.nn.Module] = None):
-        self._root = weakref.ref(root) if root is not None else None
-
     def clear(self) -> None:
         """Drops the packed weights (every module's: each is packed again on its next call),
         after a write through ``.data``, which no version counter sees. A device move
         (``.to()``) calls it too, so no host copy outlives the weights it was made from."""
         _PACKS.clear()
 
-    def __getstate__(self):
-        return {}
-
-    def __setstate__(self, state):
-        self.__init__()
-
-    def __copy__(self):  # (bound to the copied module on its first call: cpu_linears_of)
+    def __copy__(self):  # (the packs live in the store, by weight: a copy holds nothing)
         return CpuLinears()
 
     def __deepcopy__(self, memo):
@@ -207,17 +197,24 @@ class CpuLinears:
 def cpu_linears_of(root: torch.nn.Module) -> CpuLinears:
     """``root``'s CpuLinears, made on first use (kept in its ``__dict__``)."""
     found = root.__dict__.get("_cpu_linears")
-    if found is None or found._root is None or found._root() is not root:
-        found = root.__dict__["_cpu_linears"] = CpuLinears(root)
+    if found is None:
+        found = root.__dict__["_cpu_linears"] = CpuLinears()
     return found
+
+
+def call_packed(linears: CpuLinears, kind: str, module: Optional[torch.nn.Module], args: tuple):
+    """The ``kind`` call (``_kind``) of ``linears`` on ``args``; ``module``: the ``nn.Linear`` a
+    "module" call runs."""
+    if kind == "module":
+        return linears.module(module, *args)
+    return getattr(linears, kind)(*args)
 
 
 def run_packed(root: torch.nn.Module, node: torch.fx.Node, args: tuple):
     """A node PackCpuLinears marked, run as the converted module's code runs it."""
-    linears, kind = cpu_linears_of(root), _kind(node)
-    if kind == "module":
-        return linears.module(root.get_submodule(node.target), *args)
-    return getattr(linears, kind)(*args)
+    kind = _kind(node)
+    module = root.get_submodule(node.target) if kind == "module" else None
+    return call_packed(cpu_linears_of(root), kind, module, args)
 
 
 def packed_code(node: torch.fx.Node, module_expr: Optional[str] = None) -> str:
@@ -239,24 +236,19 @@ def _kind(node: torch.fx.Node) -> str:
 
 def fits_at(node: torch.fx.Node, root: torch.nn.Module) -> bool:
     """Whether a packable node, at the shapes its graph records (the example's), would run
-    packed: what the cost table times packed (a smaller product runs ATen's op anyway)."""
-    from mpgraph.ir.meta import TENSOR, TensorInfo
+    packed (``_fits`` on meta tensors of those shapes): what the cost table times packed."""
     kind = packable(node, root)
-    if kind is None:
-        return False
     if kind == "module":
         mod = root.get_submodule(node.target)
-        x, w, b = node.args[0], mod.weight.shape, None if mod.bias is None else mod.bias.shape
-    else:
+        infos = [node.args[0].meta.get(TENSOR), mod.weight, mod.bias]
+    elif kind is not None:
         infos = [a.meta.get(TENSOR) for a in node.args]
-        if not all(isinstance(i, TensorInfo) for i in infos):
-            return False
-        shapes = [tuple(i.shape) for i in infos]
-        b, x, w = (shapes[0], node.args[1], shapes[2]) if kind == "addmm" else \
-            (shapes[2] if len(shapes) == 3 else None, node.args[0], shapes[1])
-    xi = x.meta.get(TENSOR)
-    if not isinstance(xi, TensorInfo) or len(w) != 2 or not xi.shape:
+        if kind == "addmm":  # addmm(bias, x, weight)
+            infos = [infos[1], infos[2], infos[0]]
+    else:
         return False
-    n, k = (w[1], w[0]) if kind == "addmm" else (w[0], w[1])
-    rows = math.prod(xi.shape[:-1])
-    return xi.shape[-1] == k and (b is None or tuple(b) == (n,)) and rows * k * n > SMALL
+    if not all(isinstance(i, (TensorInfo, torch.Tensor)) for i in infos[:2]):
+        return False
+    x, weight, bias = (None if i is None else torch.empty(tuple(i.shape), device="meta")
+                       for i in (infos + [None])[:3])
+    return (kind != "addmm" or x.dim() == 2) and _fits(x, weight, bias, kind == "addmm")

@@ -831,7 +831,7 @@ def _direct_reads(root: torch.fx.GraphModule, previous):
             name, sep, rhs = line.partition(" = ")
             node = nodes.get(name) if sep else None
             if node is not None and node.meta.get(PACKED):
-                line = _packed_line(root, node, line)
+                line = _packed_line(root, node)
             elif node is not None and node.op == "get_attr":
                 expr = _lookup(root, node.target)
                 line = f"{name} = {expr}" if expr else line
@@ -844,17 +844,15 @@ def _direct_reads(root: torch.fx.GraphModule, previous):
     return transform
 
 
-def _packed_line(root: torch.fx.GraphModule, node: torch.fx.Node, line: str) -> str:
-    """fx's line for ``node`` (``name = op(args);  x = None``) calling ``CpuLinears`` instead."""
+def _packed_line(root: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    """fx's line for ``node`` (``name = op(args)``; fx emits the names it frees after it as a
+    body entry of their own) calling ``CpuLinears`` instead."""
     from mpgraph.ir.cpu_linear import packed_code
-    indent = line[:len(line) - len(line.lstrip())]
-    _, _, freed = line.partition(";  ")  # the names fx frees after their last use
     module_expr = None
     if node.op == "call_module":
         found = _module_path(root, node.target)
         module_expr = found[1] if found else _fx_path(node.target)
-    call = f"{indent}{node.name} = {packed_code(node, module_expr)}"
-    return f"{call};  {freed}" if freed else call
+    return f"{node.name} = {packed_code(node, module_expr)}"
 
 
 def _fx_path(target: str) -> str:
