@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import io
 import logging
+import operator
 import os
 import re
 import sys
@@ -26,8 +27,8 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import CaptureError
 from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
-from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, run_recording,
-                              seeded, state_kept)
+from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
+                              mutated_nodes, run_recording, seeded, state_kept)
 from mpgraph.ir.meta import CAPTURE, OBSERVED, READS_TRAINING, STATIC_SHAPES
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 from mpgraph.ir.fake import fake_mode, is_abstract
@@ -616,6 +617,28 @@ _MODULE_STATE = frozenset(vars(torch.nn.Module()))
 _FX_CONSTANT = re.compile(r"_tensor_constant\d+$")
 
 
+def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:
+    """Why a symbolic trace is not the model when its forward writes in place into a tensor it
+    makes at a fixed size (``counts = torch.zeros(4)``, then ``counts.scatter_add_(...)``,
+    ``out[idx] = h``, ``acc += h``): fx made that tensor once, at trace time, and every call
+    would write into the one copy, the results piling up from call to call (the first call,
+    all a comparison sees, is right). torch.export makes it afresh in each call."""
+    written = set(mutated_nodes(gm.graph, gm))
+    for node in gm.graph.nodes:  # (item assignment: fx's __setitem__, out[idx] = h)
+        if node.op in ("call_method", "call_function") and node.args \
+                and node.target in ("__setitem__", operator.setitem):
+            target = node.args[0]
+            while isinstance(target, torch.fx.Node):
+                written.add(target)
+                target = target.args[0] if is_view(target) and target.args else None
+    written = sorted({n.target for n in written
+                      if n.op == "get_attr" and _FX_CONSTANT.search(str(n.target))})
+    if not written:
+        return None
+    return ("it writes in place into a tensor the forward makes at a fixed size "
+            f"({', '.join(written)}), which fx would make once for every call")
+
+
 def _python_state(model: torch.nn.Module) -> dict:
     """Each module's own Python attributes (``self.step``, ``self.initialised``, ``self.cache``),
     with a copy of the lists, dicts and sets among them: what a forward may change that no graph
@@ -810,7 +833,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             # symbolic_trace records what the forward does to proxies: attribute assignments
             # (self.n += 1), output objects it cannot build, reads of self.training are lost or
             # frozen silently; torch.export keeps them, so a trace that parts goes there
-            parted = _parts_from_eager(gm, work, args, kwargs) if symbolic else None
+            parted = (_writes_constant(gm) or _parts_from_eager(gm, work, args, kwargs)) \
+                if symbolic else None
             if not observe:
                 gm.meta.pop(OBSERVED, None)
                 for node in gm.graph.nodes:
