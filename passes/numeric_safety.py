@@ -67,7 +67,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import CALLS, fetch_attr, input_nodes, owner_of
+from mpgraph.ir.graph import CALLS, fetch_attr, input_nodes, mutated_nodes, owner_of
 from mpgraph.ir.meta import FUSED, OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
@@ -263,7 +263,7 @@ class NumericSafety(Pass):
             elif alt is not None and not alt_underflow.get(node) and node not in periodic \
                     and not alt.node_findings(node, gm):
                 findings[node] = [replace(f, cleared_by=dtype_name(alt.low)) for f in found]
-        for node, found in periodic.items():
+        for node, found in (*periodic.items(), *written_weight_findings(gm).items()):
             findings.setdefault(node, []).extend(found)
         for node, found in findings.items():
             node.meta[SAFETY] = tuple(found)
@@ -473,4 +473,26 @@ def periodic_findings(gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
                                                                    f"of {node.name}: {why}"))
             if v.meta[OP_CLASS].op_class == FOLLOW:
                 stack += [a for a in input_nodes(v) if a.op != "get_attr"]
+    return out
+
+
+def written_weight_findings(gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
+    """Modules whose own weights the forward writes in place (WGAN's clipping,
+    ``self.fc.weight.clamp_(...)`` before ``self.fc(x)``): a low-precision copy of such a
+    module, made before the call, would compute with the weights from before the write (the
+    first call after new weights: off by 3x), so it computes in float32 (a weight read by a
+    function is instead cast where read, after the write: StoreWeights)."""
+    written = {str(n.target) for n in mutated_nodes(gm.graph, gm) if n.op == "get_attr"}
+    out: dict[torch.fx.Node, list[SafetyFinding]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not written:
+            continue
+        module = gm.get_submodule(node.target)
+        names = [f"{node.target}.{name}" for name, _ in (*module.named_parameters(),
+                                                          *module.named_buffers())]
+        hit = [name for name in names if name in written]
+        if hit:
+            out[node] = [SafetyFinding("written_weight", (
+                f"the forward writes {_listed(hit)} in place: computed in float32 with the "
+                "values written (a low copy made before the call would not see them)"))]
     return out
