@@ -1,6 +1,7 @@
 """Look every node up in the op table and record its class and the reason."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import torch
@@ -30,6 +31,14 @@ def fixed_statistics(node, gm) -> bool:
     return training is False
 
 
+def _container(node: torch.fx.Node) -> bool:
+    """Whether ``node`` builds a namedtuple or dataclass of values (fx's record of ``return
+    Out(logits, feats)``): a structure, not an op."""
+    t = node.target
+    return node.op == "call_function" and isinstance(t, type) and (
+        (issubclass(t, tuple) and hasattr(t, "_fields")) or dataclasses.is_dataclass(t))
+
+
 class ClassifyOps(Pass):
     """Analysis: writes ``mpgraph.op_class``, the only pass that does. The class may depend on
     the low dtype (bf16 vs fp16) and, for a range-expanding op in fp16, on calibration: where
@@ -48,7 +57,11 @@ class ClassifyOps(Pass):
                 node.meta[OP_CLASS] = _NON_CALL[node.op]
                 continue
             key, entry = self.table.lookup(node, gm)
-            if entry is None:
+            if entry is None and _container(node):
+                info = OpInfo(FP32_ONLY, f"builds the container {node.target.__name__} the "
+                                         "model returns its values in: reads them in float32, "
+                                         "as the model has them", key)
+            elif entry is None:
                 info = OpInfo(UNKNOWN, f"{key} is not in the op table: kept in float32", key)
             elif entry.inference is not None and fixed_statistics(node, gm):
                 info = OpInfo(entry.class_for(self.low, inference=True),
