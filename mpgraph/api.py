@@ -563,8 +563,16 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
                    if n.op.startswith("call_") and n.meta.get(PRECISION) is not None
                    and getattr(n.meta.get(OP_CLASS), "op_class", None) == TENSOR_CORE]
         if matmuls and all(r.startswith("user override") for r in matmuls):
-            keep_fp32 = ("the overrides keep every matmul/conv in float32 (" + ", ".join(
-                sorted({r[len("user override ("):-1] for r in matmuls})) + ")")
+            keys = sorted({r[len("user override ("):-1] for r in matmuls})
+            pinned = {repr(name) for name, _ in (report or {}).get("pinned", ())} \
+                - {repr(key) for key in opts.overrides}
+            theirs, pins = [k for k in keys if k not in pinned], [k for k in keys if k in pinned]
+            if theirs and pins:
+                keep_fp32 = (f"the overrides ({', '.join(theirs)}) and the tolerance search's "
+                             f"pins ({', '.join(pins)}) keep every matmul/conv in float32")
+            else:
+                keep_fp32 = (("the overrides" if theirs else "the tolerance search's pins")
+                             + f" keep every matmul/conv in float32 ({', '.join(keys)})")
         else:
             keep_fp32 = (f"no node is faster in {' or '.join(chosen['candidates'])} "
                          f"than in float32 on {costs.name} ({costs.source})")
