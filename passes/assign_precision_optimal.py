@@ -124,7 +124,7 @@ class AssignPrecisionOptimal(AssignPrecision):
             readers = []
             for u in v.users:
                 if u.op == "output":
-                    if self.keep_io_types and isinstance(v.meta[TENSOR], TensorInfo):
+                    if self.keep_io_types:  # (a multi-output value: each float item)
                         readers.append(_OUTPUT)
                     continue
                 du = dec[u]

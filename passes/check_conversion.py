@@ -34,11 +34,11 @@ from torch.utils import _pytree as pytree
 from mpgraph.ir.edges import required_dtype
 from mpgraph.errors import ConversionError, ValueCheckError
 from mpgraph.ir.fake import is_abstract
-from mpgraph.ir.graph import input_nodes, run_recording, target_name
+from mpgraph.ir.graph import CALLS, input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
 from mpgraph.numerics import discrete_mismatches, output_errors, rounding
-from mpgraph.ir.meta import (CHECK, COST, PRECISION, RANGE, REFERENCE, TENSOR,
-                             dtype_name, is_inserted_cast, planned_dtype)
+from mpgraph.ir.meta import (CHECK, COST, PRECISION, RANGE, REFERENCE, TENSOR, TensorInfo,
+                             dtype_name, is_float32_tensor, is_inserted_cast, planned_dtype)
 from mpgraph.passes.infra import Pass, PassResult
 
 VALUE_BOUND_ULPS = 32  # see the module docstring
@@ -117,7 +117,7 @@ class CheckConversion(Pass):
             for arg in input_nodes(node):
                 need = required_dtype(node, arg, gm, self.keep_io_types)
                 if need is not None and arg in actual and actual[arg] is not None \
-                        and actual[arg] != need:
+                        and not _reads_as(actual[arg], arg.meta.get(TENSOR), need):
                     problems.append(f"{node.name} reads {arg.name} as {actual[arg]}, needs {need}")
         if problems:
             shown = "\n  ".join(problems[:20])
@@ -158,6 +158,7 @@ class CheckConversion(Pass):
         low = _low_dtype(gm)
         if low is None:
             return  # nothing in low precision: the float32 graph itself
+        self._same_lengths(gm, outputs, reference.outputs, low)
         errors = output_errors(outputs, reference.outputs)
         error = max(errors, default=0.0)
         bound = value_bound(low) if self.tolerance is None else self.tolerance
@@ -168,7 +169,8 @@ class CheckConversion(Pass):
         if error <= bound or self.tolerance is not None:
             return
         worst = errors.index(error)
-        where = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs), bound)
+        where = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs), bound,
+                               worst)
         raise ValueCheckError(
             f"the converted module's output {worst} differs from float32 by {error:.3g} (relative "
             f"L2 ||y - y_hat|| / ||y|| on the first calibration batch), more than a "
@@ -179,6 +181,76 @@ class CheckConversion(Pass):
             + ("; or convert in bfloat16, float32's range: dtype='bf16'" if low == torch.float16
                else "") + "), or the conversion is wrong (please report it with the model)",
             error, bound, low)
+
+
+    @staticmethod
+    def _same_lengths(gm, outputs, references, low) -> None:
+        """An output whose size depends on its values (``h[h > 0.5]``, ``nonzero``,
+        ``masked_select``) that came out another size than float32's: rounding moved values
+        across the threshold. No error metric compares the two: a ValueCheckError that names
+        the comparison and the way out."""
+        for i, (out, ref) in enumerate(zip(outputs, references)):
+            if not (isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor)) \
+                    or out.shape == ref.shape:
+                continue
+            tests = _comparisons(gm)
+            where = (f"; the values it selects by are compared at {', '.join(tests[:3])}"
+                     if tests else "")
+            keep = ", ".join(f"{v!r}: 'fp32'" for v in _compared_values(gm)[:3]) \
+                or "'<node>': 'fp32'"
+            raise ValueCheckError(
+                f"the converted module's output {i} has shape {tuple(out.shape)} where float32's "
+                f"has {tuple(ref.shape)}: its size depends on values (a boolean mask, nonzero, "
+                f"masked_select), and rounding to {dtype_name(low)} moved some across the "
+                f"threshold{where}. Keep the values compared in float32 (overrides={{{keep}}}), "
+                "or return the scores and select outside the converted module",
+                math.inf, value_bound(low), low)
+
+
+def _comparisons(gm) -> list[str]:
+    """Nodes that compare float values into a bool mask (what a data-dependent size hangs on)."""
+    return [n.name for n in gm.graph.nodes if n.op in CALLS and _bool(n)
+            and any(is_float32_tensor(a.meta.get(TENSOR)) or _low(a) for a in input_nodes(n))]
+
+
+def _compared_values(gm) -> list[str]:
+    """The float values those comparisons read (through the plan's casts)."""
+    out: list[str] = []
+    for n in gm.graph.nodes:
+        if n.op in CALLS and _bool(n):
+            for a in input_nodes(n):
+                a = a.args[0] if is_inserted_cast(a) else a
+                if a.op in CALLS and a.name not in out and a.meta.get(TENSOR) is not None:
+                    out.append(a.name)
+    return out
+
+
+def _planned_low(node) -> bool:
+    """Whether the plan gives ``node``'s value (or the value a cast of it reads) a low dtype."""
+    source = node.args[0] if is_inserted_cast(node) else node
+    decision = source.meta.get(PRECISION)
+    return decision is not None and decision.dtype in (torch.float16, torch.bfloat16) \
+        and source.op != "get_attr"
+
+
+def _bool(node) -> bool:
+    info = node.meta.get(TENSOR)
+    return isinstance(info, TensorInfo) and info.dtype == torch.bool
+
+
+def _low(node) -> bool:
+    info = node.meta.get(TENSOR)
+    return isinstance(info, TensorInfo) and info.dtype in (torch.float16, torch.bfloat16)
+
+
+def _reads_as(actual, info, need: torch.dtype) -> bool:
+    """Whether a value produced in ``actual`` dtype(s) is read in ``need``: each item that was
+    float32 at capture (a multi-output value's others keep theirs)."""
+    if isinstance(info, tuple) and isinstance(actual, tuple) and len(info) == len(actual):
+        return all(_reads_as(a, i, need) for a, i in zip(actual, info))
+    if isinstance(info, TensorInfo):
+        return info.dtype != torch.float32 or actual == need
+    return True
 
 
 def _agrees(actual, want) -> bool:
@@ -195,16 +267,49 @@ def _low_dtype(gm) -> Optional[torch.dtype]:
     return next((t for t in (torch.bfloat16, torch.float16) if t in used), None)
 
 
-def _first_parting(gm, absmax: dict, bound: float) -> str:
-    """The first node (graph order) whose output magnitude parts from the float32 run's on the
-    same batch (Calibrate's absmax of batch 0) by more than the bound, or turns inf/NaN."""
+def _output_node(gm, index: int) -> Optional[torch.fx.Node]:
+    """The node that computes the graph's output ``index`` (outputs flattened as the check
+    flattens them: a multi-output node stands for as many), or None."""
+    flat = []
+    for item in pytree.tree_leaves([n.args[0] for n in gm.graph.nodes if n.op == "output"]):
+        info = item.meta.get(TENSOR) if isinstance(item, torch.fx.Node) else None
+        flat += [item] * (len(pytree.tree_leaves(info)) if isinstance(info, tuple) else 1)
+    item = flat[index] if index < len(flat) else None
+    return item if isinstance(item, torch.fx.Node) else None
+
+
+def _ancestors(node: torch.fx.Node) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack += n.all_input_nodes
+    return seen
+
+
+def _first_parting(gm, absmax: dict, bound: float, output: Optional[int] = None) -> str:
+    """The first node (graph order) that the failing output reads, directly or not, whose
+    output magnitude parts from the float32 run's on the same batch (Calibrate's absmax of
+    batch 0) by more than the bound, or turns inf/NaN; where that node computes in float32,
+    the low-precision values it reads (what an override should keep in float32)."""
+    out = _output_node(gm, output) if output is not None else None
+    upstream = _ancestors(out) if out is not None else None
     for node in gm.graph.nodes:
         seen = node.meta.get(RANGE)
         if node not in absmax or seen is None or not seen.batch_absmax \
-                or is_inserted_cast(node):
+                or is_inserted_cast(node) or (upstream is not None and node not in upstream):
             continue
         want, got = seen.batch_absmax[0], absmax[node]
         if not math.isfinite(got) or abs(got - want) > bound * max(want, 1e-30):
-            return (f"values first part at node {node.name} ({target_name(node)}): absmax "
-                    f"{got:.4g}, float32 {want:.4g}")
+            where = (f"values first part at node {node.name} ({target_name(node)}): absmax "
+                     f"{got:.4g}, float32 {want:.4g}")
+            decision = node.meta.get(PRECISION)
+            if decision is None or decision.dtype in (None, torch.float32):
+                low = sorted({(a.args[0] if is_inserted_cast(a) else a).name
+                              for a in input_nodes(node) if _planned_low(a)})
+                if low:
+                    where += (f", computed in float32 from {', '.join(low)}, kept in low "
+                              "precision")
+            return where
     return "no single node's magnitude parts (the outputs differ in their values' placement)"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from mpgraph.ir.edges import required_dtype
+from mpgraph.ir.edges import cast_info, cast_leaves, required_dtype
 from mpgraph.ir.graph import input_nodes, mutated_nodes
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, SHORT_DTYPE_NAMES, TENSOR, Decision,
-                          OpInfo, TensorInfo)
+                          OpInfo)
 from mpgraph.passes.op_table import CAST
 from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
@@ -53,12 +53,17 @@ class InsertCasts(Pass):
         return PassResult(gm, bool(cache))
 
     def _make_cast(self, graph, value, dtype, have, before):
-        with graph.inserting_before(before):
-            cast = graph.create_node("call_method", "to", (value, dtype), {},
-                                     name=f"{value.name}_to_{SHORT_DTYPE_NAMES.get(dtype, 'x')}")
+        name = f"{value.name}_to_{SHORT_DTYPE_NAMES.get(dtype, 'x')}"
         info = value.meta.get(TENSOR)
-        cast.meta[TENSOR] = TensorInfo(info.shape, dtype)
-        cast.meta[OP_CLASS] = OpInfo(CAST, "inserted by mpgraph", "Tensor.to")
+        with graph.inserting_before(before):
+            if isinstance(info, tuple):  # a multi-output value read whole: each item cast
+                cast = graph.create_node("call_function", cast_leaves, (value, dtype, have), {},
+                                         name=name)
+            else:
+                cast = graph.create_node("call_method", "to", (value, dtype), {}, name=name)
+        cast.meta[TENSOR] = cast_info(info, dtype)
+        cast.meta[OP_CLASS] = OpInfo(CAST, "inserted by mpgraph",
+                                     "Tensor.to" if cast.op == "call_method" else "cast_leaves")
         short = SHORT_DTYPE_NAMES
         cast.meta[PRECISION] = Decision(dtype, f"cast {short.get(have)}->{short.get(dtype)} of "
                                                f"{value.name}", pinned=True, reads_any=True)

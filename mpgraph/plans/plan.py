@@ -111,7 +111,7 @@ class Plan:
                     src=dtype_name(node.args[0].meta[PRECISION].dtype),
                     dst=dtype_name(decision.dtype),
                     consumers=tuple(u.name for u in node.users),
-                    numel=info.numel if isinstance(info, TensorInfo) else 0,
+                    numel=_float32_numel(info),
                     inserted_by=node.meta[INSERTED_BY]))
                 continue
             if node.meta.get(INSERTED_BY) == "StoreWeights":
@@ -382,6 +382,13 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _real_dtype(node: torch.fx.Node) -> Optional[torch.dtype]:
     info = node.meta.get(TENSOR)
     return planned_dtype(info, node.meta.get(PRECISION)) if isinstance(info, TensorInfo) else None
+
+
+def _float32_numel(info) -> int:
+    """Elements of a value's float32 tensors (every item of a multi-output value)."""
+    if isinstance(info, TensorInfo):
+        return info.numel if info.dtype == torch.float32 else 0
+    return sum(_float32_numel(i) for i in info) if isinstance(info, tuple) else 0
 
 
 def _model_cast(node: torch.fx.Node) -> Optional[CastRecord]:
