@@ -89,7 +89,7 @@ def compare(model, decoder, dtype, ids, mask=None):
     seq, ref = reference(model, ids, mask=mask)
     cont = seq[:, ids.shape[1]:]
     forced = mpgraph.generate(decoder, ids, NEW, attention_mask=mask, forced_tokens=cont,
-                              output_logits=True)
+                              return_logits=True)
     err = (forced.logits - ref).norm(dim=-1) / ref.norm(dim=-1)        # (n, B)
     assert float(err.max()) <= BOUND[dtype], f"logits error {float(err.max()):.2e}"
     ok = decided(ref, dtype)
@@ -259,9 +259,9 @@ def test_decode_replayed_from_a_graph_gives_the_eager_tokens():
     capture rewrite the same cache slot with the same values, so they change nothing."""
     model, decoder = built("gpt2", "fp16")
     ids = prompt()
-    eager = mpgraph.generate(decoder, ids, NEW, cuda_graph=False, output_logits=True)
+    eager = mpgraph.generate(decoder, ids, NEW, cuda_graph=False, return_logits=True)
     backend = Recorder()
-    graphed = mpgraph.generate(decoder, ids, NEW, cuda_graph=backend, output_logits=True)
+    graphed = mpgraph.generate(decoder, ids, NEW, cuda_graph=backend, return_logits=True)
     assert torch.equal(graphed.sequences, eager.sequences)
     assert torch.equal(graphed.logits, eager.logits)
     assert backend.captures == 1 and backend.replays == NEW - 1     # a replay per decode step
@@ -278,8 +278,8 @@ def test_cuda_graph_decode_on_a_gpu():
     model = llama().cuda()
     ids = prompt().cuda()
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, dtype="fp16")
-    eager = mpgraph.generate(decoder, ids, NEW, cuda_graph=False, output_logits=True)
-    graphed = mpgraph.generate(decoder, ids, NEW, output_logits=True)   # default on CUDA
+    eager = mpgraph.generate(decoder, ids, NEW, cuda_graph=False, return_logits=True)
+    graphed = mpgraph.generate(decoder, ids, NEW, return_logits=True)   # default on CUDA
     assert torch.equal(graphed.sequences, eager.sequences)
     assert torch.allclose(graphed.logits, eager.logits, rtol=1e-3, atol=1e-3)
     stats = decoder.graphed_decode().stats
@@ -444,7 +444,7 @@ def test_sampling_draws_only_what_hf_s_warpers_allow():
     model, decoder = _fp32_decoder()
     ids = prompt()
     options = dict(do_sample=True, temperature=0.7, top_k=12, top_p=0.9, min_p=0.02)
-    out = decoder.generate(ids, max_new_tokens=NEW, eos_token_id=[], output_logits=True,
+    out = decoder.generate(ids, max_new_tokens=NEW, eos_token_id=[], return_logits=True,
                            generator=torch.Generator().manual_seed(0), **options)
     warpers = transformers.LogitsProcessorList([
         transformers.TemperatureLogitsWarper(0.7), transformers.TopKLogitsWarper(12),
@@ -685,3 +685,214 @@ def test_load_weights_into_a_decoder_stays_on_its_device_and_names_unused_keys(t
     assert "1 tensors of the weights are not in the module (first: bogus.extra)" in caplog.text
     assert decoder.sharing.unshared == []
 
+
+
+def test_a_left_padded_batch_without_attention_mask_infers_it_from_the_pad_id_as_hf():
+    """No attention_mask: HF infers it from the pad id (in the prompt and not EOS); the pads
+    were attended to as tokens, and the padded row's tokens differed from the first one."""
+    model, decoder = _fp32_decoder()
+    ids = prompt()
+    ids[1, :3] = 0                                           # left padding, pad_token_id=0
+    with torch.no_grad():
+        hf = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        masked = model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=NEW,
+                                do_sample=False)
+    assert torch.equal(hf, masked)
+    assert decoder.generate(ids, max_new_tokens=NEW).tolist() == hf.tolist()
+    ids[1, -1] = 0                                           # a pad last: padded on the right
+    with pytest.raises(ValueError, match=r"^input_ids end in the pad id, so the inferred "
+                                         r"attention_mask has padding on the right: pad prompts "
+                                         r"on the left"):
+        decoder.generate(ids, max_new_tokens=2)
+
+
+def test_a_given_generation_config_is_merged_with_the_model_s_as_hf():
+    """generation_config=GenerationConfig(max_new_tokens=...) was used alone: the model's own
+    EOS and repetition penalty, fields the given config leaves unset, were dropped (HF fills
+    them from the model's generation config)."""
+    import copy
+    model, decoder = _fp32_decoder()
+    ids = prompt(rows=1)
+    given = transformers.GenerationConfig(max_new_tokens=NEW)
+    plain = decoder.generate(ids, generation_config=given, eos_token_id=[])
+    eos = int(plain[0, PROMPT + 3])
+    first = plain[0, PROMPT:].tolist().index(eos)
+    for field, value in (("eos_token_id", eos), ("repetition_penalty", 1.5)):
+        tuned = copy.deepcopy(model)
+        setattr(tuned.generation_config, field, value)
+        saved, decoder.generation_config = decoder.generation_config, tuned.generation_config
+        try:
+            got = decoder.generate(ids, generation_config=given)
+        finally:
+            decoder.generation_config = saved
+        with torch.no_grad():
+            assert got.tolist() == tuned.generate(ids, generation_config=given).tolist(), field
+        if field == "eos_token_id":
+            assert got.shape == (1, PROMPT + first + 1) and int(got[0, -1]) == eos
+        else:
+            assert got.shape == plain.shape and not torch.equal(got, plain)
+    assert given.eos_token_id is None and given.repetition_penalty is None  # not modified
+
+
+def _phi3_longrope():
+    torch.manual_seed(0)
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0,
+        bos_token_id=1, max_position_embeddings=128, original_max_position_embeddings=24,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})).eval()
+
+
+def test_longrope_past_its_original_positions_is_refused_and_within_them_gives_hf_s_tokens():
+    """Phi-3's longrope switches to its long factors past original_max_position_embeddings,
+    where HF's generate recomputes the whole cache; the static cache kept the short-factor keys
+    and gave other logits from there, silently."""
+    model = _phi3_longrope()
+    options = dict(dtype="fp16", target=GPU, overrides={"*": "fp32"})
+    with pytest.raises(ValueError) as refused:
+        mpgraph.convert_decoder(model, prompt(), max_cache_len=25, **options)
+    assert str(refused.value) == (
+        "Phi3ForCausalLM uses rope_type 'longrope', which switches to its long factors once the "
+        "sequence passes original_max_position_embeddings=24: the keys cached before were made "
+        "with the short ones, and HF's generate (Phi-3) recomputes them all at that point, "
+        "which the static cache cannot. Convert with max_cache_len <= 24 (prompt + new tokens "
+        "within it), or generate with the HF model's own generate")
+    decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=24, **options)
+    with torch.no_grad():
+        hf = model.generate(prompt(), max_new_tokens=24 - PROMPT, do_sample=False,
+                            eos_token_id=None)
+    assert decoder.generate(prompt(), max_new_tokens=24 - PROMPT,
+                            eos_token_id=None).tolist() == hf.tolist()
+
+
+def test_sampling_fewer_rows_than_the_cache_draws_hf_s_samples_for_the_same_seed():
+    """A batch smaller than the cache's was sampled over the filled batch, which drew other
+    random numbers: a prompt's samples depended on the batch the decoder was converted for."""
+    model, decoder = _fp32_decoder()                         # converted for 2 rows
+    ids = prompt(rows=1)
+    draws = []
+    for run in (model.generate, decoder.generate):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            draws.append(run(ids, max_new_tokens=NEW, do_sample=True, eos_token_id=None))
+    assert draws[1].tolist() == draws[0].tolist()
+
+
+def test_multi_query_falcon_converts_with_the_one_key_value_head_it_writes():
+    """Falcon's default multi_query writes one key/value head; the cache was allocated with the
+    config's head count (4) and the capture failed in index_copy_. The cache now takes the
+    shapes the model writes, as HF's StaticCache does."""
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        eos_token_id=2, pad_token_id=0, bos_token_id=1)).eval()
+    assert model.config.multi_query and not model.config.new_decoder_architecture
+    decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="fp16",
+                                      target=GPU, overrides={"*": "fp32"})
+    assert {c.shape for c in decoder.cache_plan} == {(2, 1, SLOTS, 16)}
+    with torch.no_grad():
+        hf = model.generate(prompt(), max_new_tokens=NEW, do_sample=False)
+    assert decoder.generate(prompt(), max_new_tokens=NEW).tolist() == hf.tolist()
+
+
+def test_dynamic_rope_is_refused_with_the_reason():
+    """Dynamic NTK RoPE failed deep in the capture with advice a convert_decoder user cannot
+    follow (torch.cond, converting the parts around it)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})).eval()
+    with pytest.raises(ValueError) as refused:
+        mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="bf16")
+    assert str(refused.value) == (
+        "LlamaForCausalLM uses rope_type 'dynamic' (dynamic NTK scaling), which recomputes the "
+        "rotary frequencies from the sequence length at run time: convert_decoder's captured "
+        "graphs cannot follow it. Generate with the HF model's own generate")
+
+
+def _tokenizer():
+    """A word-level tokenizer over the test vocabulary, token i spelled '<i>' (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {f"<{i}>": i for i in range(VOCAB - 1)}
+    vocab["abcdef"] = VOCAB - 1  # (what StopStringCriteria probes the tokenizer's spelling with)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_hf_s_other_generate_arguments_are_taken_or_refused_with_the_reason():
+    """tokenizer (which HF's stop_strings error asks for), prefix_allowed_tokens_fn and
+    synced_gpus=False were 'arguments it does not know', and so were assistant_model and
+    negative_prompt_ids, whose refusal the README promised with the reason."""
+    model, decoder = _fp32_decoder()
+    one = prompt(rows=1)
+    free = decoder.generate(one, max_new_tokens=NEW, eos_token_id=[])[0, PROMPT:].tolist()
+    stop = free[3]
+    runs = []
+    for run in (model.generate, decoder.generate):
+        with torch.no_grad():
+            runs.append(run(one, max_new_tokens=NEW, eos_token_id=None,
+                            stop_strings=[f"<{stop}>"], tokenizer=_tokenizer()))
+    assert runs[1].tolist() == runs[0].tolist()
+    assert runs[1].shape == (1, PROMPT + free.index(stop) + 1)
+    allowed = [[5, 6, 7], [8, 9]]
+    for ids in (prompt(), one):                              # (one row: the cache has two)
+        runs = []
+        for run in (model.generate, decoder.generate):
+            with torch.no_grad():
+                runs.append(run(ids, max_new_tokens=6, prefix_allowed_tokens_fn=lambda row, seen:
+                                allowed[row], synced_gpus=False))
+        assert runs[1].tolist() == runs[0].tolist()
+        for row, tokens in enumerate(runs[1][:, PROMPT:].tolist()):
+            assert set(tokens) <= set(allowed[row])
+    for kwargs, text in (
+            (dict(assistant_model=model), "generate(assistant_model=...): assisted generation "
+             "checks a draft's tokens several at a time; the decode graph takes one token per "
+             "row; run it with the HF model's own generate"),
+            (dict(negative_prompt_ids=one, guidance_scale=1.5), "generate(negative_prompt_ids="
+             "...): classifier-free guidance runs the model on a second, negative prompt, which "
+             "needs a second cache; run it with the HF model's own generate"),
+            (dict(synced_gpus=True), "generate(synced_gpus=True) keeps several processes' loops "
+             "in step (DeepSpeed ZeRO-3, FSDP); the converted decoder generates in one process"),
+            (dict(dola_layers="low"), "generate: dola_generation is not supported (greedy "
+             "search and sampling are); run it with the HF model's own generate")):
+        with pytest.raises(ValueError) as refused:
+            decoder.generate(one, max_new_tokens=4, **kwargs)
+        assert str(refused.value) == text
+
+
+def test_output_logits_is_hf_s_field_and_return_logits_mpgraph_s():
+    """output_logits=True (without return_dict_in_generate) returned mpgraph's own
+    GenerateOutput where HF's generate returns the ids tensor; mpgraph's per-step logits are
+    return_logits=True."""
+    from mpgraph.tools.generate import GenerateOutput
+    model, decoder = _fp32_decoder()
+    ids = prompt()
+    with torch.no_grad():
+        hf = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True)
+    got = decoder.generate(ids, max_new_tokens=4, output_logits=True)
+    assert type(got) is torch.Tensor and got.tolist() == hf.tolist()
+    own = decoder.generate(ids, max_new_tokens=4, return_logits=True)
+    assert type(own) is GenerateOutput and own.sequences.tolist() == hf.tolist()
+    assert own.logits.shape == (4, 2, VOCAB) and own.logits.dtype == torch.float32
+
+
+def test_the_output_holds_no_cache_and_another_call_s_cache_is_refused_with_the_reason():
+    """HF's output carries its cache for a follow-up call; the decoder's is its own static one
+    (out.cache is None), and a cache passed back was 'an argument it does not know'."""
+    model, decoder = _fp32_decoder()
+    ids = prompt()
+    out = decoder.generate(ids, max_new_tokens=2, return_dict_in_generate=True)
+    assert out.cache is None and out.sequences.shape == (2, PROMPT + 2)
+    with torch.no_grad():
+        hf = model.generate(ids, max_new_tokens=2, return_dict_in_generate=True)
+    for name in ("cache", "past_key_values"):
+        with pytest.raises(ValueError) as refused:
+            decoder.generate(out.sequences, max_new_tokens=2, **{name: hf.cache})
+        assert str(refused.value) == (
+            f"generate({name}=...): the decoder keeps its own static cache (decoder.cache), "
+            "filled from the prompt on every call: pass the whole sequence as the prompt "
+            "instead; run it with the HF model's own generate")

@@ -186,7 +186,7 @@ def main(argv=None):
 
             def forced():
                 return mpgraph.generate(decoder, ids, args.new, forced_tokens=cont,
-                                        output_logits=True, cuda_graph=graph).logits
+                                        return_logits=True, cuda_graph=graph).logits
             return run, forced
 
         variants["mpgraph eager"] = ours(False)

@@ -19,11 +19,12 @@ decode step is replayed from a CUDA graph (``mpgraph.cuda_graph``), since every 
 the same shapes and reads the cache at the same addresses.
 
 Limits: the batch size and the cache length are fixed at conversion (a smaller batch is padded
-with copies of its first row; ``prompt length + max_new_tokens`` must fit the cache); the prompt
-is prefilled in one call (a one-token prompt goes through the decode graph); models whose cache
-has sliding-window layers convert for a cache within the window (it does not roll), other
-non-static layers are refused; the converted graphs are tied to the
-device they were converted on (export bakes it into the graph's constants).
+with copies of its first row, which the processors, sampling and output never see; ``prompt
+length + max_new_tokens`` must fit the cache); the prompt is prefilled in one call (a one-token
+prompt goes through the decode graph); models whose cache has sliding-window layers convert for
+a cache within the window (it does not roll), other non-static layers are refused; dynamic RoPE
+is refused, longrope converts for a cache within its original positions; the converted graphs
+are tied to the device they were converted on (export bakes it into the graph's constants).
 """
 from __future__ import annotations
 
@@ -65,11 +66,10 @@ class StaticCacheStep(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_cache_len: int,
-                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None):
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
-        from transformers.configuration_utils import get_head_shapes
         config = getattr(model, "config", None)
         if config is None:
             raise TypeError(f"expected a HuggingFace causal LM (with .config), got "
@@ -80,10 +80,8 @@ class StaticCacheStep(torch.nn.Module):
                             "transformers 5 causal LM with a KV cache")
         self.model = model
         self._logits_to_keep = "logits_to_keep" in params
-        param = next(model.parameters())
-        dtype = dtype or param.dtype
-        device = torch.device(device) if device is not None else param.device
         text = config.get_text_config(decoder=True)
+        _check_rope(model, text, max_cache_len)
         self.cache = StaticCache(config=text, max_cache_len=max_cache_len)
         window = getattr(text, "sliding_window", None)
         sliding = [i for i, layer in enumerate(self.cache.layers)
@@ -107,13 +105,31 @@ class StaticCacheStep(torch.nn.Module):
             raise ValueError(f"{type(model).__name__}'s cache has {sorted(kinds)} layers; "
                              "convert_decoder supports full-attention StaticLayer caches (and "
                              "sliding windows up to their window) only")
-        heads, head_dim = get_head_shapes(text)
-        self.cache.early_initialization(batch_size, heads, head_dim, dtype, device)
+        self._initialize_cache(model, batch_size, dtype)
         for i, layer in enumerate(self.cache.layers):
             self.register_buffer(f"{KEY}{i}", layer.keys, persistent=False)
             self.register_buffer(f"{VALUE}{i}", layer.values, persistent=False)
             self.register_buffer(f"{LENGTH}{i}", layer.cumulative_length, persistent=False)
         self.batch_size, self.max_cache_len = batch_size, max_cache_len
+
+    def _initialize_cache(self, model, batch_size: int, dtype) -> None:
+        """Allocate the cache as HF's StaticCache does in ``generate``: lazily, from the keys and
+        values the model writes on its first call (one token here), so each layer's head count
+        and head size are the model's, not the config's guess (multi-query Falcon writes one
+        key/value head where its config counts all of them). Then zeroed."""
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model(input_ids=torch.zeros((batch_size, 1), dtype=torch.long, device=device),
+                  cache=self.cache, use_cache=True)
+        unwritten = [i for i, layer in enumerate(self.cache.layers) if not layer.is_initialized]
+        if unwritten:
+            raise ValueError(f"{type(model).__name__} did not write its cache layers {unwritten}: "
+                             "convert_decoder needs a model that fills one StaticCache layer "
+                             "per attention layer")
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.to(dtype=dtype or layer.keys.dtype).zero_()
+            layer.values = layer.values.to(dtype=dtype or layer.values.dtype).zero_()
+            layer.cumulative_length.zero_()
 
     def forward(self, input_ids, position_ids, cache_position, attention_mask):
         for i, layer in enumerate(self.cache.layers):
@@ -125,6 +141,36 @@ class StaticCacheStep(torch.nn.Module):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, cache=self.cache, use_cache=True, **extra)
         return out.logits[:, -1]
+
+
+def _check_rope(model: torch.nn.Module, text, max_cache_len: int) -> None:
+    """Refuse the rotary embeddings whose frequencies depend on the sequence in a way the
+    static cache cannot follow: dynamic NTK scaling recomputes them from the sequence length
+    on each call (a Python branch on the positions, and state kept between calls: no captured
+    graph follows it); longrope switches from its short to its long factors once the sequence
+    passes ``original_max_position_embeddings``, where HF's generate (Phi-3) recomputes the
+    whole cache with the long factors; a static cache would keep the keys made with the short
+    ones."""
+    params = getattr(text, "rope_parameters", None) or {}
+    for rope in [params] if "rope_type" in params else \
+            [p for p in params.values() if isinstance(p, dict)]:
+        kind = rope.get("rope_type")
+        if kind is not None and "dynamic" in kind:
+            raise ValueError(
+                f"{type(model).__name__} uses rope_type {kind!r} (dynamic NTK scaling), which "
+                "recomputes the rotary frequencies from the sequence length at run time: "
+                "convert_decoder's captured graphs cannot follow it. Generate with the HF "
+                "model's own generate")
+        limit = rope.get("original_max_position_embeddings",
+                         getattr(text, "original_max_position_embeddings", None))
+        if kind == "longrope" and limit is not None and max_cache_len > limit:
+            raise ValueError(
+                f"{type(model).__name__} uses rope_type 'longrope', which switches to its long "
+                "factors once the sequence passes original_max_position_embeddings="
+                f"{limit}: the keys cached before were made with the short ones, and HF's "
+                "generate (Phi-3) recomputes them all at that point, which the static cache "
+                f"cannot. Convert with max_cache_len <= {limit} (prompt + new tokens within "
+                "it), or generate with the HF model's own generate")
 
 
 def cache_names(module: torch.nn.Module) -> list[str]:
@@ -514,7 +560,7 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
 class GenerateOutput:
     """``sequences`` (B, L + new): the prompt and the generated tokens (finished rows padded
     with ``pad_token_id``); ``logits``: (new, B, vocab) float32, the logits each token was
-    chosen from (``output_logits=True``), else None."""
+    chosen from (``return_logits=True``), else None."""
 
     sequences: torch.Tensor
     logits: Optional[torch.Tensor] = None
@@ -522,14 +568,16 @@ class GenerateOutput:
 
 @functools.lru_cache(maxsize=None)
 def _rules_class():
-    """transformers' own generation rules (logits processors, stopping criteria, special
-    tokens), asked as the model's ``generate`` asks them: they read only ``config``.
-    (transformers is imported here: mpgraph itself does not need it.)"""
-    from transformers import GenerationMixin
+    """transformers' own generation rules (the generation config's merge and lengths, special
+    tokens, the attention mask inferred from pad ids, logits processors, stopping criteria),
+    asked as the model's ``generate`` asks them: they read only ``config`` and
+    ``generation_config``. (transformers is imported here: mpgraph itself does not need it.)"""
+    from transformers import GenerationConfig, GenerationMixin
 
     class Rules(GenerationMixin):
-        def __init__(self, config):
+        def __init__(self, config, generation_config):
             self.config = config
+            self.generation_config = generation_config or GenerationConfig()
     return Rules
 
 
@@ -538,9 +586,9 @@ _NOT_SUPPORTED = {  # GenerationConfig field: (the value that means "off", why n
                      "sequence per row"),
     "num_return_sequences": (1, "one sequence per prompt row: repeat the prompt rows instead"),
     "penalty_alpha": (None, "contrastive search is not supported"),
-    "assistant_model": (None, "assisted generation is not supported"),
     "prompt_lookup_num_tokens": (None, "prompt lookup decoding is not supported"),
     "guidance_scale": (None, "classifier-free guidance needs a second cache"),
+    "token_healing": (False, "token healing rewrites the prompt with the tokenizer first"),
     "output_attentions": (False, "the converted graphs return the last position's logits only "
                                  "(return_dict_in_generate gives sequences, scores and logits)"),
     "output_hidden_states": (False, "the converted graphs return the last position's logits "
@@ -548,72 +596,89 @@ _NOT_SUPPORTED = {  # GenerationConfig field: (the value that means "off", why n
                                     "logits)"),
 }
 
+_DRAFTS = ("assisted generation checks a draft's tokens several at a time; the decode graph "
+           "takes one token per row")
+_GUIDANCE = ("classifier-free guidance runs the model on a second, negative prompt, which needs "
+             "a second cache")
+_OWN_CACHE = ("the decoder keeps its own static cache (decoder.cache), filled from the prompt on "
+              "every call: pass the whole sequence as the prompt instead")
+_REFUSED = {  # arguments of HF's generate (not GenerationConfig fields) the decoder cannot take
+    "assistant_model": _DRAFTS, "assistant_tokenizer": _DRAFTS,
+    "negative_prompt_ids": _GUIDANCE, "negative_prompt_attention_mask": _GUIDANCE,
+    "custom_generate": "a custom decoding loop calls the HF model, not the converted graphs",
+    "cache": _OWN_CACHE, "past_key_values": _OWN_CACHE,
+}
 
-def _generation_config(decoder, generation_config, max_new_tokens, kwargs, length: int):
-    """The config this call runs with: the one given, else the model's own (eos, pad, lengths,
-    sampling: what HF's generate follows), updated by the keyword arguments, with HF's defaults
-    where nothing is set and its lengths counted from the ``length``-token prompt."""
-    from transformers import GenerationConfig
-    base = generation_config or decoder.generation_config or GenerationConfig()
-    config = copy.deepcopy(base)
-    if max_new_tokens is not None:
-        kwargs["max_new_tokens"] = max_new_tokens
+
+def _generation_config(rules, generation_config, kwargs: dict, ids: torch.Tensor):
+    """The config this call runs with, made by transformers' own steps of ``generate``: the
+    given config (or a default one) with every field it leaves unset taken from the model's
+    generation config, then HF's defaults, then the keyword arguments
+    (``_prepare_generation_config``), and its lengths counted from the prompt
+    (``_prepare_generated_length``: 20 new tokens where nothing sets a length). What the static
+    cache cannot do is refused with the reason; an unknown keyword is a TypeError."""
+    from transformers.generation.configuration_utils import GenerationMode
     if kwargs.get("eos_token_id") == []:
         kwargs["eos_token_id"] = None  # [] means no EOS: generate every new token
-    unused = config.update(**kwargs)
-    default_length = config.max_length is None and config.max_new_tokens is None
-    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
-    for field, value in defaults.items():  # what HF's generate fills in where nothing is set
-        if getattr(config, field, None) is None:
-            setattr(config, field, value)
-    if unused:
-        raise TypeError(f"generate got arguments it does not know: {sorted(unused)} (the "
-                        "GenerationConfig fields and attention_mask, generation_config, "
-                        "logits_processor, stopping_criteria, streamer, generator, cuda_graph, "
-                        "output_logits, forced_tokens are taken)")
+    default_max, default_min = (  # as HF's generate decides them, before the merge
+        kwargs.get(name) is None and getattr(generation_config, name, None) is None
+        and getattr(rules.generation_config, name, None) is None
+        for name in ("max_length", "min_length"))
+    config, unused = rules._prepare_generation_config(generation_config, **kwargs)
     for field, (off, why) in _NOT_SUPPORTED.items():
         value = getattr(config, field, off)
         if value is not None and value != off:
             raise ValueError(f"generate({field}={value!r}): {why}; run it with the HF model's "
                              "own generate, or set it back to " + repr(off))
+    if unused:
+        raise TypeError(f"generate got arguments it does not know: {sorted(unused)} (the "
+                        "GenerationConfig fields and attention_mask, generation_config, "
+                        "logits_processor, stopping_criteria, prefix_allowed_tokens_fn, "
+                        "synced_gpus, streamer, tokenizer, generator, cuda_graph, return_logits, "
+                        "forced_tokens are taken)")
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(f"generate: {mode.value} is not supported (greedy search and sampling "
+                         "are); run it with the HF model's own generate")
     if config.do_sample and config.temperature is not None and config.temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {config.temperature}")
-    if config.max_new_tokens is not None:
-        config.max_length = length + config.max_new_tokens
-    elif default_length:  # HF's default: 20 new tokens, within the positions
-        limit = getattr(decoder.config, "max_position_embeddings", None) or float("inf")
-        config.max_length = min(length + config.max_length, limit)
-    if config.min_new_tokens is not None:
-        config.min_length = length + config.min_new_tokens
-    return config
+    return rules._prepare_generated_length(config, default_max, default_min, "input_ids",
+                                           ids.shape[1], ids)
 
 
 def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
              max_new_tokens: Optional[int] = None, *,
              attention_mask: Optional[torch.Tensor] = None, generation_config=None,
-             logits_processor=None, stopping_criteria=None, streamer=None,
+             logits_processor=None, stopping_criteria=None, prefix_allowed_tokens_fn=None,
+             synced_gpus: Optional[bool] = None, streamer=None, tokenizer=None,
              generator: Optional[torch.Generator] = None, cuda_graph: Any = None,
-             output_logits: bool = False, forced_tokens: Optional[torch.Tensor] = None,
+             return_logits: bool = False, forced_tokens: Optional[torch.Tensor] = None,
              **kwargs) -> Union[torch.Tensor, GenerateOutput]:
     """Generate after ``input_ids`` (B, L) with a ``ConvertedDecoder`` as HuggingFace's
     ``model.generate`` does: one prefill call, then one decode call per token.
 
-    The arguments are HF's: ``generation_config`` (default: the model's own, so its EOS, pad
-    and lengths apply) and any of its fields as keywords (``max_new_tokens``/``max_length``,
-    ``min_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
-    ``repetition_penalty``, ``no_repeat_ngram_size``, ``eos_token_id`` (an int or a list; ``[]``:
-    none), ``pad_token_id``, ``max_time``, ...), ``logits_processor`` and ``stopping_criteria``
-    lists merged with the config's, and a ``streamer`` (``put`` the prompt, then each token;
-    ``end``). The processors and criteria are transformers' own, built by its ``GenerationMixin``
-    from the config, and run in the same order on the same float32 logits, so a converted model
-    gives HF's tokens for its logits. Beam search, contrastive and assisted decoding are refused
-    with the reason. ``attention_mask`` (B, L): 0 on padding, on the left as HF pads
-    decoder-only prompts; positions count real tokens only. ``generator`` seeds the sampling.
-    ``cuda_graph`` (default: on CUDA) replays the decode step from a CUDA graph (or a
-    ``CudaGraphBackend``). ``forced_tokens`` (B, N): feed these tokens instead of the chosen ones
-    (teacher forcing; with ``output_logits`` it scores a given continuation). Returns the
-    sequences (B, L + generated), finished rows padded with the pad id, as HF's generate; a
-    ``GenerateOutput`` with each step's raw logits when ``output_logits``.
+    The arguments are HF's: ``generation_config`` (merged with the model's own, as HF merges
+    it, so its EOS, pad, lengths and penalties apply where the given one leaves them unset) and
+    any of its fields as keywords (``max_new_tokens``/``max_length``, ``min_new_tokens``,
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``stop_strings`` (with ``tokenizer``), ``eos_token_id`` (an int
+    or a list; ``[]``: none), ``pad_token_id``, ``max_time``, ``return_dict_in_generate``,
+    ``output_scores``, ``output_logits``, ...), ``logits_processor`` and ``stopping_criteria``
+    lists merged with the config's, ``prefix_allowed_tokens_fn``, and a ``streamer`` (``put``
+    the prompt, then each token; ``end``). The processors and criteria are transformers' own,
+    built by its ``GenerationMixin`` from the config, and run in the same order on the same
+    float32 logits of the prompt's rows, so a converted model gives HF's tokens for its logits
+    (and, sampling, HF's draws for the same seed). Beam search, contrastive and assisted
+    decoding, guidance and another call's cache are refused with the reason.
+    ``attention_mask`` (B, L): 0 on padding, on the left as HF pads decoder-only prompts
+    (inferred from the pad id where not given, as HF does); positions count real tokens only.
+    ``generator`` seeds the sampling. ``cuda_graph`` (default: on CUDA) replays the decode step
+    from a CUDA graph (or a ``CudaGraphBackend``). ``forced_tokens`` (B, N): feed these tokens
+    instead of the chosen ones (teacher forcing; with ``return_logits`` it scores a given
+    continuation). Returns the sequences (B, L + generated), finished rows padded with the pad
+    id, as HF's generate; HF's ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``
+    (sequences, scores, logits; no cache: the decoder keeps its own); else a ``GenerateOutput``
+    with each step's raw logits when ``return_logits``.
     """
     if not isinstance(decoder, ConvertedDecoder):
         raise TypeError("generate takes what mpgraph.convert_decoder returns, got "
@@ -621,9 +686,22 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a (batch, length) tensor, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    for name, why in _REFUSED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"generate({name}=...): {why}; run it with the HF model's own "
+                             "generate")
+    if synced_gpus:
+        raise ValueError("generate(synced_gpus=True) keeps several processes' loops in step "
+                         "(DeepSpeed ZeRO-3, FSDP); the converted decoder generates in one process")
+    kwargs = {k: v for k, v in kwargs.items() if k not in _REFUSED}
+    if max_new_tokens is not None:
+        kwargs["max_new_tokens"] = max_new_tokens
     from transformers import LogitsProcessorList, StoppingCriteriaList
     rows, length = input_ids.shape
-    config = _generation_config(decoder, generation_config, max_new_tokens, dict(kwargs), length)
+    device = decoder.device
+    ids = input_ids.to(device=device, dtype=torch.long)
+    rules = _rules_class()(decoder.config, decoder.generation_config)
+    config = _generation_config(rules, generation_config, kwargs, ids)
     new = config.max_length - length
     if new < 1:
         raise ValueError(f"max_length={config.max_length} leaves no new token after the "
@@ -638,28 +716,30 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if forced_tokens is not None and tuple(forced_tokens.shape) != (rows, new):
         raise ValueError(f"forced_tokens must be (batch, new tokens) = {(rows, new)}, got "
                          f"{tuple(forced_tokens.shape)}")
-    device = decoder.device
-    ids = input_ids.to(device=device, dtype=torch.long)
-    given = torch.ones_like(ids) if attention_mask is None else \
-        attention_mask.to(device=device, dtype=torch.long)
+    rules._prepare_special_tokens(config, attention_mask is not None, device, rows)
+    if attention_mask is None:  # HF's: 0 on the pad id where it is in the prompt and not EOS
+        given = rules._prepare_attention_mask_for_generation(ids, config, {})
+    else:
+        given = attention_mask.to(device=device, dtype=torch.long)
     if given.shape != ids.shape:
         raise ValueError(f"attention_mask {tuple(given.shape)} does not match input_ids "
                          f"{tuple(ids.shape)}")
     if bool((given[:, -1] == 0).any()):
-        raise ValueError("attention_mask has padding on the right: pad prompts on the left "
+        raise ValueError(("attention_mask has" if attention_mask is not None else
+                          "input_ids end in the pad id, so the inferred attention_mask has")
+                         + " padding on the right: pad prompts on the left "
                          "(tokenizer.padding_side = 'left') for generation")
-    if rows < batch:  # fill the cache's batch with copies of the first row, dropped at the end
-        # (before the processors are built: HF's repetition penalty checks their batch)
-        fill = torch.cat([torch.arange(rows, device=device),
-                          torch.zeros(batch - rows, dtype=torch.long, device=device)])
-        ids, given = ids[fill], given[fill]
-    rules = _rules_class()(decoder.config)
-    rules._prepare_special_tokens(config, attention_mask is not None, device, batch)
+    # the processors and criteria see the prompt's rows only, as HF's; the graphs take the
+    # cache's batch: a smaller one is filled with copies of the first row, dropped at the end
     processors = rules._get_logits_processor(
-        config, input_ids_seq_length=length, encoder_input_ids=ids, device=device,
-        logits_processor=logits_processor or LogitsProcessorList(),
+        config, input_ids_seq_length=length, encoder_input_ids=ids,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        logits_processor=logits_processor or LogitsProcessorList(), device=device,
         model_kwargs={"attention_mask": given})
-    criteria = rules._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList())
+    criteria = rules._get_stopping_criteria(
+        config, stopping_criteria or StoppingCriteriaList(), tokenizer=tokenizer)
+    fill = torch.cat([torch.arange(rows, device=device),
+                      torch.zeros(batch - rows, dtype=torch.long, device=device)])
     pad = config._pad_token_tensor
     if cuda_graph is None:
         cuda_graph = device.type == "cuda"
@@ -667,27 +747,26 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
         decoder.graphed_decode(cuda_graph) if cuda_graph else decoder.decode
 
     mask = torch.zeros(batch, slots, dtype=torch.long, device=device)
-    mask[:, :length] = given
-    positions = (given.cumsum(-1) - 1).masked_fill(given == 0, 0)
-    next_pos = positions[:, -1:] + 1                                    # (B, 1)
+    mask[:, :length] = given[fill]
+    positions = (mask[:, :length].cumsum(-1) - 1).masked_fill(mask[:, :length] == 0, 0)
+    next_pos = positions[:, -1:] + 1                                    # (batch, 1)
     # HF's return_dict_in_generate: its output object, with each step's processed scores
     # (output_scores) and raw logits (output_logits), as tuples of (B, vocab)
-    as_dict = bool(getattr(config, "return_dict_in_generate", False))
-    kept = [] if output_logits or (as_dict and getattr(config, "output_logits", False)) else None
-    kept_scores = [] if as_dict and getattr(config, "output_scores", False) else None
+    as_dict = bool(config.return_dict_in_generate)
+    kept = [] if return_logits or (as_dict and config.output_logits) else None
+    kept_scores = [] if as_dict and config.output_scores else None
     forced = None if forced_tokens is None else forced_tokens.to(device=device, dtype=torch.long)
-    if forced is not None and rows < batch:
-        forced = forced[fill]
-    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    unfinished = torch.ones(rows, dtype=torch.bool, device=device)
     if streamer is not None:
-        streamer.put(ids[:rows].cpu())
+        streamer.put(ids.cpu())
     decoder.reset_cache()
     with torch.no_grad():
         start = torch.zeros(1, dtype=torch.long, device=device)
-        logits = (decoder.prefill if length >= 2 else step_fn)(ids, positions, start, mask)
+        logits = (decoder.prefill if length >= 2 else step_fn)(ids[fill], positions, start, mask)
         cache_position = torch.full((1,), length, dtype=torch.long, device=device)
         for i in range(new):
-            logits = logits.to(dtype=torch.float32, copy=True)  # as HF: processors see float32
+            # as HF: float32 logits of the prompt's rows (a copy: the next step overwrites them)
+            logits = logits[:rows].to(dtype=torch.float32, copy=True)
             if kept is not None:
                 kept.append(logits.clone())
             scores = processors(ids, logits)
@@ -704,23 +783,22 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
                 token = torch.where(unfinished, token, pad)
             ids = torch.cat([ids, token[:, None]], dim=1)
             if streamer is not None:
-                streamer.put(token[:rows].cpu())
+                streamer.put(token.cpu())
             unfinished &= ~criteria(ids, scores)
-            if not bool(unfinished[:rows].any()):
+            if not bool(unfinished.any()):
                 break
             mask[:, length + i] = 1
-            logits = step_fn(token[:, None], next_pos, cache_position, mask)
+            logits = step_fn(token[fill, None], next_pos, cache_position, mask)
             next_pos += 1
             cache_position += 1
     if streamer is not None:
         streamer.end()
-    sequences = ids[:rows]
     if as_dict:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
         return GenerateDecoderOnlyOutput(
-            sequences=sequences,
-            scores=tuple(s[:rows] for s in kept_scores) if kept_scores is not None else None,
-            logits=tuple(k[:rows] for k in kept) if kept is not None else None)
-    if output_logits:
-        return GenerateOutput(sequences, torch.stack(kept)[:, :rows])
-    return sequences
+            sequences=ids,
+            scores=tuple(kept_scores) if kept_scores is not None else None,
+            logits=tuple(kept) if kept is not None else None)
+    if return_logits:
+        return GenerateOutput(ids, torch.stack(kept))
+    return ids

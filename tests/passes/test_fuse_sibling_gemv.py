@@ -156,11 +156,11 @@ def test_a_decoder_step_stacks_q_k_v_and_gate_up_and_its_prefill_graph_reads_the
         assert fetch_attr(decoder.prefill, path) is fetch_attr(decoder.decode, path), path
     with torch.no_grad():
         want = mpgraph.convert_decoder(other, ids, **options).generate(
-            ids, max_new_tokens=8, output_logits=True)
+            ids, max_new_tokens=8, return_logits=True)
     mpgraph.load_weights(decoder, other.state_dict())
     for path in members:
         assert fetch_attr(decoder.prefill, path) is fetch_attr(decoder.decode, path), path
-    got = decoder.generate(ids, max_new_tokens=8, output_logits=True)
+    got = decoder.generate(ids, max_new_tokens=8, return_logits=True)
     assert torch.equal(got.sequences, want.sequences)
     assert torch.equal(got.logits, want.logits)
 
