@@ -35,7 +35,8 @@ import torch.fx
 from mpgraph.ir.edges import required_dtype
 from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, module_path, mutated_nodes,
                               stored_into_only, target_name)
-from mpgraph.ir.meta import COST, OP_CLASS, PRECISION, SAFETY, TENSOR, Decision, dtype_name, is_float32_tensor
+from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
+                             TENSOR, Decision, dtype_name, is_float32_tensor)
 from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok
 from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
@@ -81,8 +82,8 @@ class AssignPrecision(Pass):
     node names to (dtype name, reason) of a saved plan: applied like node-name overrides.
     """
     stage = "decide"
-    reads, reads_on, writes = (TENSOR, OP_CLASS), ALL_NODES, (PRECISION,)
-    also_reads = (SAFETY, COST)
+    reads, reads_on, writes = (TENSOR, OP_CLASS), ALL_NODES, (PRECISION, ESTIMATE)
+    also_reads = (SAFETY, COST, CAST_COST, COST_MODEL)
 
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
@@ -186,7 +187,32 @@ class AssignPrecision(Pass):
             if key not in self._matched:
                 log.warning("override %r matched no node (keys: node names, module paths or "
                             "globs, 'op:<glob>', 'class:<op class>')", key)
+        self._estimate(gm)
         return PassResult(gm, False)
+
+    def _estimate(self, gm) -> None:
+        """The plan's time by the cost model: each node at its decided dtype, one cast for each
+        value and dtype its readers need. What a rules plan's summary states (before, it stated
+        what the dtype choice's optimal plan would take); the optimal pass replaces it with its
+        cut's exact total."""
+        gm.meta.pop(ESTIMATE, None)
+        if COST_MODEL not in gm.meta:
+            return
+        fp32_s = plan_s = 0.0
+        for n in gm.graph.nodes:
+            cost, d = n.meta.get(COST), n.meta[PRECISION]
+            if cost is not None:
+                fp32_s += cost.t_fp32
+                plan_s += cost.t_fp32 if d.dtype in (None, FP32) else cost.t_low
+        for v in gm.graph.nodes:
+            have, cast = v.meta[PRECISION], v.meta.get(CAST_COST)
+            if cast is None or have.dtype is None or (have.stored and v.op == "get_attr"):
+                continue
+            needs = {required_dtype(u, v, gm, self.keep_io_types) for u in v.users}
+            plan_s += sum(cast[1] if need == FP32 else cast[0]
+                          for need in needs - {None, have.dtype})
+        gm.meta[ESTIMATE] = {"target": gm.meta[COST_MODEL]["target"], "fp32_s": fp32_s,
+                             "plan_s": plan_s, "source": gm.meta[COST_MODEL]["source"]}
 
     def _cache(self, node, gm) -> Optional[str]:
         """Why a buffer written in place can be stored low (a KV cache: inference, written only
