@@ -37,9 +37,10 @@ from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import CALLS, input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
 from mpgraph.numerics import discrete_mismatches, output_errors, rounding
-from mpgraph.ir.meta import (CHECK, COST, PRECISION, RANGE, REFERENCE, TENSOR, TensorInfo,
+from mpgraph.ir.meta import (CHECK, COST, OP_CLASS, PRECISION, RANGE, REFERENCE, TENSOR, TensorInfo,
                              dtype_name, is_float32_tensor, is_inserted_cast, planned_dtype)
 from mpgraph.passes.infra import Pass, PassResult
+from mpgraph.passes.op_table import FOLLOW
 
 VALUE_BOUND_ULPS = 32  # see the module docstring
 SIMULATED_VALUES_MAX_FLOPS = 20e9  # fp32 FLOPs per batch (~0.2 s on a 2-core CPU); see above
@@ -168,15 +169,18 @@ class CheckConversion(Pass):
             gm.meta[CHECK]["discrete"] = differ
         if error <= bound or self.tolerance is not None:
             return
-        worst = errors.index(error)
-        where = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs), bound,
-                               worst)
+        # (errors count the float outputs; the message, as the other checks, counts every leaf)
+        worst = [i for i, v in enumerate(outputs) if type(v) is float or (
+            isinstance(v, torch.Tensor) and v.is_floating_point())][errors.index(error)]
+        where, keep = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs),
+                                     bound, worst)
+        keep = ", ".join(f"{name!r}: 'fp32'" for name in keep[:3]) or "'<node or module>': 'fp32'"
         raise ValueCheckError(
             f"the converted module's output {worst} differs from float32 by {error:.3g} (relative "
             f"L2 ||y - y_hat|| / ||y|| on the first calibration batch), more than a "
             f"{dtype_name(low)} plan should ({bound:.3g}): {where}. Either a value kept in "
             f"{dtype_name(low)} loses too much there (keep it in float32: "
-            "overrides={'<node or module>': 'fp32'}, or state a tolerance= and the nodes that "
+            f"overrides={{{keep}}}, or state a tolerance= and the nodes that "
             "need it are pinned"
             + ("; or convert in bfloat16, float32's range: dtype='bf16'" if low == torch.float16
                else "") + "), or the conversion is wrong (please report it with the model)",
@@ -214,14 +218,12 @@ def _comparisons(gm) -> list[str]:
 
 
 def _compared_values(gm) -> list[str]:
-    """The float values those comparisons read (through the plan's casts)."""
+    """The low-precision values those comparisons are computed from (``_low_sources``)."""
     out: list[str] = []
     for n in gm.graph.nodes:
         if n.op in CALLS and _bool(n):
             for a in input_nodes(n):
-                a = a.args[0] if is_inserted_cast(a) else a
-                if a.op in CALLS and a.name not in out and a.meta.get(TENSOR) is not None:
-                    out.append(a.name)
+                out += [name for name in _low_sources(a) if name not in out]
     return out
 
 
@@ -234,11 +236,13 @@ def _planned_low(node) -> bool:
 
 
 def _bool(node) -> bool:
+    """Whether the node's value is a bool tensor (a mask)."""
     info = node.meta.get(TENSOR)
     return isinstance(info, TensorInfo) and info.dtype == torch.bool
 
 
 def _low(node) -> bool:
+    """Whether the node's value is a low-precision tensor (an inserted cast to fp16/bf16)."""
     info = node.meta.get(TENSOR)
     return isinstance(info, TensorInfo) and info.dtype in (torch.float16, torch.bfloat16)
 
@@ -279,6 +283,7 @@ def _output_node(gm, index: int) -> Optional[torch.fx.Node]:
 
 
 def _ancestors(node: torch.fx.Node) -> set:
+    """``node`` and every node it reads, directly or not."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
@@ -288,11 +293,13 @@ def _ancestors(node: torch.fx.Node) -> set:
     return seen
 
 
-def _first_parting(gm, absmax: dict, bound: float, output: Optional[int] = None) -> str:
-    """The first node (graph order) that the failing output reads, directly or not, whose
-    output magnitude parts from the float32 run's on the same batch (Calibrate's absmax of
-    batch 0) by more than the bound, or turns inf/NaN; where that node computes in float32,
-    the low-precision values it reads (what an override should keep in float32)."""
+def _first_parting(gm, absmax: dict, bound: float,
+                   output: Optional[int] = None) -> tuple[str, list[str]]:
+    """Where values part: the first node (graph order) that the failing output reads, directly
+    or not, whose output magnitude parts from the float32 run's on the same batch (Calibrate's
+    absmax of batch 0) by more than the bound, or turns inf/NaN; and the low-precision values
+    to keep in float32 there (the node itself, or where it computes in float32, the low values
+    it is computed from)."""
     out = _output_node(gm, output) if output is not None else None
     upstream = _ancestors(out) if out is not None else None
     for node in gm.graph.nodes:
@@ -304,12 +311,34 @@ def _first_parting(gm, absmax: dict, bound: float, output: Optional[int] = None)
         if not math.isfinite(got) or abs(got - want) > bound * max(want, 1e-30):
             where = (f"values first part at node {node.name} ({target_name(node)}): absmax "
                      f"{got:.4g}, float32 {want:.4g}")
-            decision = node.meta.get(PRECISION)
-            if decision is None or decision.dtype in (None, torch.float32):
-                low = sorted({(a.args[0] if is_inserted_cast(a) else a).name
-                              for a in input_nodes(node) if _planned_low(a)})
-                if low:
-                    where += (f", computed in float32 from {', '.join(low)}, kept in low "
-                              "precision")
-            return where
-    return "no single node's magnitude parts (the outputs differ in their values' placement)"
+            low = _low_sources(node)
+            if low and low != [node.name]:
+                where += f", computed in float32 from {', '.join(low)}, kept in low precision"
+            return where, low
+    return "no single node's magnitude parts (the outputs differ in their values' placement)", []
+
+
+def _low_sources(node: torch.fx.Node) -> list[str]:
+    """The nodes whose low precision ``node``'s value inherits, to name in an override: the
+    nearest low values upstream through float32 nodes (a float32 node only inherits their
+    rounding), and through low elementwise ones (``follow``: an override of what they read
+    turns them float32 too) to the ops that chose the low dtype (a matmul, a conv); the
+    follow ones themselves where no such op is found."""
+    chosen: list[str] = []
+    followers: list[str] = []
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop(0)
+        n = n.args[0] if is_inserted_cast(n) else n
+        if n in seen or n.op in ("placeholder", "get_attr"):
+            continue
+        seen.add(n)
+        info = n.meta.get(OP_CLASS)
+        if not _planned_low(n):
+            stack += input_nodes(n)
+        elif info is not None and info.op_class == FOLLOW:
+            followers.append(n.name)
+            stack += input_nodes(n)
+        else:
+            chosen.append(n.name)
+    return chosen or followers[:1]

@@ -211,33 +211,72 @@ def test_an_output_whose_length_rounding_changes_is_a_clear_error_with_the_way_o
 
 
 class Features(nn.Module):
-    """Two outputs; the second (a loss of probabilities near 1) fails bf16's value check."""
+    """Two outputs (three with the classes first); the loss of probabilities near 1 fails
+    bf16's value check."""
+
+    def __init__(self, classes_first=False):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.classes_first = classes_first
+
+    def forward(self, x):
+        p = torch.sigmoid(self.fc(x) * 8)
+        feat = self.fc2(-torch.log(1 - p + 1e-8))
+        loss = nn.functional.binary_cross_entropy(p, torch.full_like(p, 0.3))
+        return (feat.argmax(-1), feat, loss) if self.classes_first else (feat, loss)
+
+
+@pytest.mark.parametrize("classes_first", [False, True], ids=["floats", "an-int-output-first"])
+def test_a_failed_value_check_names_what_the_failing_output_reads_and_following_it_works(
+        classes_first):
+    """Before: it named ``log`` (first in graph order, on the features' path, not the loss's),
+    kept naming it after ``log`` was overridden to float32, and with an integer output first
+    counted outputs two ways (the float outputs for the node, every leaf for the number)."""
+    torch.manual_seed(0)
+    model, x = Features(classes_first).eval(), torch.randn(2, 16, 64)
+    with pytest.raises(mpgraph.ValueCheckError) as caught:
+        mpgraph.convert(model, (x,), dtype=torch.bfloat16, strategy="rules")
+    message = str(caught.value)
+    assert message.startswith(f"the converted module's output {2 if classes_first else 1} "
+                              "differs from float32 by")
+    assert "values first part at node binary_cross_entropy (binary_cross_entropy): absmax " \
+        in message
+    assert "computed in float32 from fc, kept in low precision" in message
+    assert "(keep it in float32: overrides={'fc': 'fp32'}" in message
+    fast = mpgraph.convert(model, (x,), dtype=torch.bfloat16, strategy="rules",
+                           overrides={"fc": "fp32"})  # what it says
+    assert fast.plan.check["error"] < fast.plan.check["bound"]
+
+
+class DataWrites(nn.Module):
+    """In-place writes through ``.data`` and ``.detach()``: the same storage."""
 
     def __init__(self):
         super().__init__()
         self.fc, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
 
     def forward(self, x):
-        p = torch.sigmoid(self.fc(x) * 8)
-        feat = self.fc2(-torch.log(1 - p + 1e-8))
-        return feat, nn.functional.binary_cross_entropy(p, torch.full_like(p, 0.3))
+        self.fc.weight.data.clamp_(-0.05, 0.05)  # WGAN's clipping, written the classic way
+        h = self.fc(x)
+        h.data.clamp_(0, 0.1)
+        g = self.fc2(x)
+        g.detach().mul_(0)
+        return self.fc2(h) + g
 
 
-def test_a_failed_value_check_names_what_the_failing_output_reads_and_following_it_works():
-    """Before: it named ``log`` (first in graph order, on output 0's path, not output 1's), and
-    kept naming it after ``log`` was overridden to float32."""
+def test_writes_through_data_and_detach_reach_the_tensor_they_alias():
+    """Before: ``x.data`` was no view, so Functionalize made ``h.data.clamp_`` an out-of-place
+    clamp whose result nothing read (the check failed: "the conversion is wrong"), and the
+    weight's clip went unseen (off by 3 after new weights)."""
     torch.manual_seed(0)
-    model, x = Features().eval(), torch.randn(2, 16, 64)
-    with pytest.raises(mpgraph.ValueCheckError) as caught:
-        mpgraph.convert(model, (x,), dtype=torch.bfloat16, strategy="rules")
-    message = str(caught.value)
-    assert message.startswith("the converted module's output 1 differs from float32 by")
-    assert "values first part at node binary_cross_entropy (binary_cross_entropy): absmax " \
-        in message
-    assert "computed in float32 from sigmoid, kept in low precision" in message
-    fast = mpgraph.convert(model, (x,), dtype=torch.bfloat16, strategy="rules",
-                           overrides={"sigmoid": "fp32"})
-    assert fast.plan.check["error"] < fast.plan.check["bound"]
+    model, x = DataWrites().eval(), torch.randn(8, 64)
+    fast = convert_rules(model, (x,))
+    new = {k: v * 3 for k, v in DataWrites().state_dict().items()}
+    model.load_state_dict(new)
+    fast.load_state_dict(new)
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) < TOL[torch.float16]
+    assert fast.plan.node("fc").dtype == "float32"
 
 
 Out = __import__("collections").namedtuple("Out", "logits feats")
@@ -291,3 +330,24 @@ def test_a_rules_plan_states_its_own_estimate_not_the_optimal_plans():
     assert optimal.estimate["plan_s"] == pytest.approx(7e-6)
     pinned = convert_rules(model, (x,), tolerance=1e-7).plan
     assert pinned.tolerance["estimated_s_after"] == pytest.approx(7e-6)
+
+
+class LstmState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.lstm = nn.Linear(32, 32), nn.LSTM(32, 32, batch_first=True)
+
+    def forward(self, x):
+        out, state = self.lstm(self.fc(x))
+        return state
+
+
+def test_onnx_export_of_a_state_returned_whole_matches_its_plan_cast_for_cast(tmp_path):
+    """One plan cast of a multi-output value is a Cast per float item in the file (before:
+    "extra Cast ... not in the plan", though the file was the plan)."""
+    torch.manual_seed(0)
+    result = mpgraph.export_onnx(LstmState().eval(), (torch.randn(2, 5, 32),),
+                                 tmp_path / "state.onnx", target=GPU, strategy="rules")
+    assert [(c.value, c.src, c.dst, c.items) for c in result.plan.casts] == [
+        ("x", "float32", "float16", 1), ("getitem_1", "float16", "float32", 2)]
+    assert (result.casts_in_file, result.casts_expected, result.cast_differences) == (3, 3, [])

@@ -86,6 +86,8 @@ def is_view(node: torch.fx.Node) -> bool:
     if node.op == "call_function":
         if node.target is operator.getitem:
             return True
+        if node.target is getattr and len(node.args) > 1 and node.args[1] == "data":
+            return True  # x.data: the same storage (x.data.clamp_(...) writes x)
         if isinstance(node.target, torch._ops.OpOverload):
             return node.target.is_view
         name = getattr(node.target, "__name__", "")  # torch.transpose, torch.flatten, ...

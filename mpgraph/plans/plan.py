@@ -50,6 +50,7 @@ class CastRecord:
     consumers: tuple[str, ...]
     numel: int
     inserted_by: str
+    items: int = 1  # the tensors it converts: a multi-output value's float items (cast_leaves)
 
 
 @dataclass
@@ -112,7 +113,8 @@ class Plan:
                     dst=dtype_name(decision.dtype),
                     consumers=tuple(u.name for u in node.users),
                     numel=_float32_numel(info),
-                    inserted_by=node.meta[INSERTED_BY]))
+                    inserted_by=node.meta[INSERTED_BY],
+                    items=len(_float32_infos(info)) if isinstance(info, tuple) else 1))
                 continue
             if node.meta.get(INSERTED_BY) == "StoreWeights":
                 continue  # low-precision weight copies: listed under weights
@@ -205,7 +207,8 @@ class Plan:
         """Every float-to-float conversion of the converted graph, ours and the model's, in
         graph order: what an exported file must contain, one Cast each."""
         order = {name: i for i, name in enumerate(self.order)}
-        return sorted(self.casts + self.model_casts, key=lambda c: order.get(c.name, 0))
+        return [c for c in sorted(self.casts + self.model_casts, key=lambda c: order.get(c.name, 0))
+                for _ in range(c.items)]  # (a multi-output value's cast: a Cast per item)
 
     # -- queries ---------------------------------------------------------------------------
     def node(self, name: str) -> NodeRecord:
@@ -384,11 +387,16 @@ def _real_dtype(node: torch.fx.Node) -> Optional[torch.dtype]:
     return planned_dtype(info, node.meta.get(PRECISION)) if isinstance(info, TensorInfo) else None
 
 
-def _float32_numel(info) -> int:
-    """Elements of a value's float32 tensors (every item of a multi-output value)."""
+def _float32_infos(info) -> list[TensorInfo]:
+    """A value's float32 tensors (every item of a multi-output value, nested ones too)."""
     if isinstance(info, TensorInfo):
-        return info.numel if info.dtype == torch.float32 else 0
-    return sum(_float32_numel(i) for i in info) if isinstance(info, tuple) else 0
+        return [info] if info.dtype == torch.float32 else []
+    return [i for item in info for i in _float32_infos(item)] if isinstance(info, tuple) else []
+
+
+def _float32_numel(info) -> int:
+    """Elements of a value's float32 tensors."""
+    return sum(i.numel for i in _float32_infos(info))
 
 
 def _model_cast(node: torch.fx.Node) -> Optional[CastRecord]:
