@@ -617,6 +617,17 @@ _MODULE_STATE = frozenset(vars(torch.nn.Module()))
 _FX_CONSTANT = re.compile(r"_tensor_constant\d+$")
 
 
+# what a symbolic trace says when the forward wrote a parameter or buffer while fx traced it
+_WROTE_AT_TRACE = ("the forward wrote a parameter or buffer while fx traced it (a write fx "
+                   "does not record, such as p.clamp_(...) over self.parameters()): the graph "
+                   "would never make it")
+
+
+def _versions(model: torch.nn.Module) -> dict:
+    """The version counters of the model's parameters and buffers (a write bumps them)."""
+    return {name: t._version for name, t in (*model.named_parameters(), *model.named_buffers())}
+
+
 def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:
     """Why a symbolic trace is not the model when its forward writes in place into a tensor it
     makes at a fixed size (``counts = torch.zeros(4)``, then ``counts.scatter_add_(...)``,
@@ -809,8 +820,11 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         attempts.append((SYMBOLIC_WHOLE, lambda: _symbolic_trace(work, args, kwargs, whole=True)))
     failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
     for name, trace in attempts:
+        versions = _versions(work)
         try:
             gm = trace()
+            if name.startswith(SYMBOLIC) and _versions(work) != versions:
+                raise RuntimeError(_WROTE_AT_TRACE)
         except Exception as e:
             failure = e
             reports[name] = _brief(e)

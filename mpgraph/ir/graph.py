@@ -150,6 +150,7 @@ def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.
             for i in getattr(root.get_submodule(node.target), "mutates_args", ()):
                 if i < len(node.args) and isinstance(node.args[i], torch.fx.Node):
                     written.append(node.args[i])
+        written += _written_inside(node, root)
         for target in written:
             while True:
                 out.add(target)
@@ -158,6 +159,25 @@ def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.
                 else:
                     break
     return out
+
+
+def _written_inside(node: torch.fx.Node, root: torch.nn.Module) -> list[torch.fx.Node]:
+    """The arguments a higher-order op's body writes in place: torch.export puts a region under
+    ``torch.no_grad()`` or autocast in a submodule (``wrap_with_set_grad_enabled(False,
+    submod_1, weight)``) whose placeholders are the operands after it; a write there
+    (``self.fc.weight[:, :8] = 0``) writes the operand."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return []
+    for i, a in enumerate(node.args):
+        body = fetch_attr(root, a.target) if isinstance(a, torch.fx.Node) and a.op == "get_attr" \
+            else None
+        if isinstance(body, torch.fx.GraphModule):
+            places = [n for n in body.graph.nodes if n.op == "placeholder"]
+            inside = mutated_nodes(body.graph, body)
+            operands = node.args[i + 1:]
+            return [operands[k] for k, p in enumerate(places)
+                    if p in inside and k < len(operands) and isinstance(operands[k], torch.fx.Node)]
+    return []
 
 
 def flat_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
