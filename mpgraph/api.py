@@ -21,8 +21,9 @@ from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, stage
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
-from mpgraph.errors import PlanMismatchError, ValueCheckError
-from mpgraph.ir.graph import EXPORT_GUARD, as_call, target_name
+from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
+from mpgraph.numerics import float_leaves
+from mpgraph.ir.graph import EXPORT_GUARD, as_call, fresh, seeded, state_kept, target_name
 from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, WeightCopies, planned_layout,
                                 refuse_hooks)
 from mpgraph.ir.meta import (CONSTANT_INPUTS, FUSED, OP_CLASS, PRECISION, REFERENCE, TENSOR,
@@ -99,7 +100,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     while True:
         with stage("capture"):
             gm = capture(model, args, kwargs, export_only=opts.train, abstract=abstract,
-                         dynamic=dynamic, observe=True)  # Calibrate takes capture's example batch
+                         dynamic=dynamic, observe=True,  # Calibrate takes capture's example batch
+                         training=opts.train)
         try:
             # the passes and the tolerance search read graphs, not code: regenerated at the end
             with fake_mode(abstract), deferred_recompile():
@@ -143,8 +145,34 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             "precision"))
         warnings.warn(record.warning, UserWarning, stacklevel=2)
     _attach_plan(gm, record, opts, abstract)
+    if opts.train and abstract is None:
+        _check_gradients(gm, model, args, kwargs)
     log.info("%s", gm.plan.summary())
     return gm
+
+
+def _check_gradients(gm, model, args, kwargs) -> None:
+    """A training conversion whose outputs carry no autograd graph where the model's do would
+    train nothing, silently where the loss has another term: torch.export captures
+    ``torch.utils.checkpoint(..., use_reentrant=True)`` as a region under no_grad that swallows
+    the rest of the forward. One run of each with gradients on, and an error that names it."""
+    if not any(p.requires_grad for p in model.parameters()):
+        return
+    with torch.enable_grad(), seeded(), state_kept(gm), state_kept(model):
+        got = float_leaves(gm(*fresh(args), **fresh(kwargs)))
+        want = float_leaves(model(*fresh(args), **fresh(kwargs)))
+    lost = [i for i, (g, w) in enumerate(zip(got, want)) if w.requires_grad and not g.requires_grad]
+    if lost:
+        regions = [n.name for n in gm.graph.nodes
+                   if n.op == "call_function" and "set_grad_enabled" in str(n.target)]
+        raise ConversionError(
+            f"mode='train': the converted module's output {lost[0]} carries no gradient where the "
+            f"model's does, so training it would change nothing"
+            + (f" (torch.export captured {len(regions)} region{'s' if len(regions) > 1 else ''} "
+               "of the forward under no_grad: torch.utils.checkpoint(..., use_reentrant=True) "
+               "is captured that way)" if regions else "")
+            + ". Use checkpoint(..., use_reentrant=False), or convert the parts around the "
+            "region and call them from your own forward")
 
 
 def _computes_low(model: torch.nn.Module) -> str:

@@ -29,6 +29,14 @@ CAPTURE_FIXES = (
      "arguments and a dict as keyword arguments, so a forward that takes one dict (a batch) is "
      "given it as (batch,)"),
 )
+# The line a report says it was raised at -> what to do (torch.nn's own code the user cannot edit)
+SOURCE_FIXES = (
+    (("float(self.num_batches_tracked)",),
+     "a BatchNorm with momentum=None (a cumulative average: 1 / batches seen) reads its batch "
+     "counter's value in Python in training mode, which no tracer captures; give it a momentum "
+     "(BatchNorm(..., momentum=0.1): an exponential average), or keep that BatchNorm out of "
+     "the converted graph (convert the parts before and after it)"),
+)
 # when no known cause matches: what always works
 GENERAL_FIX = ("keep the construct out of the converted graph: convert the submodules before and "
                "after it (mpgraph.convert(model.encoder, ...)) and call them from your own forward")
@@ -55,7 +63,10 @@ class CaptureError(MpgraphError):
         # line is not a cache object returned)
         text = "\n".join(line for line in text.splitlines()
                          if not line.strip().startswith("raised at "))
-        self.fixes = [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
+        sources = "\n".join(line for line in (self.reports.get("torch.export") or "").splitlines()
+                            if line.strip().startswith("raised at "))
+        self.fixes = [fix for words, fix in SOURCE_FIXES if any(w in sources for w in words)] \
+            or [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
             or [GENERAL_FIX]
         lines += [f"fix: {fix}" for fix in self.fixes]
         super().__init__("\n".join(lines))

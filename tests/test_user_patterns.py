@@ -381,3 +381,55 @@ def test_onnx_export_of_topk_compares_its_indices_as_indices(tmp_path):
     values, indices = result.validation.err_vs_converted
     assert values < 1e-2 and 0 < indices < 0.1  # the tie: one index of 40 swapped
     assert result.validation.err_vs_fp32[1] == 0.0
+
+
+class Classifier(nn.Module):
+    def __init__(self, momentum=0.1, checkpointed=False):
+        super().__init__()
+        self.l1, self.bn, self.l2 = nn.Linear(32, 64), nn.BatchNorm1d(64, momentum=momentum), \
+            nn.Linear(64, 4)
+        self.drop = nn.MultiheadAttention(64, 4, dropout=0.5, batch_first=True)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.l1(x)))
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.l2, h, use_reentrant=True)
+            return h
+        a, _ = self.drop(h[:, None], h[:, None], h[:, None])
+        return self.l2(a[:, 0])
+
+
+def test_a_model_in_eval_mode_converted_to_train_trains_as_the_model_does():
+    """Before: the trace of an eval-mode model (what from_pretrained returns) baked in eval's
+    arithmetic: after .train() batch norm counted no batches and attention's dropout stayed
+    off (three calls, one loss)."""
+    torch.manual_seed(0)
+    model, x = Classifier().eval(), torch.randn(16, 32)
+    fast = mpgraph.convert(model, (x,), dtype="bf16", target=GPU, strategy="rules", mode="train")
+    assert not fast.training
+    fast.train()
+    losses = {float(fast(x).square().mean()) for _ in range(3)}
+    assert len(losses) == 3  # attention dropout on
+    assert fast.state_dict()["bn.num_batches_tracked"] == 3
+    fast.eval()
+    with torch.no_grad():
+        assert fast(x).std() > 0 and len({float(fast(x).sum()) for _ in range(2)}) == 1
+
+
+def test_train_conversions_that_would_not_train_are_clear_errors():
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    with pytest.raises(mpgraph.CaptureError) as caught:  # (before: torch.nn's line and torch.cond)
+        mpgraph.convert(Classifier(momentum=None).train(), (x,), dtype="bf16", target=GPU,
+                        mode="train")
+    assert "fix: a BatchNorm with momentum=None (a cumulative average: 1 / batches seen) reads " \
+           "its batch counter's value in Python in training mode" in str(caught.value)
+    with pytest.raises(mpgraph.ConversionError) as caught:  # (before: a loss that never moved)
+        mpgraph.convert(Classifier(checkpointed=True).train(), (x,), dtype="bf16", target=GPU,
+                        strategy="rules", mode="train")
+    assert str(caught.value).startswith(
+        "mode='train': the converted module's output 0 carries no gradient where the model's "
+        "does, so training it would change nothing (torch.export captured 2 regions of the "
+        "forward under no_grad")
+    assert "Use checkpoint(..., use_reentrant=False)" in str(caught.value)

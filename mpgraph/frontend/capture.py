@@ -279,7 +279,8 @@ def outside_inference_mode(fn, arguments: dict):
 
 def capture(model: torch.nn.Module, example_inputs: Any = None,
             example_kwargs: Optional[dict] = None, *, export_only: bool = False,
-            abstract=None, observe: bool = False, dynamic: bool = True) -> torch.fx.GraphModule:
+            abstract=None, observe: bool = False, dynamic: bool = True,
+            training: bool = False) -> torch.fx.GraphModule:
     """Return a GraphModule computing ``model``, traced from a copy of it.
 
     With example inputs, every node's output shape and dtype is recorded in
@@ -294,6 +295,11 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     sizes and sequence lengths; False specialises it to the example's shapes (about half the
     export time: symbolic shapes are what torch.export spends the rest on). A symbolic_trace
     graph is not tied to shapes either way.
+    ``training``: trace the forward as it runs in training mode whatever the model's flag (the
+    graph keeps the model's flag): a ``mode="train"`` conversion of a model in eval mode
+    (``from_pretrained`` returns one) would otherwise bake in eval's dropout rate of 0 and batch
+    norm's eval arithmetic (no batch counter, a cumulative average's factor of 0), which no
+    later ``.train()`` could bring back.
     """
     if in_inference_mode(locals()):
         return outside_inference_mode(capture, locals())
@@ -306,6 +312,8 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     except Exception as e:
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
+    if training:
+        work.train()
     if abstract is not None:
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
