@@ -433,3 +433,15 @@ def test_train_conversions_that_would_not_train_are_clear_errors():
         "does, so training it would change nothing (torch.export captured 2 regions of the "
         "forward under no_grad")
     assert "Use checkpoint(..., use_reentrant=False)" in str(caught.value)
+
+
+def test_a_dtype_change_that_changes_nothing_is_no_error():
+    """Training scripts call model.float() and .to(device, dtype) routinely: on a training
+    conversion (float32 masters) they change nothing and were refused, with a reason about
+    float16 parameters it does not have; where a parameter is low they stay refused."""
+    model, x = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(8, 32)
+    fast = convert_rules(model, (x,), mode="train")
+    assert fast.float() is fast and fast.to("cpu", torch.float32) is fast
+    inference = convert_rules(model.eval(), (x,))
+    with pytest.raises(TypeError, match="on a converted module would change the dtypes"):
+        inference.float()

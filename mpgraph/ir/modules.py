@@ -757,10 +757,20 @@ class ConvertedModule(torch.fx.GraphModule):
     def half(self):
         raise self._refuse(".half()")
 
+    def _holds_only(self, dtype: torch.dtype) -> bool:
+        """Whether every floating parameter and buffer already has ``dtype`` (a training
+        conversion's float32 masters and ``.float()``): then a dtype change changes nothing."""
+        return all(t.dtype == dtype for t in (*self.parameters(), *self.buffers())
+                   if t.is_floating_point())
+
     def float(self):
+        if self._holds_only(torch.float32):
+            return self
         raise self._refuse(".float()")
 
     def bfloat16(self):
+        if self._holds_only(torch.bfloat16):
+            return self
         raise self._refuse(".bfloat16()")
 
     def double(self):
@@ -771,7 +781,7 @@ class ConvertedModule(torch.fx.GraphModule):
 
     def to(self, *args, **kwargs):
         _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is not None:
+        if dtype is not None and not self._holds_only(dtype):
             raise self._refuse(f".to({dtype})")
         return super().to(*args, **kwargs)
 
