@@ -429,9 +429,8 @@ def test_train_conversions_that_would_not_train_are_clear_errors():
         mpgraph.convert(Classifier(checkpointed=True).train(), (x,), dtype="bf16", target=GPU,
                         strategy="rules", mode="train")
     assert str(caught.value).startswith(
-        "mode='train': the converted module's output 0 carries no gradient where the model's "
-        "does, so training it would change nothing (torch.export captured 2 regions of the "
-        "forward under no_grad")
+        "mode='train': none of the converted module's outputs carries a gradient, so training "
+        "it would change nothing (torch.export captured 2 regions of the forward under no_grad")
     assert "Use checkpoint(..., use_reentrant=False)" in str(caught.value)
 
 
@@ -445,3 +444,36 @@ def test_a_dtype_change_that_changes_nothing_is_no_error():
     inference = convert_rules(model.eval(), (x,))
     with pytest.raises(TypeError, match="on a converted module would change the dtypes"):
         inference.float()
+
+
+class Aux(nn.Module):
+    """Auxiliary logits in training only (Inception), a batch norm, a call counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.aux = nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.05, 0.05)
+        h = self.bn(self.fc(x))
+        return (h, self.aux(h)) if self.training else h
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_training_conversions_of_eval_models_keep_their_eval_structure_and_the_model(batch):
+    """The trace in training mode is taken only where the model runs there and returns the same
+    structure (before that rule: Inception's auxiliary output came back in eval mode, and a
+    batch of one failed in batch norm's training check); the model is never run by the
+    gradient check (its weights clipped, its counter moved before)."""
+    torch.manual_seed(0)
+    model = Aux().eval()
+    model.fc.weight.data.mul_(10)
+    weight = model.fc.weight.detach().clone()
+    fast = mpgraph.convert(model, (torch.randn(batch, 32),), dtype="bf16", target=GPU,
+                           strategy="rules", mode="train")
+    assert torch.equal(model.fc.weight, weight) and model.calls == 0
+    with torch.no_grad():
+        assert isinstance(fast(torch.randn(batch, 32)), torch.Tensor)

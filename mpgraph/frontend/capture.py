@@ -312,13 +312,36 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     except Exception as e:
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
-    if training:
+    if training and not model.training and has_inputs and abstract is None \
+            and _trains_alike(work, args, kwargs):
         work.train()
     if abstract is not None:
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
     with _CAPTURE_LOCK, fake_mode(abstract):
         return _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+
+
+def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a model in eval mode runs in training mode too and returns the same structure
+    there: then its training conversion is traced in training mode (``capture``'s
+    ``training``). Not where its training forward fails (batch norm given a batch of one) or
+    returns something else (Inception's auxiliary logits): that model is traced as it is, in
+    eval mode, as before. Runs ``work`` (the copy) twice; its state is put back."""
+    outs = []
+    try:
+        for mode in (False, True):
+            with torch.no_grad(), seeded(), state_kept(work):
+                outs.append(pytree.tree_structure(work.train(mode)(*fresh(args), **fresh(kwargs))))
+    except Exception as e:  # noqa: BLE001 - traced in eval mode instead
+        log.info("not traced in training mode: its training forward fails: %s", _brief(e))
+        return False
+    finally:
+        work.eval()
+    if outs[0] != outs[1]:
+        log.info("not traced in training mode: it returns another structure there")
+        return False
+    return True
 
 
 def _computed_attributes(model: torch.nn.Module) -> dict:
