@@ -477,3 +477,24 @@ def test_training_conversions_of_eval_models_keep_their_eval_structure_and_the_m
     assert torch.equal(model.fc.weight, weight) and model.calls == 0
     with torch.no_grad():
         assert isinstance(fast(torch.randn(batch, 32)), torch.Tensor)
+
+
+class ClipThroughData(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        for p in self.parameters():
+            p.data.clamp_(-0.1, 0.1)  # bumps no version counter
+        return self.out(torch.relu(self.fc(x)))
+
+
+def test_a_parameter_written_through_data_while_fx_traces_is_no_silent_trace():
+    """Before: fx ran the clip once at trace time, the graph never again (off by 169 after new
+    weights). torch.export cannot capture it either: a CaptureError that says why fx was not
+    taken."""
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        convert_rules(ClipThroughData().eval(), (torch.randn(8, 16),))
+    assert "torch.fx.symbolic_trace: RuntimeError: the forward wrote a parameter or buffer " \
+           "while fx traced it" in str(caught.value)

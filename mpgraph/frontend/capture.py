@@ -655,8 +655,15 @@ _WROTE_AT_TRACE = ("the forward wrote a parameter or buffer while fx traced it (
 
 
 def _versions(model: torch.nn.Module) -> dict:
-    """The version counters of the model's parameters and buffers (a write bumps them)."""
-    return {name: t._version for name, t in (*model.named_parameters(), *model.named_buffers())}
+    """What a write to the model's parameters and buffers changes: each one's version counter
+    and, where it holds values, its sum (a write through ``.data``, ``p.data.clamp_(...)``,
+    bumps no counter); one pass over the weights, for symbolic traces only."""
+    def stamp(t):
+        if t.is_meta or is_abstract(t) or not (t.is_floating_point() or t.is_complex()):
+            return t._version
+        return t._version, float(t.detach().sum(dtype=torch.complex128 if t.is_complex()
+                                                   else torch.float64).abs())
+    return {name: stamp(t) for name, t in (*model.named_parameters(), *model.named_buffers())}
 
 
 def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:
