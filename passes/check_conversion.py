@@ -172,9 +172,9 @@ class CheckConversion(Pass):
         # (errors count the float outputs; the message, as the other checks, counts every leaf)
         worst = [i for i, v in enumerate(outputs) if type(v) is float or (
             isinstance(v, torch.Tensor) and v.is_floating_point())][errors.index(error)]
-        where, keep = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs),
-                                     bound, worst)
-        keep = ", ".join(f"{name!r}: 'fp32'" for name in keep[:3]) or "'<node or module>': 'fp32'"
+        where, names = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs),
+                                      bound, worst)
+        keep = ", ".join(f"{name!r}: 'fp32'" for name in names[:3]) or "'<node or module>': 'fp32'"
         raise ValueCheckError(
             f"the converted module's output {worst} differs from float32 by {error:.3g} (relative "
             f"L2 ||y - y_hat|| / ||y|| on the first calibration batch), more than a "
@@ -185,7 +185,6 @@ class CheckConversion(Pass):
             + ("; or convert in bfloat16, float32's range: dtype='bf16'" if low == torch.float16
                else "") + "), or the conversion is wrong (please report it with the model)",
             error, bound, low)
-
 
     @staticmethod
     def _same_lengths(gm, outputs, references, low) -> None:

@@ -3,7 +3,8 @@
 A cast is placed just before its first reader, so a value is converted once however many nodes
 read it, and never earlier than needed. A value that is written in place somewhere gets a fresh
 cast before each reader instead, so no reader sees a stale copy. Casts are ordinary
-``Tensor.to`` call_method nodes: they run eagerly, under torch.compile and through torch.export.
+``Tensor.to`` call_method nodes (a multi-output value read whole, ``cast_leaves`` over its items):
+they run eagerly, under torch.compile and through torch.export.
 """
 from __future__ import annotations
 
