@@ -858,7 +858,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         attempts.append((SYMBOLIC_WHOLE, lambda: _symbolic_trace(work, args, kwargs, whole=True)))
     failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
     for name, trace in attempts:
-        versions = _versions(work)
+        versions = _versions(work) if name.startswith(SYMBOLIC) else None
         try:
             gm = trace()
             if name.startswith(SYMBOLIC) and _versions(work) != versions:
