@@ -857,8 +857,10 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         # a causal mask it checks by value stops both tracers inside it)
         attempts.append((SYMBOLIC_WHOLE, lambda: _symbolic_trace(work, args, kwargs, whole=True)))
     failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
+    # the weights as the forward found them: a symbolic trace that changed them ran a write
+    # fx does not record (one pass over the weights, taken once for every symbolic attempt)
+    versions = _versions(work) if any(n.startswith(SYMBOLIC) for n, _ in attempts) else None
     for name, trace in attempts:
-        versions = _versions(work) if name.startswith(SYMBOLIC) else None
         try:
             gm = trace()
             if name.startswith(SYMBOLIC) and _versions(work) != versions:
