@@ -41,6 +41,12 @@ SOURCE_FIXES = (
 GENERAL_FIX = ("keep the construct out of the converted graph: convert the submodules before and "
                "after it (mpgraph.convert(model.encoder, ...)) and call them from your own forward")
 
+# the report of the model's own forward, when it fails on the example inputs too (capture.EAGER)
+EAGER = "the model itself"
+EAGER_FIX = ("the model's own forward fails on these example inputs, before any tracer: give "
+             "inputs it takes (the shapes and dtypes model(*example_inputs) runs with); the "
+             "line above is where it fails")
+
 
 class CaptureError(MpgraphError):
     """Neither torch.fx.symbolic_trace nor torch.export could capture the model.
@@ -65,7 +71,8 @@ class CaptureError(MpgraphError):
                          if not line.strip().startswith("raised at "))
         sources = "\n".join(line for line in (self.reports.get("torch.export") or "").splitlines()
                             if line.strip().startswith("raised at "))
-        self.fixes = [fix for words, fix in SOURCE_FIXES if any(w in sources for w in words)] \
+        self.fixes = [EAGER_FIX] if EAGER in self.reports else \
+            [fix for words, fix in SOURCE_FIXES if any(w in sources for w in words)] \
             or [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
             or [GENERAL_FIX]
         lines += [f"fix: {fix}" for fix in self.fixes]

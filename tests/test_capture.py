@@ -84,6 +84,35 @@ def test_capture_error_fix_is_chosen_by_the_error_not_the_words_of_the_quoted_li
     assert len(info.value.fixes) == 1 and "torch.cond" in info.value.fixes[0]
 
 
+def test_capture_error_for_inputs_the_model_itself_cannot_take_says_so():
+    """Every tracer fails on an example the model cannot run (a wrong width); the error must
+    point at the inputs, not send the user to restructure a model that is fine, and the model
+    must come out of the extra eager run unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 64), nn.BatchNorm1d(64), nn.Linear(64, 10)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(mpgraph.CaptureError) as info:
+        mpgraph.convert(model, (torch.randn(4, 65),), target=GPU)
+    text = str(info.value)
+    assert "the model itself: RuntimeError: mat1 and mat2 shapes cannot be multiplied " \
+           "(4x65 and 256x64)" in text
+    assert "fix: the model's own forward fails on these example inputs" in text
+    assert "keep the construct out" not in text
+    assert info.value.fixes == [mpgraph.errors.EAGER_FIX]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # a model that runs eagerly and fails only in the tracers gets no such report
+    with pytest.raises(mpgraph.CaptureError) as info:
+        mpgraph.convert(Branchy(), (torch.randn(3),))
+    assert "the model itself" not in str(info.value)
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # a branch on a value: neither tracer captures it
+            return x * 2
+        return x - 1
+
+
 def test_a_tensor_subclass_example_is_captured_as_it_is():
     """Example tensors that share storage are copied apart before capture; a wrapper subclass
     has no real storage to compare (it raised 'invalid python storage')."""
