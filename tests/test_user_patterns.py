@@ -538,3 +538,28 @@ def test_a_gpu_plans_recurrent_layer_is_checked_with_its_state_kept_low(kind):
     with torch.no_grad():
         measured = rel_err(fast(x), model(x))
     assert fast.plan.check["error"] == pytest.approx(measured, rel=0.1)
+
+
+@pytest.mark.parametrize("options", [dict(target=GPU, strategy="rules"),
+                                     dict(dtype="bf16", target=GPU, strategy="rules")],
+                         ids=["fp16", "bf16"])
+def test_convert_inside_a_script_wide_autocast_plans_against_float32(options):
+    """A script wrapped in torch.autocast calls convert inside it: capture recorded autocast's
+    dtypes (a plan of one node, no output cast, a module that failed its first plain call) and
+    the check compared autocast with autocast. Conversion runs with autocast off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).eval()
+    x = torch.randn(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = mpgraph.convert(model, (x,), **options)
+        inside = fast(x)  # (the module under the user's autocast, as the model would run)
+    plain = mpgraph.convert(model, (x,), **options)
+    assert [(n.name, n.dtype) for n in fast.plan.nodes] == \
+        [(n.name, n.dtype) for n in plain.plan.nodes]
+    assert [n.name for n in fast.plan.nodes if n.dtype is None] == ["output"]
+    with torch.no_grad():
+        out, want = fast(x), model(x)
+    assert out.dtype == torch.float32 and inside.dtype == torch.float32
+    assert fast.plan.check["error"] == pytest.approx(rel_err(out, want), rel=1e-4)
+    assert fast.plan.check["error"] > 0  # (a reference in float32, not autocast's own dtypes)
+    assert not torch.is_autocast_enabled("cpu")

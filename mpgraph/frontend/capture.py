@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.errors import CaptureError
+from mpgraph.errors import EAGER, CaptureError
 from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
@@ -226,23 +226,42 @@ def dynamic_spec(model, args, kwargs):
     return spec
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def _autocasting() -> list[str]:
+    """The device types whose autocast is on here."""
+    on = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append(device)
+        except (RuntimeError, ValueError):  # (a device type this build does not know)
+            pass
+    return on
+
+
 def in_inference_mode(arguments: dict) -> bool:
     """Whether an entry point called with ``arguments`` (its ``locals()``) is under
-    ``torch.inference_mode()`` or is given tensors made under it: then outside_inference_mode."""
-    return torch.is_inference_mode_enabled() or any(
+    ``torch.inference_mode()`` or ``torch.autocast``, or is given tensors made under inference
+    mode: then outside_inference_mode."""
+    return torch.is_inference_mode_enabled() or bool(_autocasting()) or any(
         isinstance(t, torch.Tensor) and torch.is_inference(t)
         for t in pytree.tree_leaves(list(arguments.values())))
 
 
 def outside_inference_mode(fn, arguments: dict):
     """``fn`` called again with ``arguments`` (its ``locals()`` on entry) outside
-    ``torch.inference_mode()``, where an entry point was called under it or given tensors made
-    under it (in_inference_mode): conversion copies the model and runs it, reading tensors'
-    version counters (what a run wrote), which inference tensors do not have, and torch.export
-    records autograd, which refuses them; example tensors made under inference mode are taken
-    as normal copies. The warnings of that call are said again at the entry point's caller, as
-    outside inference mode (their stacklevels count the frames of a direct call). The converted
-    module may be called under inference mode."""
+    ``torch.inference_mode()`` and ``torch.autocast``, where an entry point was called under
+    them or given tensors made under inference mode (in_inference_mode): conversion copies the
+    model and runs it, reading tensors' version counters (what a run wrote), which inference
+    tensors do not have, and torch.export records autograd, which refuses them; under autocast
+    the float32 reference the plan and its check are made against would itself run in low
+    precision (the check would compare autocast with autocast, and the capture would record
+    autocast's dtypes). Example tensors made under inference mode are taken as normal copies.
+    The warnings of that call are said again at the entry point's caller, as outside inference
+    mode (their stacklevels count the frames of a direct call). The converted module may be
+    called under either mode."""
     args, kwargs = [], {}
     for name, p in inspect.signature(fn).parameters.items():
         value = arguments[name]
@@ -254,6 +273,11 @@ def outside_inference_mode(fn, arguments: dict):
             kwargs[name] = value
         else:
             args.append(value)
+    autocast = _autocasting()
+    if autocast:
+        log.info("%s: torch.autocast (%s) is off during the conversion: the plan is made and "
+                 "checked against float32", getattr(fn, "__name__", "conversion"),
+                 ", ".join(autocast))
 
     def normal(t):
         return t.clone() if isinstance(t, torch.Tensor) and torch.is_inference(t) else t
@@ -264,7 +288,9 @@ def outside_inference_mode(fn, arguments: dict):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                with torch.inference_mode(False):
+                with torch.inference_mode(False), contextlib.ExitStack() as stack:
+                    for device in autocast:
+                        stack.enter_context(torch.autocast(device, enabled=False))
                     args, kwargs = pytree.tree_map(normal, (args, kwargs))
                     return fn(*args, **kwargs)
             finally:
@@ -920,6 +946,24 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         if reports:
             log.info("captured with %s after: %s", name, "; ".join(reports))
         return gm
+    eager = _eager_failure(work, args, kwargs, state) if has_inputs else None
+    if eager:  # the tracers' reports blame what the model does with these very inputs
+        reports = {EAGER: eager, **reports}
     error = CaptureError(reports)
     error.exception = failure  # (not chained: its text is torch's long debugging narration)
     raise error
+
+
+def _eager_failure(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict
+                   ) -> Optional[str]:
+    """What the model's own forward raises on the example inputs, or None: every tracer fails
+    on inputs the model cannot take (a wrong shape or dtype), and its report would send the
+    user to rewrite a model that is fine. One eager run, on the failure path only."""
+    try:
+        with torch.no_grad(), state_kept(work):
+            work(*fresh(args), **fresh(kwargs))
+    except Exception as e:  # noqa: BLE001 - reported, with the tracers' reports
+        return _brief(e)
+    finally:
+        _changed_state(work, state)
+    return None
