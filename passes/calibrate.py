@@ -34,7 +34,8 @@ _PROGRESS_MIN_BATCHES = 8  # show a progress bar (on a terminal) from this many 
 
 
 def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
-    """(finite absmax, smallest non-zero finite magnitude, count of inf/NaN) of one tensor.
+    """(finite absmax, smallest non-zero finite magnitude, count of inf/NaN) of one tensor;
+    absmax inf where no value is finite (nothing bounds it: the overflow rules keep it float32).
 
     It runs on every value of every calibration batch, so it reads the values as few times as
     it can: one min/max pass (no copy of a strided view) settles values of one sign (softmax,
@@ -44,8 +45,10 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
         return 0.0, math.inf, 0
     t = t.detach()
     if t.numel() > _CHUNK:  # weights of GBs: chunks keep the temporaries small and reused
-        parts = [tensor_stats(c) for c in t.reshape(-1).split(_CHUNK)]
-        return max(p[0] for p in parts), min(p[1] for p in parts), sum(p[2] for p in parts)
+        chunks = t.reshape(-1).split(_CHUNK)
+        parts = [tensor_stats(c) for c in chunks]
+        bounded = [p for p, c in zip(parts, chunks) if p[2] < c.numel()] or parts
+        return max(p[0] for p in bounded), min(p[1] for p in parts), sum(p[2] for p in parts)
     lo, hi = (float(v) for v in torch.aminmax(t))
     if math.isfinite(lo) and math.isfinite(hi):
         if lo > 0 or hi < 0:
@@ -66,10 +69,27 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
         a = a.masked_fill(~finite, 0)
         top = a.max()
     small = torch.where(a > 0, a, math.inf).min()
+    if nonfinite == a.numel():  # no finite value: nothing bounds it (not an absmax of 0)
+        return math.inf, math.inf, nonfinite
     return float(top), float(small), nonfinite
 
 
 _CHUNK = 1 << 22  # values per chunk of tensor_stats: 16 MB of float32
+
+
+def _refuse_nan(names: list[str], inputs: list, batch: int) -> None:
+    """A NaN in a calibration input makes every value computed from it NaN, and NaN bounds
+    nothing: the ranges the overflow rules read would be those of the few values it spares (a
+    NaN feature column left every node's absmax at 0, and fp16 overflowed on clean inputs).
+    inf is taken (an additive mask's -inf is an input like any other)."""
+    for name, t in zip(names, inputs):
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) \
+                and not is_abstract(t) and bool(torch.isnan(t).any()):
+            raise CalibrationError(
+                f"calibration batch {batch}, input {name}: {int(torch.isnan(t).sum())} NaN "
+                f"values of {t.numel()}: every value computed from a NaN is NaN, so the ranges "
+                "calibration measures (what keeps overflowing values in float32) would miss "
+                "them; calibrate on inputs without NaN (without calibration=, the example inputs are the one batch)")
 
 # ops whose output holds exactly their input's elements (views, reshapes, copies): their
 # statistics are the input's, not measured again; dropout in eval and the identity too (below)
@@ -225,6 +245,7 @@ class Calibrate(Pass):
         for i, batch in enumerate(_progress(self.batches, self.progress)):
             args, kwargs = as_call(batch)
             self._check_fits(gm, i, args, kwargs)
+            _refuse_nan(names, flat_inputs(gm, args, kwargs), i)
             # one value, the same in every batch (a decode step's positions hold one value
             # in each batch, a different one in each: calibration saw them vary)
             here = {(name, v) for name, v in ((name, _constant(t)) for name, t in

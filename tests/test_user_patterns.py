@@ -563,3 +563,40 @@ def test_convert_inside_a_script_wide_autocast_plans_against_float32(options):
     assert fast.plan.check["error"] == pytest.approx(rel_err(out, want), rel=1e-4)
     assert fast.plan.check["error"] > 0  # (a reference in float32, not autocast's own dtypes)
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_calibration_refuses_nan_inputs_and_an_unbounded_value_keeps_float32():
+    """A NaN feature column made every value NaN, every node's recorded absmax 0, the fp16
+    overflow rules silent, and clean inputs overflowed to inf while the check said error 0.
+    A NaN input is refused; a value with no finite element is unbounded, not bounded by 0; an
+    additive -inf mask input is an input like any other."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).eval()
+    x = torch.randn(8, 64)
+    dirty = x.clone()
+    dirty[:, 3] = float("nan")
+    with pytest.raises(mpgraph.CalibrationError,
+                       match=r"calibration batch 0, input \w+: 8 NaN values of 512: every value "
+                             r"computed from a NaN is NaN"):
+        mpgraph.convert(model, (dirty,), target=GPU, strategy="rules")
+    with pytest.raises(mpgraph.CalibrationError, match=r"calibration batch 1, input \w+: 8 NaN"):
+        mpgraph.convert(model, (x,), target=GPU, strategy="rules", calibration=[x, dirty])
+    inf = torch.full((8, 64), float("inf"))
+    fast = mpgraph.convert(model, (x,), target=GPU, strategy="rules", calibration=[inf])
+    ranges = {n.name: n for n in fast.plan.nodes}
+    assert ranges["_0"].dtype == "float32" and ranges["_0"].absmax == float("inf")
+    assert "absmax inf" in ranges["_0"].reason
+
+    class Scores(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(32, 32)
+
+        def forward(self, h, mask):
+            s = self.q(h) @ h.transpose(-1, -2) + mask
+            return s.softmax(-1) @ h
+
+    h = torch.randn(2, 6, 32)
+    mask = torch.full((6, 6), float("-inf")).triu(1)
+    fast = mpgraph.convert(Scores().eval(), (h, mask), target=GPU, strategy="rules")
+    assert fast.plan.low_nodes
