@@ -11,13 +11,28 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 from mpgraph.ir.graph import fetch_attr, is_conv2d, set_attr, with_data
-from mpgraph.ir.meta import INSERTED_BY, OP_CLASS, PRECISION, TENSOR, Decision, OpInfo, TensorInfo
+from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, REFERENCE, TENSOR, Decision,
+                             OpInfo, TensorInfo)
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 
 CL = torch.channels_last
+
+
+def _four_d(node) -> bool:
+    info = node.meta.get(TENSOR) if isinstance(node, torch.fx.Node) else None
+    return isinstance(info, TensorInfo) and len(info.shape) == 4
+
+
+def _channels_last_inputs(gm) -> bool:
+    """Whether a 4-D example input (the float32 reference's batch) is channels_last."""
+    reference = gm.meta.get(REFERENCE)
+    found = [] if reference is None else pytree.tree_leaves((reference.args, reference.kwargs))
+    return any(isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
+               and t.is_contiguous(memory_format=CL) for t in found)
 
 
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
@@ -52,7 +67,60 @@ class ChannelsLast(Pass):
             nhwc.meta[INSERTED_BY] = self.name
             conv.replace_input_with(x, nhwc)
             edits += 1
+        edits += self._keep_model_layout(gm, convs)
         return PassResult(gm, edits > 0)
+
+    def _keep_model_layout(self, gm, convs) -> int:
+        """``contiguous()`` (free on a contiguous tensor) before what sees the layout: each
+        ``view`` of a value the NHWC convolutions reach (the model's own ``x.view(B, -1)`` after
+        a conv failed on NHWC strides), and each 4-D output they reach (a user's
+        ``out.view(B, -1)`` failed on the converted module's NHWC output), unless the example
+        inputs were channels_last: torch's convolutions then return NHWC in the model too."""
+        reached, stack = set(convs), list(convs)
+        while stack:  # (not through this pass's own NCHW copies: a second run adds none)
+            for user in stack.pop().users:
+                if user not in reached and user.op != "output" \
+                        and not str(user.name).endswith("_nchw"):
+                    reached.add(user)
+                    stack.append(user)
+        edits = 0
+
+        def nchw(value: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
+            nonlocal edits
+            with gm.graph.inserting_before(before):
+                out = gm.graph.create_node("call_method", "contiguous", (value,),
+                                           name=f"{value.name}_nchw")
+            out.meta[TENSOR] = value.meta.get(TENSOR)
+            out.meta[PRECISION] = Decision(value.meta[PRECISION].dtype, "the model's layout "
+                                           "(contiguous) where the NHWC convolutions' output is "
+                                           "viewed or returned", pinned=True)
+            out.meta[OP_CLASS] = OpInfo(FOLLOW, "memory layout only", "Tensor.contiguous")
+            out.meta[INSERTED_BY] = self.name
+            edits += 1
+            return out
+
+        for node in list(gm.graph.nodes):
+            if node.op == "output":
+                continue
+            x = node.args[0] if node.args else None
+            if x in reached and _four_d(x) and (
+                    (node.op == "call_method" and node.target == "view")
+                    or node.target is torch.ops.aten.view.default):
+                node.replace_input_with(x, nchw(x, node))
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        if _channels_last_inputs(gm):  # torch's convs keep it: the model returns NHWC too
+            return edits
+        done: dict = {}
+
+        def restore(value: torch.fx.Node) -> torch.fx.Node:
+            if value not in reached or not _four_d(value):
+                return value
+            if value not in done:
+                done[value] = nchw(value, output)
+            return done[value]
+
+        output.args = torch.fx.node.map_arg(output.args, restore)
+        return edits
 
     def _weight(self, conv, gm) -> None:
         if conv.op == "call_module":
