@@ -611,6 +611,18 @@ def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torc
     """The low dtype whose cost-optimal plan the cost model estimates fastest, with the
     estimates: each candidate's decisions run (analysis passes only: nothing is rewritten)."""
     candidates = [d for d in LOW_DTYPES if costs.supports(d)] or [torch.bfloat16]
+    named = _override_lows(opts.overrides)
+    if named:  # an override that names a low dtype says which one the plan has
+        if costs.kind == Kind.GPU and torch.float16 in named:
+            named = {torch.float16}  # (fp16 with bf16 beside it: a GPU plan holds both)
+        usable = [d for d in candidates if d in named]
+        if len(usable) != 1:
+            raise ValueError(
+                f"the overrides name {' and '.join(dtype_name(d) for d in sorted(named, key=str))} "
+                f"for nodes, which a plan for {costs.name} cannot hold (its low dtypes: "
+                f"{', '.join(dtype_name(d) for d in candidates)}; a CPU plan has one): name "
+                "one of them, or 'low' (the plan's low dtype, whichever the cost model picks)")
+        candidates = usable
     estimates = {}
     with stage("choose dtype"):
         for dtype in candidates:
@@ -636,7 +648,23 @@ def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torc
              ", ".join(f"{dtype_name(d)} {estimates[d] * 1e3:.3g} ms" for d in candidates),
              costs.source)
     return low, {"candidates": [dtype_name(d) for d in candidates],
-                 "estimates_s": {dtype_name(d): estimates[d] for d in candidates}}
+                 "estimates_s": {dtype_name(d): estimates[d] for d in candidates},
+                 **({"named_by": "the overrides"} if named else {})}
+
+
+def _override_lows(overrides: Optional[dict]) -> set:
+    """The low dtypes the overrides name (fp16, bf16, by any of their names; not 'low'):
+    with the dtype left to the cost model, they choose it, rather than failing the candidate
+    they do not name."""
+    named = set()
+    for value in (overrides or {}).values():
+        if isinstance(value, str) and value.lower() == "auto":
+            continue
+        try:
+            named.add(resolve_dtype(value))
+        except (ValueError, TypeError):  # fp32, 'low', or a bad name AssignPrecision reports
+            pass
+    return named
 
 
 def elsewhere(spec: DeviceSpec, args: tuple, kwargs: dict, model: torch.nn.Module) -> bool:

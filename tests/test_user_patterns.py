@@ -600,3 +600,68 @@ def test_calibration_refuses_nan_inputs_and_an_unbounded_value_keeps_float32():
     mask = torch.full((6, 6), float("-inf")).triu(1)
     fast = mpgraph.convert(Scores().eval(), (h, mask), target=GPU, strategy="rules")
     assert fast.plan.low_nodes
+
+
+def test_an_override_naming_a_low_dtype_chooses_the_plan_s_dtype():
+    """With the dtype left to the cost model, each candidate dtype's decisions checked every
+    override against itself: 'float16' was refused by the bf16 candidate, 'bf16' by the fp16
+    one, whatever the target. A named low dtype now says which low dtype the plan has."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).eval()
+    x = torch.randn(8, 64)
+    for name, want in (("float16", "float16"), ("bf16", "bfloat16"), ("low", "float16")):
+        fast = mpgraph.convert(model, (x,), target=GPU, overrides={"0": name})
+        record = {r.name: r for r in fast.plan.nodes}["_0"]
+        assert record.dtype == want and str(fast.plan.dtype) == f"torch.{want}", name
+        assert fast.plan.summary().count("named by the overrides") == (name != "low")
+    assert record.reason == "user override ('0')"
+    with pytest.raises(ValueError, match=r"the overrides name bfloat16 and float16 for nodes, "
+                                         r"which a plan for .* cannot hold .* a CPU plan has one"):
+        mpgraph.convert(model, (x,), costs=_cpu_costs_both(), overrides={"0": "fp16",
+                                                                          "2": "bf16"})
+
+
+def _cpu_costs_both():
+    """A CPU cost model that has fp16 and bf16 both (the refusal comes before any cost)."""
+    from mpgraph.cost.model import CostModel
+    from mpgraph.ir.meta import Kind
+
+    class Both(CostModel):
+        kind, name, source = Kind.CPU, "a test CPU", "made up for the test"
+
+    return Both()
+
+
+def test_a_saved_plan_with_a_non_text_reason_is_a_value_error_naming_the_field(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).eval()
+    x = torch.randn(8, 64)
+    fast = mpgraph.convert(model, (x,), target=GPU)
+    path = tmp_path / "plan.json"
+    fast.plan.save(path)
+    import json
+    data = json.loads(path.read_text())
+    data["nodes"][1]["reason"] = 12
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"is not a valid plan: node _0: reason must be a "
+                                         r"string, got 12"):
+        mpgraph.convert(model, (x,), plan=mpgraph.Plan.load(path))
+
+
+def test_the_summary_names_each_dtype_weights_are_stored_in():
+    """fp16 plan whose range findings put a layer in bf16: it said 'stored as float16'."""
+    torch.manual_seed(0)
+
+    class Big(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 8)
+
+        def forward(self, x):
+            return self.fc2(self.fc1(x) * 1000.0)
+
+    x = torch.randn(8, 64) * 100
+    fast = mpgraph.convert(Big().eval(), (x,), target=GPU, calibration=[x])
+    stored = {str(t.dtype) for t in fast.state_dict().values()} - {"torch.float32"}
+    assert stored == {"torch.bfloat16"}
+    assert "stored as bfloat16;" in fast.plan.summary()

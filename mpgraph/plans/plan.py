@@ -251,9 +251,11 @@ class Plan:
         low = dtype_name(self.dtype)
         stored = sum(w.numel for w in self.weights)
         text = "".join(f"warning: {w}\n" for w in (self.warning, self.calibration_warning) if w)
+        kinds = sorted({dtype_name(w.dtype) for w in self.weights}) or [low]
         text += (f"converted {len(self.low_nodes)}/{len(self.compute_nodes)} nodes to {low} "
                 f"with {len(self.casts)} casts; {len(self.weights)} weights "
-                f"({stored / 1e6:.2f}M values) stored as {low}; captured with {self.capture}")
+                f"({stored / 1e6:.2f}M values) stored as {' and '.join(kinds)}; "
+                f"captured with {self.capture}")
         if self.kept_fp32:
             text += f"; kept float32: {self.kept_fp32}"
         if self.mode == "train":
@@ -283,12 +285,15 @@ class Plan:
             text += (f"; estimated {self.estimate['fp32_s'] / self.estimate['plan_s']:.2f}x float32 "
                      f"speed on {self.target} ({self.strategy}"
                      + (f"; {source}" if source else "") + ")")
-        if self.dtype_choice:
+        if self.dtype_choice and self.low_nodes:  # (none low: no low dtype was chosen)
             estimates = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in
                                   self.dtype_choice.get("estimates_s", {}).items())
             fallback = self.dtype_choice.get("fallback")
+            named = self.dtype_choice.get("named_by")
             text += (f"; {dtype_name(self.dtype)} because {fallback} (the cost model estimated "
                      f"{estimates})" if fallback else
+                     f"; {dtype_name(self.dtype)} named by {named} (estimated {estimates})"
+                     if named else
                      f"; {dtype_name(self.dtype)} chosen by the cost model (estimated {estimates})")
         misaligned = [r for r in self.nodes if r.tensor_core.startswith("eligible but misaligned")]
         if misaligned:
@@ -336,6 +341,9 @@ NODE_DTYPES = (None, "float32") + LOW_DTYPES
 MODES = ("inference", "train")
 
 
+_TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(NodeRecord) if f.type in ("str", str))
+
+
 def _validate(data: dict, source: str) -> None:
     """A ValueError naming the first field of a plan file that cannot be applied (a hand edit
     gone wrong): the plan's dtype, mode, and every node's, weight's and cast's record."""
@@ -365,6 +373,9 @@ def _validate(data: dict, source: str) -> None:
         if d["dtype"] not in NODE_DTYPES:
             fail(f"node {name}: dtype {d['dtype']!r} is not one of "
                  f"{', '.join(str(t) for t in NODE_DTYPES[1:])} (or null)")
+        for key in _TEXT_FIELDS:  # (what the passes read as text: a reason the plan applies)
+            if key in d and not isinstance(d[key], str) and not (key == "module" and d[key] is None):
+                fail(f"node {name}: {key} must be a string, got {d[key]!r}")
     for w in data["weights"]:
         if w.get("dtype") not in LOW_DTYPES + ("float32",):
             fail(f"weight {w.get('name')!r}: dtype {w.get('dtype')!r} is not a float dtype")
