@@ -665,3 +665,17 @@ def test_the_summary_names_each_dtype_weights_are_stored_in():
     stored = {str(t.dtype) for t in fast.state_dict().values()} - {"torch.float32"}
     assert stored == {"torch.bfloat16"}
     assert "stored as bfloat16;" in fast.plan.summary()
+
+
+def test_a_plan_that_keeps_everything_float32_still_reports_its_check():
+    """The README's comparison reads plan.check['outputs']; a plan with no low node had
+    check None (a TypeError in the user's snippet)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(2, 8)
+    fast = mpgraph.convert(model, (x,), target=GPU)
+    assert not fast.plan.low_nodes
+    with torch.no_grad():
+        assert fast.plan.check["outputs"] == [rel_err(fast(x), model(x))] == [0.0]
+    assert fast.plan.check["bound"] is None
+    assert "checked: error 0 vs float32 (all float32)" in fast.plan.summary()

@@ -268,6 +268,8 @@ class Plan:
                      f"(calibrated on {self.calibration_batches} batches)")
         if self.check and self.check.get("error") is None:
             text += "; dtypes checked, " + self.check.get("skipped", "values not checked")
+        elif self.check and self.check.get("bound") is None:  # (no node low)
+            text += f"; checked: error {self.check['error']:.2g} vs float32 (all float32)"
         elif self.check:
             text += (f"; checked: error {self.check['error']:.2g} vs float32 (bound "
                      f"{self.check['bound']:.2g})")
