@@ -313,8 +313,10 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
               example_kwargs: Optional[dict] = None, budget_s: float = 120.0) -> CostTable:
     """Measure ``model``'s ops on this machine afresh (each distinct op, shape and dtype, and the
     casts of its values; see ``mpgraph.cost.measured``), replacing what the cache held for
-    them; returns the machine's cost table (``.format()`` prints it). ``convert`` measures what
-    its cache lacks by itself: this is for re-measuring (a noisy run, new drivers)."""
+    them; returns the table of this model's entries as just measured (``.format()`` prints
+    it; ``.path`` is the machine's cache file, which now holds them beside every other model's).
+    ``convert`` measures what its cache lacks by itself: this is for re-measuring (a noisy run,
+    new drivers)."""
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(calibrate, locals())
     args, kwargs = as_call(example_inputs, example_kwargs)
@@ -326,14 +328,10 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     gm = run_passes(prepare_pipeline(args, kwargs, kind=spec.kind), gm)  # the graph convert times
     lows = tuple(d for d in LOW_DTYPES if (spec.kind == Kind.GPU and spec.matmul_peak(d))
                  or (spec.kind == Kind.CPU and not emulated(d, spec)))
-    table = CostTable.for_device(device)
-    fresh = CostTable(device, path=table.path)
+    fresh = CostTable(device, path=CostTable.for_device(device, fresh=True).path)
     with stage("measure"):
         measure(gm, args, kwargs, fresh, lows, budget_s=budget_s, packs=spec.kind == Kind.CPU)
-    table.entries.update(fresh.entries)
-    table.measured_now = fresh.measured_now
-    table.save()
-    return table
+    return fresh  # (measure saved it over the cache's entries: the other models' are kept)
 
 
 def plan(model: torch.nn.Module, example_inputs: Any = None, **options) -> Plan:

@@ -388,3 +388,19 @@ def test_a_named_fp16_that_fails_the_check_is_an_error_that_names_bf16():
                        r"float16 plan should \(0\.0156\).*; or convert in bfloat16, float32's "
                        r"range: dtype='bf16'\)"):
         mpgraph.convert(model, (x,), dtype="fp16", target="a100", costs=kernels_only())
+
+
+def test_calibrate_returns_the_model_s_own_table_and_keeps_the_others_in_the_cache():
+    """`mpgraph calibrate FILE:factory` printed the whole machine cache (733 entries of other
+    models, slowest first), not the model it measured."""
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(24, 40), nn.ReLU()).eval()
+    second = nn.Sequential(nn.Linear(40, 24)).eval()
+    a = mpgraph.calibrate(first, torch.randn(5, 24))   # shapes no other test measures
+    b = mpgraph.calibrate(second, torch.randn(5, 40))
+    assert a.entries and b.entries and a.path == b.path
+    assert all("[5, 40]" in k for k in b.entries if not k.startswith("cast"))
+    assert not set(a.entries) & {k for k in b.entries if not k.startswith("cast")}
+    assert b.format().startswith(f"measured costs on {b.name}: {len(b.entries)} entries")
+    cached = CostTable.for_device(torch.device("cpu")).entries
+    assert set(a.entries) | set(b.entries) <= set(cached)

@@ -75,6 +75,20 @@ def machine_key(device: torch.device) -> tuple[str, str]:
     return name, f"{name}|torch {torch.__version__}"
 
 
+def _read(path: str, key: str) -> dict:
+    """The entries of a cache file made for machine ``key`` in this format ({} otherwise)."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") == TABLE_FORMAT and data.get("key") == key:
+            return dict(data["entries"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return {}
+
+
 class CostTable:
     """Seconds by key, for one machine; read from and written to a JSON file."""
 
@@ -94,26 +108,20 @@ class CostTable:
         # one file per machine and format: another mpgraph version on this machine keeps its own
         name = hashlib.sha1(f"{key}|{TABLE_FORMAT}".encode()).hexdigest()[:12]
         path = os.path.join(cache_dir(), f"costs-{name}.json")
-        entries = {}
-        if not fresh and os.path.exists(path):
-            try:
-                with open(path) as f:
-                    data = json.load(f)
-                if data.get("format") == TABLE_FORMAT and data.get("key") == key:
-                    entries = data["entries"]
-            except (OSError, ValueError, KeyError):
-                entries = {}
-        return cls(device, entries, path)
+        return cls(device, {} if fresh else _read(path, key), path)
 
     def save(self) -> None:
+        """Into the cache file, over what it holds (the entries of other models and of other
+        processes measuring beside this one are kept; these replace theirs)."""
         if self.path is None:
             return
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            held = _read(self.path, self.key)
             tmp = f"{self.path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump({"format": TABLE_FORMAT, "key": self.key, "device": self.name,
-                           "entries": self.entries}, f)
+                           "entries": {**held, **self.entries}}, f)
             os.replace(tmp, self.path)
         except OSError as e:  # a read-only home is no reason to fail
             log.info("could not cache the measured costs: %s", e)
