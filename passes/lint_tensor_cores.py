@@ -3,12 +3,12 @@
 fp16/bf16 Tensor Cores want GEMM dimensions M, N, K (and conv channels C, K) in multiples of 16
 bytes: 8 elements; TF32 wants 4. cuBLAS >= 11 still runs misaligned shapes, but off the fast path
 (NVIDIA's "Matrix Multiplication Background", Table 1). For each matmul-class node this records
-its dimensions, which of them miss the multiple, the padded sizes, and the estimated gain of
-padding on the target, in the plan's terms: the node's misaligned work at the CUDA-core rate
-against its padded work at the Tensor Core rate, each floored by the host time a node costs in
-eager mode, as a share of the whole plan's estimated time; a node the host bounds gains nothing,
-and the hint says so rather than promise a speed-up the plan would not see. A CPU plan gets no
-finding (Tensor Cores are a GPU's).
+its dimensions, which of them miss the multiple and the padded sizes. It promises no speed-up:
+the roofline prices a misaligned GEMM on the Tensor Cores as an aligned one (the slower path's
+rate is a kernel's, not a documented figure), so a gain the hint stated would not show in the
+plan's estimate after the padding (a hint once said "4.16x the whole plan" where the padded
+plan's estimate did not move). A node the host's per-node time bounds, misaligned or padded,
+gains nothing, and the hint says so. A CPU plan gets no finding (Tensor Cores are a GPU's).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from mpgraph.cost.specs import DeviceSpec
-from mpgraph.ir.meta import (COST, ESTIMATE, OP_CLASS, PRECISION, TENSOR, TC_FINDING, Kind,
+from mpgraph.ir.meta import (COST, OP_CLASS, PRECISION, TENSOR, TC_FINDING, Kind,
                              TensorInfo, dtype_name)
 from mpgraph.passes.op_table import TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
@@ -33,7 +33,7 @@ class TensorCoreFinding:
     dims: dict = field(hash=False)       # e.g. {"M": 128, "N": 4095, "K": 1023}
     multiple: int
     padding: dict = field(hash=False)    # misaligned dims -> padded size
-    gain: Optional[float]                # estimated speed-up from padding, on the target
+    gain: Optional[float]                # estimated speed-up from padding (None: not priced)
     text: str
 
 
@@ -99,22 +99,19 @@ class LintTensorCores(Pass):
         padding = {k: math.ceil(v / multiple) * multiple for k, v in dims.items() if v % multiple}
         if not padding:
             return TensorCoreFinding(dims, multiple, {}, None, f"aligned ({how})")
-        work = math.prod(dims.values())
-        padded = math.prod(padding.get(k, v) for k, v in dims.items())
-        cost = node.meta.get(COST)
-        flops = cost.flops if cost is not None and cost.flops else 2.0 * work
-        fast = self.spec.matmul_peak(dtype, tf32=self.tf32) or self.spec.peak["fp32"]
-        now = max(self.host, flops / self.spec.peak["fp32"])
-        then = max(self.host, flops * padded / work / fast)
-        saving = max(0.0, now - then)
-        total = gm.meta.get(ESTIMATE, {}).get("plan_s")
-        gain = (total / (total - saving)) if total and saving < total else None
         pads = ", ".join(f"{k} {dims[k]}->{v}" for k, v in padding.items())
         text = f"eligible but misaligned: pad {pads} ({how})"
-        if saving <= 0.0:
+        cost = node.meta.get(COST)
+        padded = math.prod(padding.get(k, v) for k, v in dims.items()) / math.prod(dims.values())
+        now = None if cost is None else (cost.t_fp32 if dtype == torch.float32 else cost.t_low)
+        if now is not None and self.host and now <= self.host and \
+                cost.flops * padded / (self.spec.matmul_peak(dtype, tf32=self.tf32) or
+                                       self.spec.peak["fp32"]) <= self.host:
             text += (f"; no time saved at this size on {self.spec.name} (the node costs the "
                      f"host's {self.host * 1e6:.3g} us either way)")
-        elif gain is not None:
-            text += (f"; est. saves {saving * 1e6:.3g} us of the plan's {total * 1e6:.4g} us on "
-                     f"{self.spec.name} ({gain:.3g}x the whole plan)")
+        else:  # (no number the plan's own estimate would not show after the padding)
+            text += ("; cuBLAS >= 11 still runs it on Tensor Cores, off their fastest path, by an "
+                     "amount the plan's cost model does not price: no gain is estimated (time "
+                     "the padded layer on the GPU: mpgraph.profile)")
+        gain = None
         return TensorCoreFinding(dims, multiple, padding, gain, text)
