@@ -194,3 +194,22 @@ def test_exported_graph_follows_train_and_eval_like_the_model():
     assert torch.equal(c, d)      # and off in eval
     stats = [t for n, t in gm.named_buffers() if n.endswith("running_mean")]
     assert stats and (before is None or not torch.equal(before, stats[0]))
+
+
+def test_a_wrapper_around_a_huggingface_model_goes_straight_to_torch_export(bert, token_ids,
+                                                                            caplog):
+    """transformers 5's forwards do not trace with plain fx: a wrapper around one (a user's
+    classifier, convert_decoder's cache step) failed there first, after two passes over every
+    weight (the stamps that catch a write fx does not record)."""
+    class Classifier(nn.Module):
+        def __init__(self, encoder):
+            super().__init__()
+            self.encoder, self.head = encoder, nn.Linear(encoder.config.hidden_size, 3)
+
+        def forward(self, ids):
+            return self.head(self.encoder(ids).last_hidden_state[:, 0])
+
+    caplog.set_level("INFO", logger="mpgraph")
+    gm = mpgraph.capture(Classifier(bert).eval(), (token_ids[0],))
+    assert gm.meta[CAPTURE] == "torch.export"
+    assert "symbolic_trace failed" not in caplog.text

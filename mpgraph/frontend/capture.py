@@ -861,12 +861,22 @@ def _keep_aliases(gm: torch.nn.Module, model: torch.nn.Module) -> None:
         have = dict(gm.named_modules(remove_duplicate=False))
 
 
+def _holds_hf_model(model: torch.nn.Module) -> bool:
+    """Whether the model is or holds a HuggingFace model (a PreTrainedModel): transformers 5's
+    forwards do not trace with plain fx, so a wrapper around one (convert_decoder's cache step,
+    a user's classifier around a BertModel) fails there too, after a pass over its weights."""
+    if type(model).__module__.startswith("transformers."):
+        return True
+    base = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    return base is not None and any(isinstance(m, base) for m in model.modules())
+
+
 def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic):
     reports: dict[str, str] = {}
     state = _python_state(work)
     # export_only (training): every parameter a get_attr node, no leaf module hiding its weights.
     # HuggingFace models do not trace with plain fx (transformers 5): straight to torch.export
-    hf = type(model).__module__.startswith("transformers.") and has_inputs
+    hf = has_inputs and _holds_hf_model(model)
     attempts = [] if export_only or hf else [(SYMBOLIC, lambda: _symbolic_trace(work, args, kwargs))]
     # what the forward changed under the tracers that made a graph (each change is put back at
     # once): said when one of them is taken
