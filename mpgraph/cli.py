@@ -5,7 +5,9 @@ import argparse
 import contextlib
 import inspect
 import logging
+import os
 import sys
+import traceback
 import warnings
 
 from mpgraph.api import resolve_dtype
@@ -14,6 +16,7 @@ from mpgraph.ir.meta import Kind
 
 def _demo(args) -> int:
     from mpgraph import demo
+    from mpgraph.cost.specs import GPU_SPECS
     names = ["transformer", "cnn"] if args.model == "all" else [args.model]
     dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else None
     for name in names:
@@ -24,12 +27,14 @@ def _demo(args) -> int:
         print(r.casts)
         print(f"relative L2 error vs float32: {r.rel_err:.2e}")
         estimate = f"{r.estimated:.2f}x estimated" if r.estimated else "no estimate"
-        if r.speedup is None:
-            print(f"eager speed: not measured (a plan for {r.target} runs emulated here; "
-                  f"{estimate} there)")
-        else:
+        if r.speedup is not None:
             print(f"eager median latency: float32 {r.fp32_ms:.1f} ms, mpgraph {r.mpgraph_ms:.1f} ms "
                   f"-> {r.speedup:.2f}x measured, {estimate}")
+        elif r.target == GPU_SPECS[demo.STAND_IN_GPU].name:  # a GPU's plan, run for its numbers
+            here = "runs emulated here" if r.device == "cpu" else f"runs on {r.device} untimed"
+            print(f"eager speed: not measured (a plan for {r.target} {here}; {estimate} there)")
+        else:  # a plan for this machine that was not timed (rounds=0 ran none)
+            print(f"eager speed: not measured (no timed rounds; {estimate})")
         print()
     return 0
 
@@ -62,22 +67,26 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    """--batch and --seq: a size, 1 or more (0 or -3 failed deep inside the model)."""
+def _positive(text: str, what: str = "a size") -> int:
+    """--batch and --seq: a size, 1 or more (0 or -3 failed deep inside the model); --rounds: a
+    count (0 timed nothing, and the demo blamed another device for it)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a size of 1 or more, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what} of 1 or more, got {value}")
     return value
+
+
+def _count(text: str) -> int:
+    return _positive(text, "a count")
 
 
 def load_factory(spec: str):
     """``path/to/file.py:name`` or ``package.module:name`` -> the callable it names."""
     import importlib
     import importlib.util
-    import os
 
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
@@ -96,10 +105,18 @@ def load_factory(spec: str):
                 raise  # (the module is there: something it imports is not)
             raise ValueError(f"no module {where!r} ({e}): name a FILE.py:factory, or a module "
                              "importable from here") from None
-    factory = getattr(module, name, None)
-    if not callable(factory):
+    if not hasattr(module, name):
         raise ValueError(f"{where} has no callable {name!r}")
+    factory = getattr(module, name)
+    if not callable(factory):
+        kind = type(factory).__name__
+        what = "None" if factory is None else f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
+        raise ValueError(f"{name!r} in {where} is {what}, not a callable that builds the model")
     return factory
+
+
+class FactoryError(ValueError):
+    """The user's factory raised: one line names it and its exception (-v: the traceback)."""
 
 
 def build_from(spec: str, **sizes):
@@ -114,7 +131,10 @@ def build_from(spec: str, **sizes):
         if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             raise ValueError(f"{spec} takes no {', '.join(missing)} argument (its parameters: "
                              f"{', '.join(params) or 'none'})")
-    built = factory(**sizes)
+    try:
+        built = factory(**sizes)
+    except Exception as e:  # the user's code, not the command line: named, traceback under -v
+        raise FactoryError(f"{spec} raised {type(e).__name__}: {e}") from e
     if not isinstance(built, tuple) or len(built) not in (2, 3):
         raise ValueError(f"{spec} must return (model, example_inputs[, example_kwargs])")
     model, inputs = built[0], built[1]
@@ -223,6 +243,7 @@ def _profile(args) -> int:
             print(ncu.format_per_node(ncu.per_node(ncu.parse_ncu_csv(f.read()))))
         return 0
     from mpgraph.ir.graph import to_device as _to
+    _check_device(device)
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     model, inputs, kwargs = model.to(device), _to(inputs, device), _to(kwargs, device)
     converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target,
@@ -238,6 +259,20 @@ def _profile(args) -> int:
         result = profile(converted, inputs, example_kwargs=kwargs, device=device, iters=args.iters)
     print(result.table())
     return 0
+
+
+def _check_device(device: str) -> None:
+    """--device, before the model is moved there: torch's own refusals are tracebacks (an
+    AssertionError for cuda on a build without it, a RuntimeError for an unknown type)."""
+    import torch
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: profile runs on cpu or cuda (cuda:N)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch sees no GPU")  # (profile's own words)
 
 
 def main(argv=None) -> int:
@@ -256,7 +291,7 @@ def main(argv=None) -> int:
                        help="convert the built-in models, check them against fp32, time them")
     d.add_argument("--model", choices=["transformer", "cnn", "all"], default="all")
     d.add_argument("--dtype", default="auto", help="auto (what this machine is fast at), fp16 or bf16")
-    d.add_argument("--rounds", type=int, default=10, help="timed calls of each variant")
+    d.add_argument("--rounds", type=_count, default=10, help="timed calls of each variant")
     d.set_defaults(func=_demo)
     e = sub.add_parser("export", parents=[common],
                        help="convert a model and export it to ONNX with the plan's types")
@@ -329,13 +364,17 @@ def main(argv=None) -> int:
         try:
             return args.func(args)
         except (ValueError, TypeError, OSError) as e:
-            print(f"mpgraph: error: {e}", file=sys.stderr)
+            if args.verbose:
+                traceback.print_exception(e, file=sys.stderr)
+            hint = isinstance(e, FactoryError) and not args.verbose
+            print(f"mpgraph: error: {e}{' (-v shows its traceback)' if hint else ''}", file=sys.stderr)
             return 2
 
 
 # third-party loggers that narrate on the screen (torch's fake-tensor E-logs, the ONNX exporter's
 # notes on torchvision, onnxscript's constant folding, transformers' config checks): shown with -v
 _THIRD_PARTY = ("torch", "onnxscript", "onnx_ir", "onnxruntime", "transformers")
+_HF_VERBOSITY = "TRANSFORMERS_VERBOSITY"
 
 
 class StageLines(logging.Handler):
@@ -369,7 +408,6 @@ def _c_stderr_silenced(silence: bool):
     if not silence:
         yield
         return
-    import os
     sys.stderr.flush()
     saved = os.dup(2)
     with open(os.devnull, "w") as null:
@@ -396,6 +434,11 @@ def _console(verbose: bool, progress: bool):
     old_levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
+    # transformers sets its logger's level itself when a factory first imports it, from
+    # TRANSFORMERS_VERBOSITY (transformers.utils.logging): the variable says the same meanwhile
+    old_verbosity = os.environ.get(_HF_VERBOSITY)
+    if not verbose:
+        os.environ[_HF_VERBOSITY] = "critical"
     steps = logging.getLogger("mpgraph.progress")
     stage_lines = StageLines() if progress else None
     old_steps = (steps.level, steps.propagate)
@@ -418,6 +461,10 @@ def _console(verbose: bool, progress: bool):
             root.setLevel(old_root)
             for lg, level in zip(quiet, old_levels):
                 lg.setLevel(level)
+            if old_verbosity is None:
+                os.environ.pop(_HF_VERBOSITY, None)
+            else:
+                os.environ[_HF_VERBOSITY] = old_verbosity
             if stage_lines:
                 steps.removeHandler(stage_lines)
                 steps.setLevel(old_steps[0])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import operator
+import weakref
 from typing import Optional
 
 import torch
@@ -42,6 +43,9 @@ from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
 log = logging.getLogger(__name__)
 FP32 = torch.float32
+# convert decides one captured graph several times (once per candidate dtype, then for the plan):
+# an override that matches no node is warned about once per graph, not once per decision
+_UNMATCHED_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> keys warned
 _METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                   "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
                   "bool": torch.bool}
@@ -183,8 +187,10 @@ class AssignPrecision(Pass):
         self._decide_stored(order, gm, dec, stored)
         for node in order:
             node.meta[PRECISION] = dec[node]
+        warned = _UNMATCHED_WARNED.setdefault(gm, set())
         for key in self.overrides:
-            if key not in self._matched:
+            if key not in self._matched and key not in warned:
+                warned.add(key)
                 log.warning("override %r matched no node (keys: node names, module paths or "
                             "globs, 'op:<glob>', 'class:<op class>')", key)
         self._estimate(gm)

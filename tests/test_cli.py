@@ -1,3 +1,4 @@
+import os
 import re
 import subprocess
 import sys
@@ -118,6 +119,10 @@ def test_cli_checks_a_report_path_before_converting(tmp_path, capsys):
     assert cli.main(["inspect", f"{factory}:build", "--json",
                      str(tmp_path / "missing" / "x.json")]) == 2
     assert "cannot write --json" in capsys.readouterr().err
+    # a directory: said before converting, not as "[Errno 21] Is a directory" after it
+    assert cli.main(["inspect", f"{factory}:build", "--html", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"mpgraph: error: cannot write --html {tmp_path}: it is a "
+                                       "directory; name the file to write in it\n")
 
 
 def test_cli_prints_mpgraph_warnings_as_one_line(tmp_path, capsys):
@@ -160,3 +165,95 @@ def test_cli_explain_lists_each_pass_with_its_time_and_facts(tmp_path, capsys):
               if line.startswith("choose:")]
     assert ["choose:float16", "AssignPrecisionOptimal"] in stages
     assert ["choose:bfloat16", "AssignPrecisionOptimal"] in stages
+
+
+def test_demo_takes_only_a_positive_round_count_and_says_why_nothing_was_timed(monkeypatch, capsys):
+    """--rounds 0 timed nothing and blamed a plan for another device ("runs emulated here") for
+    a plan made for this CPU."""
+    for rounds in ("0", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["demo", "--model", "cnn", "--rounds", rounds])
+        assert exit_.value.code == 2
+        assert f"expected a count of 1 or more, got {rounds}" in capsys.readouterr().err
+    stand_in = GPU_SPECS[demo.STAND_IN_GPU].name
+    for target in ("CPU of this machine", stand_in):  # (demo.run's results, as run would give)
+        monkeypatch.setattr(demo, "run", lambda name, target=target, **k: demo.DemoResult(
+            name, torch.bfloat16, "chosen on the command line", "cpu", target, "summary",
+            "casts", 1e-3, None, None, 2.5))
+        assert cli.main(["demo", "--model", "cnn"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("eager"))
+        if target == stand_in:
+            assert line == (f"eager speed: not measured (a plan for {stand_in} runs emulated "
+                            "here; 2.50x estimated there)")
+        else:
+            assert line == "eager speed: not measured (no timed rounds; 2.50x estimated)"
+
+
+def test_cli_profile_checks_the_device_before_building_the_model(tmp_path, monkeypatch, capsys):
+    """--device tpu and --device cuda without CUDA were torch tracebacks from moving the model."""
+    factory = tmp_path / "plain.py"
+    factory.write_text("raise SystemExit('the factory was loaded')\n")  # (not reached)
+    assert cli.main(["profile", f"{factory}:build", "--device", "tpu"]) == 2
+    assert capsys.readouterr().err == ("mpgraph: error: --device tpu: profile runs on cpu or cuda "
+                                       "(cuda:N)\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["profile", f"{factory}:build", "--device", "cuda"]) == 2
+    # the library's own words (mpgraph.profile(..., device="cuda") says the same)
+    assert capsys.readouterr().err == "mpgraph: error: device='cuda' but torch sees no GPU\n"
+
+
+USER_FACTORIES = '''import torch, torch.nn as nn
+not_callable = 3
+
+def build_raises():
+    raise RuntimeError("boom in the user's factory")
+'''
+
+
+def test_cli_says_what_a_factory_name_is_and_what_the_factory_raised(tmp_path, capsys):
+    """A name bound to 3 was 'has no callable'; a factory that raised, a raw traceback."""
+    factory = tmp_path / "models.py"
+    factory.write_text(USER_FACTORIES)
+    assert cli.main(["inspect", f"{factory}:not_callable"]) == 2
+    assert capsys.readouterr().err == (f"mpgraph: error: 'not_callable' in {factory} is an int, "
+                                       "not a callable that builds the model\n")
+    assert cli.main(["inspect", f"{factory}:build_raises"]) == 2
+    assert capsys.readouterr().err == (f"mpgraph: error: {factory}:build_raises raised "
+                                       "RuntimeError: boom in the user's factory (-v shows its "
+                                       "traceback)\n")
+    assert cli.main(["-v", "inspect", f"{factory}:build_raises"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and 'raise RuntimeError("boom in the user\'s factory")' in err
+    assert err.endswith(f"mpgraph: error: {factory}:build_raises raised RuntimeError: boom in "
+                        "the user's factory\n")
+
+
+HF_FACTORY = '''import torch, torch.nn as nn
+from transformers import GPT2Config
+
+def build():
+    GPT2Config(vocab_size=1000)  # transformers logs that bos/eos_token_id 50256 lie outside it
+    return nn.Linear(8, 8), torch.randn(2, 8)
+'''
+
+
+def test_cli_keeps_transformers_logs_for_verbose(tmp_path, monkeypatch):
+    """transformers set its logger's level itself when the factory imported it, over the CLI's:
+    its config warnings reached stderr without -v."""
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    factory = tmp_path / "hf.py"
+    factory.write_text(HF_FACTORY)
+
+    def stderr(*argv):
+        proc = subprocess.run([sys.executable, "-m", "mpgraph", *argv, "inspect",
+                               f"{factory}:build", "--target", "a100", "--check", "off"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    assert "bos_token_id must be" not in stderr()
+    assert "[transformers] Model config: bos_token_id must be" in stderr("-v")
+    # in a library user's process, the CLI leaves transformers' settings as they were
+    assert cli.main(["inspect", f"{factory}:build", "--target", "a100", "--check", "off"]) == 0
+    assert "TRANSFORMERS_VERBOSITY" not in os.environ

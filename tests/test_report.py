@@ -12,6 +12,7 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from conftest import GPU, ConvBnReluPool, small_bert
 
 import mpgraph
@@ -66,6 +67,9 @@ def test_report_formats_and_bad_input(tmp_path):
         mpgraph.report(model)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         mpgraph.report(gm, "html", tmp_path / "missing" / "x.html")
+    with pytest.raises(ValueError, match=f"cannot write {re.escape(str(tmp_path))}: it is a "
+                                         "directory; name the file to write in it"):
+        mpgraph.report(gm, "html", tmp_path)  # (was a raw IsADirectoryError)
 
 
 def test_saved_plan_round_trip_reproduces_the_converted_module(tmp_path):
@@ -185,6 +189,43 @@ def test_override_that_matches_nothing_is_a_warning_naming_it(caplog):
     assert any("'encoder.layr.*' matched no node" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="dtype must be float32 or bfloat16"):
         mpgraph.convert(model, x, dtype="bf16", overrides={"head": "int8"}, target=GPU)
+
+
+def test_override_that_matches_nothing_is_warned_once_per_convert(caplog):
+    """The dtype left to the cost model, the decisions run once per candidate (float16 and
+    bfloat16 on an A100) and then for the plan: the warning came three times."""
+    model, x = _blocks()
+    with caplog.at_level(logging.WARNING, logger="mpgraph"):
+        mpgraph.convert(model, x, overrides={"encoder.layr.*": "fp32"}, target=GPU)
+    assert [r.getMessage() for r in caplog.records].count(
+        "override 'encoder.layr.*' matched no node (keys: node names, module paths or globs, "
+        "'op:<glob>', 'class:<op class>')") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mpgraph"):  # another convert: warned again
+        mpgraph.convert(model, x, overrides={"encoder.layr.*": "fp32"}, target=GPU)
+    assert sum("'encoder.layr.*' matched no node" in r.getMessage() for r in caplog.records) == 1
+
+
+class PoolRelu(nn.Module):
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(x), 2)
+        return F.max_pool2d(torch.sigmoid(x), 2)
+
+
+def test_report_names_ops_as_the_model_calls_them_not_their_wrappers():
+    """torch.relu read torch._VariableFunctions (its C binding, cut at 24 characters) and
+    F.max_pool2d F.boolean_dispatch.<loca (the wrapper boolean_dispatch makes)."""
+    gm = mpgraph.convert(PoolRelu(), torch.randn(2, 8, 16, 16), dtype="fp16", target=GPU,
+                         strategy="rules")
+    text = mpgraph.report(gm)
+    rows = [line.split() for line in text.splitlines()]
+    ops = {row[0]: row[1] for row in rows
+           if row and row[0] in ("relu", "max_pool2d", "sigmoid", "max_pool2d_1")}
+    assert ops == {"relu": "torch.relu", "max_pool2d": "F.max_pool2d", "sigmoid": "torch.sigmoid",
+                   "max_pool2d_1": "F.max_pool2d"}, text
+    for fmt in ("text", "html", "dot"):
+        shown = mpgraph.report(gm, fmt)
+        assert "_VariableFunctions" not in shown and "boolean_dispatch" not in shown, fmt
 
 
 def test_diff_of_two_targets_lists_every_changed_node():

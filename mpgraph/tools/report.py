@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 from collections import OrderedDict
 from typing import Optional, Union
 
@@ -33,13 +34,14 @@ def report(obj, format: str = "text", path: Union[None, str, os.PathLike] = None
     if format not in FORMATS:
         raise ValueError(f"unknown report format {format!r}; one of {', '.join(FORMATS)}")
     plan = Plan.of(obj, "report")
+    if path is not None:
+        check_folder(path)
     measured = {n.name: n for n in profile.nodes} if profile is not None else None
     if format == "dot":
         text = dot_report(plan)
     else:
         text = {"text": text_report, "json": json_report, "html": html_report}[format](plan, measured)
     if path is not None:
-        check_folder(path)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     return text
@@ -47,7 +49,11 @@ def report(obj, format: str = "text", path: Union[None, str, os.PathLike] = None
 
 def check_folder(path, name: Optional[str] = None) -> None:
     """FileNotFoundError, naming ``name`` (default: the path), where the folder ``path`` would
-    be written in does not exist (the CLI checks before converting, not after)."""
+    be written in does not exist; ValueError where ``path`` is a directory itself (open() says
+    only "Is a directory"). The CLI checks before converting, not after."""
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write {name or path}: it is a directory; name the file to "
+                         "write in it")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {name or path}: directory {folder} does not exist")
@@ -91,7 +97,16 @@ def totals(plan: Plan) -> dict:
 
 
 def _op(r: NodeRecord) -> str:
-    return r.kind or r.target
+    """The op as the model calls it: the op-table key, else the target, both qualified names;
+    there a torch function reads torch._VariableFunctionsClass.relu (its C binding) and a
+    wrapper made inside a function F.boolean_dispatch.<locals>.fn (F.max_pool2d): the binding
+    is dropped, and a wrapper takes the name torch.fx gave its node (the function's __name__,
+    without fx's _N counter)."""
+    text = re.sub(r"(^|\.)_VariableFunctions(Class)?\.", r"\1", r.kind or r.target)
+    if "<locals>" in text and r.op == "call_function":
+        module = text[:text.index("<locals>")].rstrip(".").rpartition(".")[0]
+        text = (module + "." if module else "") + re.sub(r"_\d+$", "", r.name)
+    return text
 
 
 def _us(seconds: Optional[float]) -> str:
