@@ -143,8 +143,8 @@ class AssignPrecision(Pass):
                       if (rank := specificity(key)) is not None)
         if not hits:
             return None
+        self._matched.update(k for _, _, k in hits)  # (a key a more specific one shadows matched)
         key = hits[0][2]
-        self._matched.add(key)
         return self._dtype_of(key, self.overrides[key]), f"user override ({key!r})"
 
     @staticmethod
@@ -280,6 +280,7 @@ class AssignPrecision(Pass):
             return Decision(None, "no float32 tensors")
 
         if self.keep_fp32:
+            self._override(node)  # (a key that matches is not warned about as matching nothing)
             return Decision(FP32, self.keep_fp32, pinned=True)
         forced, why = self._override(node) or (None, "")
         safety = self._safety_reason(node) if forced == self.low else None

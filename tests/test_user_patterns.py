@@ -679,3 +679,19 @@ def test_a_plan_that_keeps_everything_float32_still_reports_its_check():
         assert fast.plan.check["outputs"] == [rel_err(fast(x), model(x))] == [0.0]
     assert fast.plan.check["bound"] is None
     assert "checked: error 0 vs float32 (all float32)" in fast.plan.summary()
+
+
+def test_an_override_that_matches_is_not_warned_about_as_matching_nothing(caplog):
+    """A key a more specific one shadows, or any key of a plan the cost model keeps in float32,
+    was warned about as 'matched no node'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).eval()
+    x = torch.randn(8, 64)
+    caplog.set_level("WARNING", logger="mpgraph")
+    mpgraph.convert(model, (x,), target=GPU, overrides={"0": "fp32", "0*": "low"})
+    tiny = nn.Sequential(nn.Linear(8, 8)).eval()  # nothing faster in low precision there
+    kept = mpgraph.convert(tiny, (torch.randn(2, 8),), target=GPU, overrides={"0": "fp32"})
+    assert not kept.plan.low_nodes
+    assert "matched no node" not in caplog.text
+    mpgraph.convert(model, (x,), target=GPU, overrides={"nothere": "fp32"})
+    assert caplog.text.count("override 'nothere' matched no node") == 1
