@@ -76,6 +76,13 @@ def output_errors(outputs: Any, references: Any) -> list[float]:
     return [relative_l2(g, w) for g, w in zip(got, want)]
 
 
+def float_leaf_positions(outputs: Any) -> list[int]:
+    """The place among the outputs' leaves (``leaves``) of each error ``output_errors`` gives:
+    the summary and ``discrete_mismatches`` number outputs by that place."""
+    return [i for i, t in enumerate(leaves(outputs)) if type(t) is float or
+            (isinstance(t, torch.Tensor) and t.is_floating_point())]
+
+
 def discrete_mismatches(outputs: Any, references: Any) -> dict[str, float]:
     """Of each integer or bool tensor output (an argmax, a mask, quantised codes), the fraction
     of its values that differ from float32's, by its place among the outputs' leaves

@@ -36,7 +36,7 @@ from mpgraph.errors import ConversionError, ValueCheckError
 from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import CALLS, input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
-from mpgraph.numerics import discrete_mismatches, output_errors, rounding
+from mpgraph.numerics import discrete_mismatches, float_leaf_positions, output_errors, rounding
 from mpgraph.ir.meta import (CHECK, COST, OP_CLASS, PRECISION, RANGE, REFERENCE, TENSOR, TensorInfo,
                              dtype_name, is_float32_tensor, is_inserted_cast, planned_dtype)
 from mpgraph.passes.infra import Pass, PassResult
@@ -160,13 +160,15 @@ class CheckConversion(Pass):
         if low is None:  # nothing in low precision: the float32 graph itself, checked as one
             errors = output_errors(outputs, reference.outputs)
             gm.meta[CHECK] = {"error": max(errors, default=0.0), "bound": None,
-                              "outputs": errors, "all_float32": True}
+                              "outputs": errors, "all_float32": True,
+                              "output_leaves": float_leaf_positions(reference.outputs)}
             return
         self._same_lengths(gm, outputs, reference.outputs, low)
         errors = output_errors(outputs, reference.outputs)
         error = max(errors, default=0.0)
         bound = value_bound(low) if self.tolerance is None else self.tolerance
-        gm.meta[CHECK] = {"error": error, "bound": bound, "outputs": errors}
+        gm.meta[CHECK] = {"error": error, "bound": bound, "outputs": errors,
+                          "output_leaves": float_leaf_positions(reference.outputs)}
         differ = discrete_mismatches(outputs, reference.outputs)
         if differ:  # (not bounded: an argmax may move where two logits tie to rounding)
             gm.meta[CHECK]["discrete"] = differ

@@ -695,3 +695,28 @@ def test_an_override_that_matches_is_not_warned_about_as_matching_nothing(caplog
     assert "matched no node" not in caplog.text
     mpgraph.convert(model, (x,), target=GPU, overrides={"nothere": "fp32"})
     assert caplog.text.count("override 'nothere' matched no node") == 1
+
+
+def test_check_says_which_output_each_error_is():
+    """check['outputs'] lists float outputs only, check['discrete'] and the summary number all
+    outputs' leaves: nothing said which error was which output."""
+    torch.manual_seed(0)
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 16)
+
+        def forward(self, x):
+            logits = self.fc(x)
+            return logits.argmax(-1), logits, logits.topk(3)
+
+    x = torch.randn(64, 32)
+    model = Mixed().eval()
+    fast = mpgraph.convert(model, (x,), target=GPU, strategy="rules")
+    check = fast.plan.check
+    assert check["output_leaves"] == [1, 2] and len(check["outputs"]) == 2
+    with torch.no_grad():
+        got, want = leaves(fast(x)), leaves(model(x))
+    for position, error in zip(check["output_leaves"], check["outputs"]):
+        assert error == pytest.approx(rel_err(got[position], want[position]), rel=1e-6)
