@@ -284,8 +284,10 @@ class Plan:
                      f"{len(t['pinned'])} nodes pinned to float32")
         if self.estimate.get("plan_s"):
             source = self.estimate.get("source")
+            what = " of the forward, priced without autograd (the backward is not)" \
+                if self.mode == "train" else ""
             text += (f"; estimated {self.estimate['fp32_s'] / self.estimate['plan_s']:.2f}x float32 "
-                     f"speed on {self.target} ({self.strategy}"
+                     f"speed{what} on {self.target} ({self.strategy}"
                      + (f"; {source}" if source else "") + ")")
         if self.dtype_choice and self.low_nodes:  # (none low: no low dtype was chosen)
             estimates = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in
