@@ -71,10 +71,14 @@ class CaptureError(MpgraphError):
                          if not line.strip().startswith("raised at "))
         sources = "\n".join(line for line in (self.reports.get("torch.export") or "").splitlines()
                             if line.strip().startswith("raised at "))
-        self.fixes = [EAGER_FIX] if EAGER in self.reports else \
-            [fix for words, fix in SOURCE_FIXES if any(w in sources for w in words)] \
-            or [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
-            or [GENERAL_FIX]
+        if EAGER in self.reports:  # the model's own forward failed: its report says why
+            eager = self.reports[EAGER]
+            self.fixes = [fix for words, fix in CAPTURE_FIXES if any(w in eager for w in words)] \
+                or [EAGER_FIX]
+        else:
+            self.fixes = [fix for words, fix in SOURCE_FIXES if any(w in sources for w in words)] \
+                or [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
+                or [GENERAL_FIX]
         lines += [f"fix: {fix}" for fix in self.fixes]
         super().__init__("\n".join(lines))
 

@@ -81,6 +81,10 @@ def test_tolerance_with_nan_in_the_calibration_is_an_error_not_met():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).eval()
     bad = torch.randn(4, 16)
     bad[0, 0] = float("nan")
+    with pytest.raises(mpgraph.CalibrationError, match="1 NaN values of 64"):
+        mpgraph.convert(model, bad, dtype="bf16", target=GPU, strategy="rules",
+                        calibration=[bad], tolerance=1e-2)
+    bad[0, 0] = float("inf")  # (an input inf is taken; outputs float32 gives as inf are not)
     with pytest.raises(mpgraph.CalibrationError, match="inf/NaN"):
         mpgraph.convert(model, bad, dtype="bf16", target=GPU, strategy="rules",
                         calibration=[bad], tolerance=1e-2)

@@ -319,7 +319,8 @@ def test_a_tolerance_met_by_pinning_every_matmul_says_so_not_the_overrides():
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).eval()
     fast = convert_rules(model, (torch.randn(8, 64),), tolerance=1e-6)
     assert "kept float32: the tolerance search's pins keep every matmul/conv in float32 " \
-           "('_0', '_2'); tolerance 1e-06: error 0 with 2 nodes pinned" in fast.plan.summary()
+           "('_0', '_2'); checked: error 0 vs float32 (all float32); tolerance 1e-06: error 0 " \
+           "with 2 nodes pinned" in fast.plan.summary()
     fast = convert_rules(model, (torch.randn(8, 64),), tolerance=1e-6, overrides={"_0": "fp32"})
     assert "kept float32: the overrides ('_0') and the tolerance search's pins ('_2') keep " \
            "every matmul/conv in float32" in fast.plan.summary()
