@@ -761,7 +761,10 @@ def test_weights_assigned_after_conversion_take_the_plan_s_dtypes_or_are_named()
         fast.fc2 = head  # a submodule swapped in
         assert fast.fc2.weight.dtype == torch.float16
         assert relative_l2(fast(x), other(x)) < 5e-3
-        fast.fc2.weight = nn.Parameter(torch.randn(32, 64))
+        fast.fc2.weight = nn.Parameter(torch.randn(32, 64))  # an assignment takes the plan's
+        assert fast.fc2.weight.dtype == torch.float16 and fast.restore_planned_dtypes() == []
+        fast(x)
+        fast.fc2.weight.data = torch.randn(32, 64)  # (.data: no hook sees it) named at the call
         with pytest.raises(TypeError, match=r"fc2\.weight is not in the dtype the plan stored .*"
                                             r"restore_planned_dtypes\(\)"):
             fast(x)

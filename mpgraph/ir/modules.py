@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import marshal
+import math
 import re
 import warnings
-from typing import Optional
+import weakref
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from mpgraph.errors import InputMismatchError
-from mpgraph.ir.meta import EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES
+from mpgraph.errors import InputMismatchError, MpgraphError
+from mpgraph.ir.meta import EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES, dtype_name
 
 
 class TrainingBatchNorm(torch.nn.Module):
@@ -317,25 +320,177 @@ def _shown(value) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
+class WeightOverflowError(MpgraphError, ValueError):
+    """Weights written into a converted module whose values do not fit the dtype the plan
+    stored them in (a float16 slot given 1e5): the cast would store inf. Raised before anything
+    is written; names each tensor, its absmax and the dtype's max."""
+
+
+def overflow_absmax(value, dtype: torch.dtype) -> Optional[float]:
+    """The absmax of ``value``'s finite values where it exceeds ``dtype``'s max (cast to
+    ``dtype``, they would be inf: NumericSafety's "weight" overflow), else None. One aminmax
+    pass; none where no cast narrows the range (same dtype, float32 into float32 or float64)."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
+            or not dtype.is_floating_point or value.dtype == dtype or value.numel() == 0:
+        return None
+    top = torch.finfo(dtype).max
+    if torch.finfo(value.dtype).max <= top:
+        return None
+    from mpgraph.ir.fake import is_abstract
+    v = value.detach()
+    if _is_dtensor(v):
+        v = v.to_local()  # (this rank's shard: each rank checks its own)
+    if is_abstract(v) or v.numel() == 0:
+        return None
+    lo, hi = (float(x) for x in torch.aminmax(v))
+    if math.isfinite(lo) and math.isfinite(hi):
+        absmax = max(-lo, hi)
+    else:  # inf/NaN in the source too: not an overflow; the finite values' absmax
+        a = v.abs()
+        absmax = float(a.masked_fill_(~torch.isfinite(a), 0).max())
+    return absmax if absmax > top else None
+
+
+def check_fits(items: Iterable, action: str, outcome: str = "nothing was written") -> None:
+    """Raise WeightOverflowError for the ``(name, value, dtype)`` items whose values overflow
+    ``dtype`` (``overflow_absmax``), naming each, what was being done (``action``:
+    "load_state_dict") and what came of it (``outcome``); else nothing."""
+    found = []
+    for name, value, dtype in items:
+        absmax = overflow_absmax(value, dtype)
+        if absmax is not None:
+            found.append(f"{name} absmax {absmax:.3g} overflows {dtype_name(dtype)} "
+                         f"(max {torch.finfo(dtype).max:.5g})")
+    if not found:
+        return
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    one = len(found) == 1
+    raise WeightOverflowError(
+        f"{action}: {'; '.join(found[:5])}{more}. The converted module stores "
+        f"{'this tensor' if one else 'these tensors'} in that dtype (its plan chose it for the "
+        "values at conversion, and a converted module's dtypes are fixed), so the cast would "
+        f"store inf: {outcome}. To run with these weights, convert the model that holds them: "
+        "mpgraph.convert(model_with_new_weights, example_inputs, ...) keeps weights that "
+        "overflow in float32, and so does applying this module's plan to it, "
+        "mpgraph.convert(model_with_new_weights, example_inputs, plan=module.plan)")
+
+
+def _compiler_disable(reason: str):
+    """``torch.compiler.disable`` with the reason dynamo's fullgraph=True error shows (a torch
+    older than its ``reason=`` takes none)."""
+    try:
+        return torch.compiler.disable(reason=reason)
+    except TypeError:
+        return torch.compiler.disable
+
+
+# whether the compiled graph refreshes low copies itself (``_register_refresh_op``)
+_REFRESH_OP: list = []
+
+
+_COPIES: "weakref.WeakValueDictionary[int, WeightCopies]" = weakref.WeakValueDictionary()
+_COPY_KEYS = itertools.count()
+
+
 class WeightCopies:
     """The low-precision copies a plan keeps beside their float32 originals (a weight read in
     both precisions: a tied embedding and output layer), kept in step with them: a copy is
     refreshed on the next call after its original is written (``load_state_dict``,
     ``param.copy_()``, a new tensor set in its place), so it never serves stale values. The
-    copies are not in the state dict; the originals are, under the model's keys."""
+    copies are not in the state dict; the originals are, under the model's keys.
+
+    Under ``torch.compile`` the check runs inside the compiled graph, as an opaque op
+    (``mpgraph::refresh_weight_copy``, kept out of CUDA graphs) that writes the copy in place
+    where its original changed: no graph break, ``fullgraph=True`` compiles, and a compiled
+    module sees new weights as an eager one does. An original whose new values overflow its
+    copy's dtype is a WeightOverflowError at the call (the copy is left as it was)."""
 
     def __init__(self, root: torch.nn.Module, pairs):
         self.pairs = tuple(pairs)  # (original's path, copy's path)
         self.seen = {copy: _stamp(_tensor_at(root, source)) for source, copy in self.pairs}
+        self._register()
+
+    def _register(self) -> None:
+        # the key the compiled op finds this object by (an int: what a graph can hold)
+        self.key = next(_COPY_KEYS)
+        _COPIES[self.key] = self
+
+    def __getstate__(self):
+        return {"pairs": self.pairs, "seen": dict(self.seen)}
+
+    def __setstate__(self, state):  # (copy.deepcopy: a key of its own)
+        self.pairs, self.seen = state["pairs"], state["seen"]
+        self._register()
+
+    def invalidate(self, path: str) -> None:
+        """A tensor was set at ``path``: the copies of it (or the copy itself) are refreshed on
+        the next call, whatever its address (a new tensor may reuse a freed one's)."""
+        for source, copy in self.pairs:
+            if path in (source, copy):
+                self.seen.pop(copy, None)
 
     def refresh(self, root: torch.nn.Module) -> None:
-        for source, copy in self.pairs:
-            original = _tensor_at(root, source)
-            stamp = _stamp(original)
-            if self.seen.get(copy) != stamp:
-                with torch.no_grad():
-                    _tensor_at(root, copy).copy_(original)
-                self.seen[copy] = stamp
+        if torch.compiler.is_compiling():
+            if not _REFRESH_OP:
+                return self._refresh_eagerly(root)
+            for index, (source, copy) in enumerate(self.pairs):
+                torch.ops.mpgraph.refresh_weight_copy(
+                    _tensor_at(root, source).detach(), _tensor_at(root, copy), self.key, index)
+            return
+        for index, (source, copy) in enumerate(self.pairs):
+            self.refresh_one(index, _tensor_at(root, source), _tensor_at(root, copy))
+
+    @_compiler_disable(
+        "mpgraph: the converted module's low-precision weight copies are checked against their "
+        "float32 originals before each call, outside the compiled graph on this torch (one "
+        "graph break): compile without fullgraph=True, or use a torch with "
+        "torch.Tag.cudagraph_unsafe, where the check runs inside the graph")
+    def _refresh_eagerly(self, root: torch.nn.Module) -> None:
+        for index, (source, copy) in enumerate(self.pairs):
+            self.refresh_one(index, _tensor_at(root, source), _tensor_at(root, copy))
+
+    def refresh_one(self, index: int, original: torch.Tensor, low: torch.Tensor) -> None:
+        """The copy of pair ``index`` (``low``) written from ``original`` where that changed
+        since the last refresh."""
+        source, copy = self.pairs[index]
+        stamp = _stamp(original)
+        if self.seen.get(copy) == stamp:
+            return
+        check_fits([(f"{source} (read as its {dtype_name(low.dtype)} copy {copy})", original,
+                     low.dtype)], f"{source} was written",
+                   f"{copy} was not refreshed, and each call raises this until {source} holds "
+                   "values that fit")
+        with torch.no_grad():
+            low.copy_(original)
+        self.seen[copy] = stamp
+
+
+def _refresh_weight_copy(original: torch.Tensor, copy: torch.Tensor, key: int,
+                         index: int) -> None:
+    """The compiled graph's refresh of one low copy (``WeightCopies.refresh``)."""
+    copies = _COPIES.get(key)
+    if copies is not None and index < len(copies.pairs):
+        copies.refresh_one(index, original, copy)
+    else:  # (its WeightCopies is gone: a fresh copy is never wrong)
+        with torch.no_grad():
+            copy.copy_(original)
+
+
+def _register_refresh_op() -> None:
+    """``mpgraph::refresh_weight_copy``: ``WeightCopies``' check as an op opaque to
+    torch.compile, tagged to stay out of CUDA graphs (its Python runs on every call). A torch
+    without that tag refreshes eagerly under torch.compile instead (a graph break)."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        return
+    if not hasattr(torch.ops.mpgraph, "refresh_weight_copy"):  # (else: an earlier import's)
+        try:
+            op = torch.library.custom_op("mpgraph::refresh_weight_copy", mutates_args=("copy",),
+                                         tags=(tag,))(_refresh_weight_copy)
+        except TypeError:  # (a custom_op without tags=)
+            return
+        op.register_fake(lambda original, copy, key, index: None)
+    _REFRESH_OP.append(True)
 
 
 class FusedWeights:
@@ -393,7 +548,12 @@ class FusedWeights:
             owner._non_persistent_buffers_set.add(leaf)
         self._watch = None
 
-    @torch.compiler.disable  # (data_ptr reads; under torch.compile it runs eagerly, a break)
+    # (data_ptr reads and new stacks set on the module: under torch.compile it runs eagerly,
+    # a graph break; fullgraph=True is refused with this reason)
+    @_compiler_disable(
+        "mpgraph: this converted module's stacked GEMV weights (FuseSiblingGemv, CPU plans) are "
+        "checked against their members before each call, outside the compiled graph (one graph "
+        "break): compile it without fullgraph=True")
     def refresh(self, root: torch.nn.Module) -> None:
         if self.in_step(root):
             return
@@ -425,6 +585,10 @@ class FusedWeights:
                     raise ValueError(f"{path} has shape {tuple(t.shape)}; the converted graph "
                                      f"reads it as {(stop - start, width)} (convert the model "
                                      "again for another shape)")
+            if stack is not None:
+                check_fits([(f"{path} (a member of the stacked weight {target})", t, stack.dtype)
+                            for path, _, _, t in members], "refreshing stacked weights",
+                           f"{target} was not rebuilt")
             new = torch.empty((spans[-1][2], width), device=members[0][3].device,
                               dtype=stack.dtype if stack is not None else members[0][3].dtype)
             sharded = False
@@ -494,8 +658,10 @@ def _rows_of(t: torch.Tensor, stack: torch.Tensor, start: int) -> bool:
 
 
 def _stamp(t: torch.Tensor) -> tuple:
-    """What changes when a tensor is written in place or replaced."""
-    return id(t), t._version, t.data_ptr(), t.device
+    """What changes when a tensor is written in place or replaced (its address and version
+    counter, which a detached alias shares: the compiled graph passes one; a tensor set in its
+    place through an assignment also clears its pair, ``WeightCopies.invalidate``)."""
+    return t.data_ptr(), t._version, t.device
 
 
 def _tensor_at(root: torch.nn.Module, path: str) -> torch.Tensor:
@@ -566,6 +732,180 @@ def in_layout(t: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Tensor:
     return t.detach().to(dtype=dtype, memory_format=memory)
 
 
+def _off_plan(t, dtype: torch.dtype, layout: str) -> bool:
+    """Whether ``t`` (a module's tensor) is in another dtype or layout than the plan's (FSDP's
+    shards, DTensors, are FSDP's to place)."""
+    return isinstance(t, torch.Tensor) and not t.is_meta and not _is_dtensor(t) \
+        and (t.dtype != dtype or bool(layout and planned_layout(t) != layout))
+
+
+def _put(owner: torch.nn.Module, leaf: str, old: torch.Tensor, data: torch.Tensor) -> None:
+    """``data`` in place of ``owner``'s tensor ``leaf`` (``old``): a Parameter for a parameter."""
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = torch.nn.Parameter(data, old.requires_grad)
+    else:
+        owner._buffers[leaf] = data
+
+
+class _Registry:
+    """module -> value, by identity (a module class may define ``__eq__`` and so have no hash)
+    and weakly: an entry leaves with its module."""
+
+    def __init__(self):
+        self._entries: dict = {}  # id(module) -> (weak reference to it, value)
+
+    def get(self, module):
+        found = self._entries.get(id(module))
+        return found[1] if found is not None and found[0]() is module else None
+
+    def __setitem__(self, module, value) -> None:
+        key, entries = id(module), self._entries
+
+        def gone(ref):
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+        entries[key] = (weakref.ref(module, gone), value)
+
+
+# Each submodule of a converted module with a plan: (its planned_tensors, its path there, its
+# WeightCopies or None). Weak: a module dropped by its converted module leaves here too.
+_PLANNED = _Registry()
+_REGISTRATION_HOOKS: list = []  # (the handles of the three, once installed)
+
+
+def keep_planned(root: torch.nn.Module) -> None:
+    """Assignments into ``root``'s submodules take the plan's dtypes from now on: a parameter or
+    buffer set in another dtype (``fast.out.weight = nn.Parameter(w)``,
+    ``load_state_dict(assign=True)``) is cast to the dtype and layout the plan stored, and a
+    submodule swapped in has its tensors cast, as they are set (torch's global registration
+    hooks, which run only when something is registered and act only on these modules); a value
+    that would overflow that dtype is a WeightOverflowError before anything is set."""
+    planned = root.__dict__.get("planned_tensors")
+    if not planned:
+        return
+    copies = root.__dict__.get("weight_copies")
+    for path, module in root.named_modules(remove_duplicate=False):
+        _PLANNED[module] = (planned, path, copies)
+        if path:  # (the converted module's own load_state_dict checks its loads)
+            _checks_loads(module)
+    if not _REGISTRATION_HOOKS:
+        from torch.nn.modules import module as nn_module
+        _REGISTRATION_HOOKS.extend([
+            nn_module.register_module_parameter_registration_hook(_on_tensor_set),
+            nn_module.register_module_buffer_registration_hook(_on_tensor_set),
+            nn_module.register_module_module_registration_hook(_on_module_set)])
+
+
+def _joined(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _narrower(value, dtype: Optional[torch.dtype]) -> bool:
+    """Whether writing floating ``value`` into a tensor of ``dtype`` narrows its range."""
+    return dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point() \
+        and dtype.is_floating_point and value.dtype != dtype \
+        and torch.finfo(dtype).max < torch.finfo(value.dtype).max
+
+
+def planned_slots(planned: dict, prefix: str, state_dict, copies, dtype_now=None) -> list:
+    """(name, value, dtype) for each floating value of ``state_dict`` (loaded into the
+    submodule at ``prefix``) that goes into a tensor the plan stored in a narrower dtype than the
+    value's (float32 into float16): what ``check_fits`` scans. A value for a float32 tensor, or
+    in its tensor's own dtype, costs a dict lookup. The low copies of ``copies`` (WeightCopies)
+    count too, under their originals' keys. ``dtype_now(path)``: the dtype of a tensor the plan
+    does not list."""
+    slots = []
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        full = _joined(prefix, key)
+        want = planned.get(full)
+        dtype = want[0] if want is not None else dtype_now(full) if dtype_now else None
+        if _narrower(value, dtype):
+            slots.append((full, value, dtype))
+    for source, copy_path in copies.pairs if copies is not None else ():
+        if prefix and not source.startswith(prefix + "."):
+            continue
+        value = state_dict.get(source[len(prefix) + 1:] if prefix else source)
+        want = planned.get(copy_path)
+        if value is not None and want is not None and _narrower(value, want[0]):
+            slots.append((f"{source} (read as its {dtype_name(want[0])} copy {copy_path})",
+                          value, want[0]))
+    return slots
+
+
+def _check_load(module: torch.nn.Module, state_dict, prefix: str, *_) -> None:
+    """A load_state_dict pre-hook on each submodule of a converted module: a load into the
+    submodule itself (``fast.head.load_state_dict(sd)``; a load that begins above it has a
+    prefix, and was checked where it began) checked as the converted module's own is, before
+    anything is written."""
+    entry = _PLANNED.get(module)
+    if prefix or entry is None:
+        return
+    planned, path, copies = entry
+    check_fits(planned_slots(planned, path, state_dict, copies),
+               f"{path}.load_state_dict" if path else "load_state_dict", "nothing was loaded")
+
+
+def _checks_loads(module: torch.nn.Module) -> None:
+    if not any(getattr(h, "hook", h) is _check_load
+               for h in module._load_state_dict_pre_hooks.values()):
+        module.register_load_state_dict_pre_hook(_check_load)
+
+
+def _on_tensor_set(module: torch.nn.Module, name: str, tensor):
+    """torch's hook on a parameter or buffer being set: the plan's dtype where it has one."""
+    entry = _PLANNED.get(module)
+    if entry is None or not isinstance(tensor, torch.Tensor):
+        return None
+    planned, path, copies = entry
+    full = _joined(path, name)
+    want = planned.get(full)
+    if want is not None and _off_plan(tensor, *want):
+        check_fits([(full, tensor, want[0])], f"setting {full}", "nothing was set")
+        data = in_layout(tensor, *want)
+        tensor = torch.nn.Parameter(data, tensor.requires_grad) \
+            if isinstance(tensor, torch.nn.Parameter) else data
+    else:
+        tensor = None
+    if copies is not None:
+        copies.invalidate(full)
+    return tensor
+
+
+def _on_module_set(container: torch.nn.Module, name: str, module):
+    """torch's hook on a submodule being set: its tensors in the plan's dtypes (cast in place
+    of the module's own), and assignments into it kept so."""
+    entry = _PLANNED.get(container)
+    if entry is None or not isinstance(module, torch.nn.Module):
+        return None
+    planned, path, copies = entry
+    prefix = _joined(path, name)
+    todo, seen = [], set()
+    for sub, owner in module.named_modules(remove_duplicate=False):
+        for store in (owner._parameters, owner._buffers):
+            for leaf, t in store.items():
+                full = _joined(prefix, sub, leaf)
+                want = planned.get(full)
+                if want is not None and _off_plan(t, *want) and (id(owner), leaf) not in seen:
+                    seen.add((id(owner), leaf))
+                    todo.append((full, owner, leaf, t, want))
+    check_fits([(full, t, want[0]) for full, _, _, t, want in todo], f"setting {prefix}",
+               "nothing was set")
+    for full, owner, leaf, t, want in todo:
+        _put(owner, leaf, t, in_layout(t, *want))
+    for sub, owner in module.named_modules(remove_duplicate=False):
+        _PLANNED[owner] = (planned, _joined(prefix, sub), copies)
+        _checks_loads(owner)
+    if copies is not None:
+        for full, *_ in todo:
+            copies.invalidate(full)
+        for source, copy_path in copies.pairs:
+            if source.startswith(prefix + ".") or copy_path.startswith(prefix + "."):
+                copies.invalidate(source)
+    return None
+
+
 class ConvertedModule(torch.fx.GraphModule):
     """The class of what capture and convert return: a GraphModule whose parameters carry the
     plan's dtypes (low ones for low nodes, float32 for the rest, read through the graph's
@@ -586,11 +926,28 @@ class ConvertedModule(torch.fx.GraphModule):
         return new
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # values that would be inf in the dtype the plan stored them in: an error, before
+        # anything is written (a float16 slot is float16 for good; 1e5 there is inf)
+        check_fits(self._planned_slots(state_dict), "load_state_dict", "nothing was loaded")
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:  # the tensors assigned as they came: back to the dtypes the plan stored
             self.restore_planned_dtypes()
         refresh_fused(self)  # now, not on the next call: forward() and exports read the stack too
         return result
+
+    def _planned_slots(self, state_dict) -> list:
+        """``planned_slots`` of a state dict for the whole module."""
+        current = None
+
+        def dtype_now(path: str):  # (a plan without planned_tensors, or a tensor added since)
+            nonlocal current
+            if current is None:
+                current = {p: t.dtype for p, t in [*self.named_parameters(remove_duplicate=False),
+                                                   *self.named_buffers(remove_duplicate=False)]}
+            return current.get(path)
+
+        return planned_slots(self.__dict__.get("planned_tensors") or {}, "", state_dict,
+                             self.__dict__.get("weight_copies"), dtype_now)
 
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
@@ -602,10 +959,12 @@ class ConvertedModule(torch.fx.GraphModule):
 
     def restore_planned_dtypes(self, prefix: str = "") -> list[str]:
         """Tensors (under ``prefix``) that were replaced by ones of another dtype or layout than
-        the plan stored (``load_state_dict(assign=True)``, a submodule swapped in) converted back
-        to the plan's; returns their paths."""
+        the plan stored (written through ``.data``, a submodule's ``.half()``) converted back to
+        the plan's; returns their paths. (Assignments, ``load_state_dict(assign=True)`` and
+        submodules swapped in take the plan's dtypes as they are made.) Values that would
+        overflow the plan's dtype are a WeightOverflowError, before anything is converted."""
         planned = self.__dict__.get("planned_tensors") or {}
-        fixed = []
+        todo = []
         for path, (dtype, layout) in planned.items():
             if not path.startswith(prefix):
                 continue
@@ -615,21 +974,25 @@ class ConvertedModule(torch.fx.GraphModule):
             except AttributeError:
                 continue
             t = owner._parameters.get(leaf, owner._buffers.get(leaf))
-            if not isinstance(t, torch.Tensor) or t.is_meta:
-                continue
-            if t.dtype != dtype or (layout and planned_layout(t) != layout):
-                data = in_layout(t, dtype, layout)
-                if leaf in owner._parameters:
-                    owner._parameters[leaf] = torch.nn.Parameter(data, t.requires_grad)
-                else:
-                    owner._buffers[leaf] = data
-                fixed.append(path)
-        return fixed
+            if _off_plan(t, dtype, layout):
+                todo.append((path, owner, leaf, t, dtype, layout))
+        check_fits([(path, t, dtype) for path, _, _, t, dtype, _ in todo],
+                   "restore_planned_dtypes", "nothing was converted")
+        copies = self.__dict__.get("weight_copies")
+        for path, owner, leaf, t, dtype, layout in todo:
+            _put(owner, leaf, t, in_layout(t, dtype, layout))
+            if copies is not None:
+                copies.invalidate(path)
+        return [path for path, *_ in todo]
 
     def __setattr__(self, name, value):
         if isinstance(value, torch.nn.Module) and name in self.__dict__.get("_modules", {}):
             super().__setattr__(name, value)  # a submodule swapped in: in the plan's dtypes
-            self.restore_planned_dtypes(prefix=name + ".")
+            self.restore_planned_dtypes(prefix=name + ".")  # (keep_planned's hook did it)
+            return
+        if name in ("planned_tensors", "weight_copies"):  # (convert, copy.copy, deepcopy)
+            super().__setattr__(name, value)
+            keep_planned(self)
             return
         signature = self.__dict__.get("call_signature")
         if signature is not None and name in signature.attributes \
@@ -661,9 +1024,10 @@ class ConvertedModule(torch.fx.GraphModule):
                 raise
             raise TypeError(
                 f"{', '.join(changed[:3])} {'is' if len(changed) == 1 else 'are'} not in the "
-                "dtype the plan stored (a tensor assigned after conversion?): load weights with "
-                "load_state_dict (which casts), or call module.restore_planned_dtypes() after "
-                f"assigning ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+                "dtype the plan stored (written through .data, or a submodule's .half() or "
+                ".float()?): call module.restore_planned_dtypes(), or load weights with "
+                "load_state_dict (which casts) or by assignment (which takes the plan's dtype) "
+                f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
     def unplanned_tensors(self) -> list[str]:
         """Paths of parameters and buffers whose dtype is not the one the plan stored."""
@@ -676,12 +1040,16 @@ class ConvertedModule(torch.fx.GraphModule):
         # (ConvertedModule's wrap, not type(self)'s: fx makes each instance's class anew, and an
         # object of a class that is not type(self)'s subclass was returned uninitialised)
         new = ConvertedModule.wrap(self)
+        # (wrap copies what the graph reads: a tensor only the state dict or the weight-copy
+        # refresher reads, the float32 bias of a layer read in float16, was left out)
+        _copy_tensors(new, self)
         for name, value in self.meta.get("_user_preserved_attributes", {}).items():
             setattr(new, name, value)
         if "fused_weights" in new.__dict__:
             new.fused_weights = copy.copy(new.fused_weights)
             new.fused_weights.adopt(new, self)
         _keep_non_persistent(new, self)
+        refuse_hooks(new)  # (on the submodules wrap made anew, as on the original's)
         return new
 
     def __reduce_ex__(self, protocol):
@@ -798,6 +1166,36 @@ class ConvertedModule(torch.fx.GraphModule):
         return super().to(*args, **kwargs)
 
 
+def _copy_tensors(copied: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Every parameter and buffer of ``source`` that ``copied`` (fx's copy of it, which takes
+    what its graph reads) lacks, shared as fx shares the rest; then each submodule's tensors and
+    children in ``source``'s order, so that the state dicts list their keys alike."""
+    from torch.fx.graph_module import _copy_attr
+    for path, _ in [*source.named_parameters(remove_duplicate=False),
+                    *source.named_buffers(remove_duplicate=False)]:
+        owner_path, _, leaf = path.rpartition(".")
+        try:
+            owner = copied.get_submodule(owner_path)
+        except AttributeError:
+            owner = None
+        if owner is None or (owner._parameters.get(leaf) is None
+                             and owner._buffers.get(leaf) is None):
+            _copy_attr(source, copied, path)
+    for path, module in source.named_modules(remove_duplicate=False):
+        try:
+            twin = copied.get_submodule(path)
+        except AttributeError:
+            continue
+        if twin is module:
+            continue
+        for store in ("_parameters", "_buffers", "_modules"):
+            mine, theirs = getattr(twin, store), getattr(module, store)
+            if list(mine) != [k for k in theirs if k in mine]:
+                ordered = [k for k in theirs if k in mine] + [k for k in mine if k not in theirs]
+                for key in ordered:
+                    mine[key] = mine.pop(key)
+
+
 def _keep_non_persistent(copied: torch.nn.Module, source: torch.nn.Module) -> None:
     """fx's copies register every buffer they copy as persistent: the ones ``source`` keeps out
     of its state dict (rotary ``inv_freq``) out of the copy's too, or a strict
@@ -908,3 +1306,6 @@ def _lookup(root: torch.nn.Module, target: str):
         if getattr(module, store, {}).get(leaf) is not None:
             return f"{expr}.{store}[{leaf!r}]"
     return None
+
+
+_register_refresh_op()

@@ -14,9 +14,9 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
-from mpgraph.ir.fake import TRACED_ON, module_tensors, replace_tensors, tensor_groups
+from mpgraph.ir.fake import TRACED_ON, is_abstract, module_tensors, replace_tensors, tensor_groups
 from mpgraph.ir.meta import WEIGHTS
-from mpgraph.ir.modules import refresh_fused
+from mpgraph.ir.modules import check_fits, refresh_fused
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,9 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     the weights hold, and it stays one tensor), checked for shape, cast to the dtype and memory
     layout the plan gave it, and moved to ``device`` (default: the device it was traced for, or
     the one its tensors are on). Tensors are read lazily from safetensors: one at a time in
-    memory besides the result. With ``strict``, a tensor of the module with no value (still
+    memory besides the result. A value that would be inf in the dtype the plan stored its
+    tensor in (1e5 in float16) is a ``WeightOverflowError`` naming it, before anything is
+    written. With ``strict``, a tensor of the module with no value (still
     meta) afterwards is an error naming it, and so are weights none of whose names the module
     has (a checkpoint under another prefix: nothing would be loaded). A decoder takes the causal LM's own names (its
     ``state_dict()``, its checkpoint), and its two graphs keep sharing what they shared
@@ -249,6 +251,7 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
     mates = {p: paths for _, paths in groups for p in paths}
     fused = gm.__dict__.get("fused_weights")
     stacks = fused.stacks if fused is not None else set()  # built from their members after
+    entries, moves = [], []  # (tensor, paths, keys, weights, key) found; (paths, tensor) not
     for t, paths in groups:
         paths = [p for p in paths if (only is None or p in only) and p not in stacks]
         if not paths:
@@ -261,21 +264,38 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
                 missing += [p if renamed.get(p, p) == p else f"{p} (from {renamed[p]})"
                             for p in paths]
             elif t.device != target:
-                replace_tensors(gm, paths, t.to(target))
+                moves.append((paths, t))
             continue
-        source, key = found
+        entries.append((t, paths, keys, *found))
+    # a value that would be inf in the dtype the plan stored its tensor in (1e5 in float16) is
+    # an error before anything is written: tensors with values are checked first (a low one's
+    # weights read twice: the check, then the load); tensors without (meta: the plan made
+    # without weights) as they are read, set only once all of them are
+    check_fits(((_named(key, paths), source[key], t.dtype) for t, paths, keys, source, key
+                in entries if not is_abstract(t) and _low(t)), "load_weights",
+               "nothing was loaded")  # (a generator: one tensor read at a time)
+    pending = []
+    for t, paths, keys, source, key in sorted(entries, key=lambda e: not is_abstract(e[0])):
         value = source[key]
         if tuple(value.shape) != tuple(t.shape):
             raise ValueError(f"weight {key}: shape {tuple(value.shape)}, the converted module "
                              f"has {tuple(t.shape)}")
+        if is_abstract(t):
+            check_fits([(_named(key, paths), value, t.dtype)], "load_weights",
+                       "nothing was loaded")
         # in the planned dtype and layout (ChannelsLast stores conv weights NHWC)
         placed = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
         with torch.no_grad():
             placed.copy_(value)
-        replace_tensors(gm, paths, placed)
+        if is_abstract(t):
+            pending.append((paths, placed))
+        else:
+            replace_tensors(gm, paths, placed)
         used.update(s.resolve(k) if isinstance(s, _ModelOf) else k
                     for k in keys for s in sources if k in s)
         loaded += 1
+    for paths, placed in pending + [(paths, t.to(target)) for paths, t in moves]:
+        replace_tensors(gm, paths, placed)
     if traced is not None and isinstance(gm, torch.fx.GraphModule) and str(target) != traced:
         _retarget_devices(gm, traced, target)
     if missing and strict:
@@ -286,3 +306,13 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
                            "them in a dict)")
     log.info("loaded %d tensors onto %s", loaded, target)
     return used
+
+
+def _low(t: torch.Tensor) -> bool:
+    """A floating tensor in a dtype of narrower range than float32's (float16, bfloat16)."""
+    return t.is_floating_point() and torch.finfo(t.dtype).max < torch.finfo(torch.float32).max
+
+
+def _named(key: str, paths: list) -> str:
+    """A tensor as the weights name it, and as the module does where that differs."""
+    return key if paths[0] == key else f"{key} (the module's {paths[0]})"

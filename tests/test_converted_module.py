@@ -1,0 +1,319 @@
+"""What a converted module does with weights written after conversion, and its copies: values
+that would overflow a low-precision tensor, copy.copy, torch.compile(fullgraph=True) of a plan
+that keeps a weight in two precisions, and parameters assigned in another dtype."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import GPU
+
+import mpgraph
+from mpgraph.numerics import relative_l2
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class Shared(nn.Module):
+    """fc's weight read in float16 (fc itself) and in float32 (its norm): the plan keeps a
+    float16 copy of fc's weight and bias beside the float32 originals (WeightCopies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.fc(x)) / self.fc.weight.pow(2).sum().sqrt()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = MLP().eval()
+    fast = mpgraph.convert(model, _x(4, 16), target=GPU, strategy="rules")
+    assert fast.fc2.bias.dtype == torch.float16
+    return model, fast
+
+
+def _shared():
+    torch.manual_seed(0)
+    model = Shared().eval()
+    fast = mpgraph.convert(model, _x(4, 16), target=GPU, strategy="rules")
+    assert fast.weight_copies.pairs == (("fc.weight", "fc_float16.weight"),
+                                        ("fc.bias", "fc_float16.bias"))
+    return model, fast
+
+
+def _snapshot(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _unchanged(module, before):
+    after = module.state_dict()
+    assert list(after) == list(before)
+    for k, v in before.items():
+        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
+
+
+def _overflow(excinfo):
+    assert type(excinfo.value).__name__ == "WeightOverflowError"
+    assert isinstance(excinfo.value, mpgraph.errors.MpgraphError)
+    text = str(excinfo.value)
+    assert "mpgraph.convert(model_with_new_weights, example_inputs, ...)" in text
+    assert "plan=module.plan" in text
+    return text
+
+
+# -- #1: values that do not fit a low-precision tensor -------------------------------------
+
+def test_load_state_dict_of_values_that_overflow_float16_is_an_error_before_anything_is_loaded():
+    model, fast = _mlp()
+    x = _x(4, 16, seed=1)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        new.fc2.bias[0] = 1e5
+        new.fc1.weight.mul_(2)  # a value that fits, beside it: not loaded either
+    before = _snapshot(fast)
+    with torch.no_grad():
+        out = fast(x)
+    with pytest.raises(ValueError) as excinfo:
+        fast.load_state_dict(new.state_dict())
+    text = _overflow(excinfo)
+    assert text.startswith("load_state_dict: fc2.bias absmax 1e+05 overflows float16 "
+                           "(max 65504). The converted module stores this tensor in that dtype")
+    assert "so the cast would store inf: nothing was loaded" in text
+    _unchanged(fast, before)
+    with torch.no_grad():
+        assert torch.equal(fast(x), out)
+    # into the layer alone, the same
+    with pytest.raises(ValueError) as excinfo:
+        fast.fc2.load_state_dict(new.fc2.state_dict())
+    assert _overflow(excinfo).startswith(
+        "fc2.load_state_dict: fc2.bias absmax 1e+05 overflows float16 (max 65504)")
+    _unchanged(fast, before)
+    fast.fc2.load_state_dict(model.fc2.state_dict())  # values that fit: loaded
+    with torch.no_grad():
+        assert torch.equal(fast(x), out)
+
+
+def test_load_state_dict_names_every_overflowing_tensor_including_batch_norm_statistics():
+    torch.manual_seed(0)
+    model = ConvBN().eval()
+    x = _x(2, 3, 8, 8)
+    fast = mpgraph.convert(model, x, target=GPU, strategy="rules")
+    assert fast.bn.running_var.dtype == torch.float16
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        new.bn.running_var[:2] = 5e5  # statistics of a model trained on loud inputs
+        new.bn.running_mean[0] = -7e4
+    before = _snapshot(fast)
+    with pytest.raises(ValueError) as excinfo:
+        fast.load_state_dict(new.state_dict())
+    text = _overflow(excinfo)
+    assert "load_state_dict: bn.running_mean absmax 7e+04 overflows float16 (max 65504); " \
+           "bn.running_var absmax 5e+05 overflows float16 (max 65504). The converted module " \
+           "stores these tensors in that dtype" in text
+    _unchanged(fast, before)
+
+
+def test_values_already_non_finite_in_the_weights_are_not_an_overflow():
+    model, fast = _mlp()
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        new.fc2.bias[0], new.fc2.bias[1] = float("inf"), float("nan")
+    fast.load_state_dict(new.state_dict())  # inf and NaN were so in float32: loaded as they are
+    assert torch.isinf(fast.fc2.bias[0]) and torch.isnan(fast.fc2.bias[1])
+    assert torch.equal(fast.fc2.bias[2:], new.fc2.bias[2:].half())
+    with torch.no_grad():
+        new.fc2.bias[2] = -2e5  # the finite values' absmax counts
+    with pytest.raises(ValueError, match=r"^load_state_dict: fc2\.bias absmax 2e\+05 overflows "
+                                         r"float16 \(max 65504\)"):
+        fast.load_state_dict(new.state_dict())
+
+
+def test_a_state_dict_in_the_planned_dtypes_loads_without_a_check():
+    _, fast = _mlp()
+    own = fast.state_dict()
+    with torch.no_grad():
+        own["fc2.bias"][0] = float("inf")  # (a float16 value: no cast, nothing to overflow)
+    fast.load_state_dict(own)
+    assert torch.isinf(fast.fc2.bias[0])
+
+
+def test_an_original_whose_low_copy_would_overflow_is_checked_on_load_and_on_write():
+    model, fast = _shared()
+    x = _x(4, 16, seed=1)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        new.fc.weight[0, 0] = 1e5
+    before = _snapshot(fast)
+    with pytest.raises(ValueError) as excinfo:
+        fast.load_state_dict(new.state_dict())
+    assert _overflow(excinfo).startswith(
+        "load_state_dict: fc.weight (read as its float16 copy fc_float16.weight) absmax 1e+05 "
+        "overflows float16 (max 65504)")
+    _unchanged(fast, before)
+    with pytest.raises(ValueError, match=r"^fc\.load_state_dict: fc\.weight \(read as its "
+                                         r"float16 copy fc_float16\.weight\) absmax 1e\+05"):
+        fast.fc.load_state_dict(new.fc.state_dict())
+    _unchanged(fast, before)
+    # written in place (param.copy_()): the call that would refresh the copy says so instead
+    with torch.no_grad():
+        good = fast(x)
+        fast.fc.weight.copy_(new.fc.weight)
+        with pytest.raises(ValueError) as excinfo:
+            fast(x)
+        assert _overflow(excinfo).startswith(
+            "fc.weight was written: fc.weight (read as its float16 copy fc_float16.weight) "
+            "absmax 1e+05 overflows float16 (max 65504)")
+        assert "fc_float16.weight was not refreshed, and each call raises this until " \
+               "fc.weight holds values that fit" in str(excinfo.value)
+        assert torch.isfinite(fast.fc_float16.weight).all()
+        with pytest.raises(ValueError, match="fc.weight was written"):
+            fast(x)  # not once only
+        fast.fc.weight.copy_(model.fc.weight)
+        assert torch.equal(fast(x), good)
+
+
+def test_a_parameter_assigned_with_values_that_overflow_is_an_error_before_it_is_set():
+    _, fast = _mlp()
+    held = fast.fc2.weight
+    with pytest.raises(ValueError) as excinfo:
+        fast.fc2.weight = nn.Parameter(torch.full((8, 32), 7e4))
+    assert _overflow(excinfo).startswith(
+        "setting fc2.weight: fc2.weight absmax 7e+04 overflows float16 (max 65504)")
+    assert fast.fc2.weight is held
+    swapped = nn.Linear(32, 8)
+    with torch.no_grad():
+        swapped.bias[3] = 1e6
+    with pytest.raises(ValueError, match=r"^setting fc2: fc2\.bias absmax 1e\+06 overflows "
+                                         r"float16 \(max 65504\)"):
+        fast.fc2 = swapped
+    assert fast.fc2.weight is held and swapped.weight.dtype == torch.float32
+
+
+def test_load_weights_of_values_that_overflow_is_an_error_before_anything_is_loaded():
+    model, fast = _mlp()
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        new.fc2.bias[0] = 1e5
+    before = _snapshot(fast)
+    with pytest.raises(ValueError) as excinfo:
+        mpgraph.load_weights(fast, new.state_dict())
+    assert _overflow(excinfo).startswith(
+        "load_weights: fc2.bias absmax 1e+05 overflows float16 (max 65504)")
+    _unchanged(fast, before)
+    # a plan made without weights (meta): still meta after the error, loaded after a good one
+    with torch.device("meta"):
+        meta = MLP().eval()
+    planned = mpgraph.convert(meta, _x(4, 16), target=GPU, strategy="rules")
+    with pytest.raises(ValueError, match=r"^load_weights: fc2\.bias absmax 1e\+05 overflows "
+                                         r"float16 \(max 65504\)"):
+        mpgraph.load_weights(planned, new.state_dict())
+    assert all(t.is_meta for t in planned.state_dict().values())
+    mpgraph.load_weights(planned, model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(planned(_x(4, 16)), fast(_x(4, 16)))
+
+
+# -- #6: copy.copy --------------------------------------------------------------------------
+
+def test_copy_copy_keeps_the_tensors_only_the_state_dict_and_the_copy_refresher_read():
+    model, fast = _shared()
+    x = _x(4, 16, seed=1)
+    twin = copy.copy(fast)
+    assert list(twin.state_dict()) == list(fast.state_dict())
+    for (k, a), b in zip(fast.state_dict(keep_vars=True).items(),
+                         twin.state_dict(keep_vars=True).values()):
+        assert a is b, k  # a shallow copy: the same tensors
+    with torch.no_grad():
+        assert torch.equal(twin(x), fast(x))
+        new = Shared().eval()
+        twin.load_state_dict(new.state_dict())
+        assert relative_l2(twin(x), new(x)) < 4e-3
+
+
+# -- #7: torch.compile(fullgraph=True) of a plan with low copies ----------------------------
+
+def test_fullgraph_compile_of_a_plan_with_low_copies_sees_weights_written_later():
+    torch._dynamo.reset()
+    _, fast = _shared()
+    x = _x(4, 16, seed=1)
+    compiled = torch.compile(fast, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(x), fast(x))
+        for step, write in enumerate(("load_state_dict", "copy_", "assign", "parameter")):
+            torch.manual_seed(10 + step)
+            new = Shared().eval()
+            if write == "load_state_dict":
+                fast.load_state_dict(new.state_dict())
+            elif write == "copy_":
+                for name, p in fast.named_parameters():
+                    p.copy_(new.get_parameter(name))
+            elif write == "assign":
+                fast.load_state_dict(new.state_dict(), assign=True)
+            else:
+                fast.fc.weight = nn.Parameter(new.fc.weight.detach().clone())
+                fast.fc.bias = nn.Parameter(new.fc.bias.detach().clone())
+                fast.out.load_state_dict(new.out.state_dict())
+            got = compiled(x)  # the compiled module first: its own refresh
+            assert relative_l2(got, new(x)) < 4e-3, write
+            assert torch.equal(got, fast(x)), write
+
+
+# -- #9: a parameter assigned in another dtype ----------------------------------------------
+
+def test_a_parameter_assigned_in_float32_takes_the_dtype_the_plan_stored():
+    model, fast = _mlp()
+    x = _x(4, 16, seed=1)
+    new = MLP().eval()
+    mine = nn.Parameter(new.fc2.weight.detach().clone())
+    fast.fc2.weight = mine
+    assert fast.fc2.weight.dtype == torch.float16 and fast.fc2.weight.requires_grad
+    assert mine.dtype == torch.float32  # the caller's tensor is left as it was
+    fast.fc2.bias = nn.Parameter(new.fc2.bias.detach().clone())
+    fast.fc1.register_parameter("weight", nn.Parameter(new.fc1.weight.detach().double()))
+    fast.fc1.bias = nn.Parameter(new.fc1.bias.detach().clone())
+    assert fast.unplanned_tensors() == []
+    with torch.no_grad():
+        assert relative_l2(fast(x), new(x)) < 4e-3
+    # a layer swapped in below the top level (a block's item) takes them too
+    torch.manual_seed(0)
+    deep = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.GELU(), nn.Linear(32, 8))).eval()
+    fast_deep = mpgraph.convert(deep, x, target=GPU, strategy="rules")
+    head = nn.Linear(32, 8)
+    deep[1][1] = copy.deepcopy(head)
+    setattr(fast_deep.get_submodule("1"), "1", head)
+    assert fast_deep.get_parameter("1.1.weight").dtype == torch.float16
+    assert fast_deep.get_parameter("1.1.weight") is head.weight  # (the layer swapped in is used)
+    with torch.no_grad():
+        assert relative_l2(fast_deep(x), deep(x)) < 4e-3
+    # a tensor written through .data (no assignment torch sees) is named at the call
+    with torch.no_grad():
+        fast.fc2.weight.data = new.fc2.weight.detach().clone()
+        with pytest.raises(TypeError, match=r"^fc2\.weight is not in the dtype the plan stored "
+                                            r"\(written through \.data"):
+            fast(x)
+        assert fast.restore_planned_dtypes() == ["fc2.weight"]
+        assert relative_l2(fast(x), new(x)) < 4e-3
