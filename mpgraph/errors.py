@@ -114,6 +114,12 @@ class InputMismatchError(MpgraphError, ValueError):
     way out."""
 
 
+class WeightOverflowError(MpgraphError, ValueError):
+    """Weights written into a converted module whose values do not fit the dtype the plan
+    stored them in (a float16 slot given 1e5): the cast would store inf. Raised before anything
+    is written; names each tensor, its absmax and the dtype's max."""
+
+
 class ConversionError(MpgraphError):
     """The converted graph does not match its plan (a bug in mpgraph, or an op we mis-classified)."""
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from mpgraph.errors import InputMismatchError, MpgraphError
+from mpgraph.errors import InputMismatchError, WeightOverflowError
 from mpgraph.ir.meta import EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES, dtype_name
 
 
@@ -318,12 +318,6 @@ def _shown(value) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) < 60 else text[:57] + "..."
-
-
-class WeightOverflowError(MpgraphError, ValueError):
-    """Weights written into a converted module whose values do not fit the dtype the plan
-    stored them in (a float16 slot given 1e5): the cast would store inf. Raised before anything
-    is written; names each tensor, its absmax and the dtype's max."""
 
 
 def overflow_absmax(value, dtype: torch.dtype) -> Optional[float]:
