@@ -2,6 +2,7 @@
 that would overflow a low-precision tensor, copy.copy, torch.compile(fullgraph=True) of a plan
 that keeps a weight in two precisions, and parameters assigned in another dtype."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -317,3 +318,23 @@ def test_a_parameter_assigned_in_float32_takes_the_dtype_the_plan_stored():
             fast(x)
         assert fast.restore_planned_dtypes() == ["fc2.weight"]
         assert relative_l2(fast(x), new(x)) < 4e-3
+
+
+def test_train_on_an_inference_conversion_that_stores_batch_norm_statistics_low_warns():
+    """A CNN with batch norm and no dropout: .train() said nothing, and batch norm's running
+    statistics, stored in fp16 by the inference plan, were updated in fp16 (2e-3 drift over 300
+    steps)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.BatchNorm2d(16),
+                                torch.nn.ReLU()).eval()
+    fast = mpgraph.convert(model, (torch.randn(2, 3, 16, 16),), target="a100", strategy="rules")
+    assert fast.get_submodule("1").running_mean.dtype == torch.float16
+    with pytest.warns(UserWarning, match=r"stores batch norm's running statistics "
+                                         r"\(1\.running_mean, 1\.running_var\) in low precision"):
+        fast.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast.eval()
+        fp32 = mpgraph.convert(model, (torch.randn(2, 3, 16, 16),), target="a100",
+                               overrides={"*": "fp32"})
+        fp32.train()  # (nothing stored low: nothing to say)

@@ -1108,13 +1108,26 @@ class ConvertedModule(torch.fx.GraphModule):
                           "self.training fixed at trace time): it keeps computing as in eval "
                           "mode. To train, convert with mpgraph.convert(model, ..., "
                           "mode='train')", UserWarning, stacklevel=2)
-        elif readers and mode != captured:
+        elif mode and not self.training and self._low_running_stats():
+            warnings.warn(f"{name}.train(): this inference conversion stores batch norm's "
+                          f"running statistics ({', '.join(self._low_running_stats()[:3])}) in "
+                          "low precision, and in training mode batch norm updates them there "
+                          "(they drift from float32's). To train, convert with "
+                          "mpgraph.convert(model, ..., mode='train')", UserWarning, stacklevel=2)
+        if readers and mode != captured and not (mode and removed):
             warnings.warn(f"{name}.{'train' if mode else 'eval'}(): the forward of "
                           f"{', '.join(readers[:3])} reads self.training, and the graph keeps the "
                           f"branch it took when captured in {'training' if captured else 'eval'} "
                           "mode (dropout and batch norm do switch). Convert the model in the mode "
                           "you run it in", UserWarning, stacklevel=2)
         return super().train(mode)
+
+    def _low_running_stats(self) -> list[str]:
+        """Batch norm running statistics this module stores in fp16/bf16 (an inference plan's:
+        in eval mode batch norm only reads them)."""
+        return [path for path, b in self.named_buffers()
+                if path.rpartition(".")[2] in ("running_mean", "running_var")
+                and b.dtype in (torch.float16, torch.bfloat16)]
 
     def requires_grad_(self, requires_grad: bool = True):
         plan = getattr(self, "plan", None)
