@@ -334,7 +334,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))
     has_inputs = example_inputs is not None or example_kwargs is not None
     try:
-        work = copy.deepcopy(model, _computed_attributes(model))
+        work = copy.deepcopy(model, computed_attributes(model))
     except Exception as e:
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
@@ -370,7 +370,7 @@ def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def _computed_attributes(model: torch.nn.Module) -> dict:
+def computed_attributes(model: torch.nn.Module) -> dict:
     """deepcopy's memo with a detached copy of each tensor attribute computed with autograd
     (``torch.nn.utils.weight_norm`` and ``spectral_norm`` set ``module.weight`` from their
     parameters that way): deepcopy refuses such tensors, so no model using them converted. The

@@ -25,10 +25,10 @@ import torch
 from mpgraph.api import convert, follows_training_flag, resolve_dtype
 from mpgraph.frontend.capture import distinct_inputs, in_inference_mode, outside_inference_mode
 from mpgraph.cost.device import auto_dtype, resolve_target
-from mpgraph.ir.graph import as_call, target_name
+from mpgraph.ir.graph import as_call, fresh, state_kept, target_name
 from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
-from mpgraph.ir.meta import dtype_name
+from mpgraph.ir.meta import STATIC_SHAPES, dtype_name
 from mpgraph.ir.modules import pytree_copies_quiet, refresh_fused
 from mpgraph.plans.plan import Plan
 from mpgraph.tools.onnx_check import OrtRunError
@@ -161,26 +161,72 @@ def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
     return dynamic_spec(gm, args, kwargs)
 
 
+def in_signature_order(kwargs: dict, names) -> dict:
+    """``kwargs`` in the order of the parameter ``names`` (those a ``**kwargs`` takes after them,
+    as given). torch.export names the file's inputs in the order the keywords are given, while
+    the converted graph takes them in its forward's order: a ``forward(input_ids,
+    attention_mask)`` given the mask first wrote a file whose input named ``attention_mask``
+    was read as the ids."""
+    order = {n: i for i, n in enumerate(names)}
+    return dict(sorted(kwargs.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
+def _forward_names(module: torch.nn.Module) -> tuple:
+    """The parameter names of ``module``'s forward (the model's own for a converted module,
+    then its graph's)."""
+    import inspect
+    signature = module.__dict__.get("call_signature")
+    names = tuple(signature.names) if signature is not None else ()
+    try:
+        names += tuple(n for n in inspect.signature(module.forward).parameters if n not in names)
+    except (TypeError, ValueError):
+        pass
+    return names
+
+
+def written_buffers(program) -> list[str]:
+    """The buffers the exported forward writes (a step counter, an EMA): an ONNX file has no
+    state, so every run of it computes from their values at export."""
+    signature = getattr(getattr(program, "exported_program", None), "graph_signature", None)
+    return sorted(set(getattr(signature, "buffers_to_mutate", {}).values())) if signature else []
+
+
 def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     """(ir.Model, exporter description, the exporter's ExportedProgram or None)."""
     ir = _onnx_modules()
     signature = converted.__dict__.get("call_signature")
     if signature is not None:  # the exporter traces forward itself: the fixed values given
+        given = set(kwargs)
         args, kwargs = signature.complete(args, kwargs)
+        if isinstance(dynamic_shapes, dict):  # (a spec by name must name those too: no dims)
+            dynamic_shapes = {**dynamic_shapes, **{n: None for n in kwargs
+                                                   if n not in given and n not in dynamic_shapes}}
+    kwargs = in_signature_order(kwargs, _forward_names(converted))
+    # (the exporters may run the forward: on copies, its buffers put back)
+    args, kwargs = fresh((args, kwargs))
     tiny = near_identity_constants(converted)
     if tiny:
         log.warning("exporting without the ONNX optimiser: it would drop %s", ", ".join(tiny[:4]))
     if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
         dynamic_shapes = auto_dynamic_shapes(converted, args, kwargs)
     names = output_names(converted)
+    # torch.onnx takes a dict last among the positional arguments for the keywords, unless an
+    # empty dict follows it: a forward(self, batch) given its dict batch was called without it
+    call_args = args + ({},) if not kwargs and args and isinstance(args[-1], dict) else args
     try:
         # optimised here, as torch.onnx does with optimize=True: onnxscript's optimizer, then
         # its ONNX fusions (RMSNormalization, RotaryEmbedding, GQA at opset 23), keeping the
         # unfused graph (a clone sharing the weights) for a runtime that fails on a fused op
-        with pytree_copies_quiet(), _exporter_quiet():
-            program = torch.onnx.export(converted, args, kwargs=kwargs or None, dynamo=True,
-                                        opset_version=opset, dynamic_shapes=dynamic_shapes,
-                                        output_names=names, optimize=False, verbose=False)
+        with pytree_copies_quiet(), _exporter_quiet(), state_kept(converted):
+            program = torch.onnx.export(converted, call_args, kwargs=kwargs or None,
+                                        dynamo=True, opset_version=opset,
+                                        dynamic_shapes=dynamic_shapes, output_names=names,
+                                        optimize=False, verbose=False)
+        written = written_buffers(program)
+        if written:
+            log.warning("the forward writes %s: an ONNX file holds no state, so every run of it "
+                        "computes from their values at export (what the first call computes)",
+                        ", ".join(written[:4]) + (", ..." if len(written) > 4 else ""))
         model, unfused, fused = program.model, None, {}
         if not tiny:
             import onnxscript.optimizer
@@ -199,8 +245,9 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     legacy_opset = min(opset, 20)  # the TorchScript exporter stops at opset 20
     tmp = os.path.join(workdir, "torchscript.onnx")
     try:
-        torch.onnx.export(converted, args, tmp, kwargs=kwargs or None, dynamo=False,
-                          opset_version=legacy_opset, output_names=names)
+        with state_kept(converted):
+            torch.onnx.export(converted, call_args, tmp, kwargs=kwargs or None, dynamo=False,
+                              opset_version=legacy_opset, output_names=names)
         model = ir.load(tmp)
     except Exception as ts_error:
         raise ExportError("the model could not be exported to ONNX:\n"
@@ -308,6 +355,8 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     else:
         low = resolve_dtype(dtype)
     args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))  # (one per input)
+    if isinstance(model_or_converted, torch.nn.Module):
+        kwargs = in_signature_order(kwargs, _forward_names(model_or_converted))
     if isinstance(model_or_converted, torch.nn.Module) and model_or_converted.training and (
             follows_training_flag(model_or_converted)  # dropout, batch norm (its own or ours)
             or type(model_or_converted).__module__.startswith("transformers.")):  # (F.dropout)
@@ -335,6 +384,16 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                                 dynamic=dynamic_shapes is not None, runtime="graphs")
         except MpgraphError as e:
             raise ExportError(f"could not convert the model before export: {e}") from e
+    if converted.meta.get(STATIC_SHAPES) and dynamic_shapes is not None:
+        # its graph holds the example's sizes as constants: a file with dynamic inputs took
+        # other shapes and answered with outputs of the conversion's shapes
+        if not (isinstance(dynamic_shapes, str) and dynamic_shapes == "auto"):
+            raise ExportError("this module was converted with dynamic=False: its graph computes "
+                              "at the example's shapes only, so it cannot be exported with "
+                              "dynamic_shapes; export it with dynamic_shapes=None, or convert "
+                              "with dynamic=True (the default)")
+        log.info("exporting the example's shapes: the module was converted with dynamic=False")
+        dynamic_shapes = None
     refresh_fused(converted)  # stacked GEMV weights in step with members replaced since
     if converted.plan.range_nodes:
         raise ExportError(f"this plan mixes {dtype_name(converted.plan.dtype)} with "
