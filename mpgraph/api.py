@@ -328,7 +328,7 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     gm = run_passes(prepare_pipeline(args, kwargs, kind=spec.kind), gm)  # the graph convert times
     lows = tuple(d for d in LOW_DTYPES if (spec.kind == Kind.GPU and spec.matmul_peak(d))
                  or (spec.kind == Kind.CPU and not emulated(d, spec)))
-    fresh = CostTable(device, path=CostTable.for_device(device, fresh=True).path)
+    fresh = CostTable.for_device(device, fresh=True)  # (its path, and the machine's best probe)
     with stage("measure"):
         measure(gm, args, kwargs, fresh, lows, budget_s=budget_s, packs=spec.kind == Kind.CPU)
     return fresh  # (measure saved it over the cache's entries: the other models' are kept)
