@@ -119,7 +119,8 @@ def probe_s(device: torch.device) -> Optional[float]:
         _PROBE["w"] = torch.randn(2048, 1024, generator=g)
         _PROBE["x"] = torch.randn(1024, generator=g)
     w, x = _PROBE["w"], _PROBE["x"]
-    with torch.no_grad():
+    from torch.utils._python_dispatch import _disable_current_modes
+    with torch.no_grad(), _disable_current_modes():  # (no mode of the caller's sees it)
         torch.mv(w, x)
         best = math.inf
         for _ in range(15):
