@@ -298,3 +298,27 @@ def test_a_dynamic_shapes_spec_by_argument_name_is_taken_for_a_huggingface_model
     with torch.no_grad():
         ref = bert(ids3, attention_mask=mask3).last_hidden_state
     assert relative_l2(out, ref) < 0.015625
+
+
+def test_only_a_global_pool_s_fp16_mean_passes_the_float32_statistics_rule():
+    """The ReduceMean an fp16 global average pool exports to (every axis after batch and
+    channels) is accepted (onnxruntime computes it in float32); a mean over other axes in fp16
+    (over the sequence, over the channels) is still the mismatch the rule reports."""
+    import onnx
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+    from mpgraph.tools.onnx_check import inspect_model
+
+    def model(shape, axes):
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, shape)
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)
+        axes_t = helper.make_tensor("axes", TensorProto.INT64, [len(axes)], axes)
+        node = helper.make_node("ReduceMean", ["x", "axes"], ["y"], name="mean", keepdims=1)
+        graph = helper.make_graph([node], "g", [x], [y], initializer=[axes_t])
+        return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+    assert inspect_model(model([2, 8, 4, 4], [2, 3])).low_fp32_ops == []
+    assert inspect_model(model([2, 8, 16], [-1])).low_fp32_ops == []   # (a 1-D global pool's)
+    assert inspect_model(model([2, 8, 16], [1])).low_fp32_ops != []
+    assert inspect_model(model([2, 8, 4, 4], [1])).low_fp32_ops != []
+    assert onnx  # (the proto builder's package)

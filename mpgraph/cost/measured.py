@@ -114,13 +114,13 @@ def probe_s(device: torch.device) -> Optional[float]:
     """Seconds of the probe kernel here now (the fastest of 15 calls); None off the CPU."""
     if device.type != "cpu":
         return None
-    if "w" not in _PROBE:
-        g = torch.Generator().manual_seed(0)
-        _PROBE["w"] = torch.randn(2048, 1024, generator=g)
-        _PROBE["x"] = torch.randn(1024, generator=g)
-    w, x = _PROBE["w"], _PROBE["x"]
     from torch.utils._python_dispatch import _disable_current_modes
-    with torch.no_grad(), _disable_current_modes():  # (no mode of the caller's sees it)
+    with torch.no_grad(), _disable_current_modes(), torch.device("cpu"):  # (not the caller's
+        if "w" not in _PROBE:                         # modes, nor its default device)
+            g = torch.Generator().manual_seed(0)
+            _PROBE["w"] = torch.randn(2048, 1024, generator=g, dtype=torch.float32)
+            _PROBE["x"] = torch.randn(1024, generator=g, dtype=torch.float32)
+        w, x = _PROBE["w"], _PROBE["x"]
         torch.mv(w, x)
         best = math.inf
         for _ in range(15):

@@ -115,8 +115,28 @@ def _float32_statistics(node) -> bool:
     # a mean lies within its input's range, and onnxruntime accumulates an fp16 one in float32
     # (CUDA: cuDNN's reduction with a float32 compute type, or its row reduction's float
     # accumulator; CPU: no fp16 kernel, so it runs between casts to float32): what a global
-    # average pool the plan runs in low precision, as PyTorch's GPU kernels do, exports to
-    return node.op_type == "ReduceMean"
+    # average pool the plan runs in low precision, as PyTorch's GPU kernels do, exports to;
+    # only that one (over every axis after batch and channels): another mean in low precision,
+    # a norm's the plan kept in float32, is still the mismatch this check is for
+    return node.op_type == "ReduceMean" and _global_pool_axes(node)
+
+
+def _global_pool_axes(node) -> bool:
+    """Whether a ReduceMean reduces exactly the axes after the first two (N, C, spatial...)."""
+    x = node.inputs[0] if node.inputs else None
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) < 3:
+        return False
+    attr = node.attributes.get("axes")
+    if attr is not None:
+        axes = list(attr.value)
+    elif len(node.inputs) > 1 and node.inputs[1] is not None \
+            and node.inputs[1].const_value is not None:
+        axes = [int(a) for a in node.inputs[1].const_value.numpy().reshape(-1)]
+    else:
+        return False
+    rank = len(shape)
+    return sorted(a % rank for a in axes) == list(range(2, rank))
 
 
 def is_precision_cast(node) -> bool:
