@@ -338,3 +338,20 @@ def test_train_on_an_inference_conversion_that_stores_batch_norm_statistics_low_
         fp32 = mpgraph.convert(model, (torch.randn(2, 3, 16, 16),), target="a100",
                                overrides={"*": "fp32"})
         fp32.train()  # (nothing stored low: nothing to say)
+
+
+def test_putting_the_user_s_own_layer_back_leaves_that_layer_as_it_was():
+    """`fast.head = model.head` (at any depth) cast the user's layer to fp16 in place, and the
+    user's model then failed with a dtype mismatch; the converted module takes a copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.GELU(), nn.Linear(32, 8))).eval()
+    x = torch.randn(4, 16)
+    fast = mpgraph.convert(model, x, target=GPU, strategy="rules")
+    setattr(fast.get_submodule("1"), "1", model[1][1])   # deep
+    setattr(fast, "0", model[0])                         # top level
+    assert model[1][1].weight.dtype == model[0].weight.dtype == torch.float32
+    assert fast.get_submodule("1.1").weight.dtype == torch.float16
+    assert fast.get_submodule("1.1") is not model[1][1]
+    with torch.no_grad():
+        assert relative_l2(fast(x), model(x)) < 5e-3
+        model(x)  # (the user's model still runs, in float32)

@@ -875,6 +875,12 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
         return None
     planned, path, copies = entry
     prefix = _joined(path, name)
+    # the caller's module is left as it was (the user's own layer put back, `fast.head =
+    # model.head`, was cast to fp16 in place and broke the model): a copy of its modules, its
+    # tensors shared until the plan's dtype replaces them in the copy, is what is registered
+    module = copy.deepcopy(module, {id(t): t for _, t in itertools.chain(
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False))})
     todo, seen = [], set()
     for sub, owner in module.named_modules(remove_duplicate=False):
         for store in (owner._parameters, owner._buffers):
@@ -897,7 +903,7 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
         for source, copy_path in copies.pairs:
             if source.startswith(prefix + ".") or copy_path.startswith(prefix + "."):
                 copies.invalidate(source)
-    return None
+    return module  # (registered in place of the caller's)
 
 
 class ConvertedModule(torch.fx.GraphModule):
