@@ -77,19 +77,31 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
 _CHUNK = 1 << 22  # values per chunk of tensor_stats: 16 MB of float32
 
 
-def _refuse_nan(names: list[str], inputs: list, batch: int) -> None:
-    """A NaN in a calibration input makes every value computed from it NaN, and NaN bounds
-    nothing: the ranges the overflow rules read would be those of the few values it spares (a
-    NaN feature column left every node's absmax at 0, and fp16 overflowed on clean inputs).
-    inf is taken (an additive mask's -inf is an input like any other)."""
+def _nan_inputs(names: list[str], inputs: list) -> list[tuple[str, int, int]]:
+    """(name, NaN count, size) of each float input holding NaN."""
+    found = []
     for name, t in zip(names, inputs):
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) \
-                and not is_abstract(t) and bool(torch.isnan(t).any()):
-            raise CalibrationError(
-                f"calibration batch {batch}, input {name}: {int(torch.isnan(t).sum())} NaN "
-                f"values of {t.numel()}: every value computed from a NaN is NaN, so the ranges "
-                "calibration measures (what keeps overflowing values in float32) would miss "
-                "them; calibrate on inputs without NaN (without calibration=, the example inputs are the one batch)")
+                and not is_abstract(t):
+            count = int(torch.isnan(t).sum())
+            if count:
+                found.append((name, count, t.numel()))
+    return found
+
+
+def _refuse_nan(found: list, batch: int) -> None:
+    """A NaN in a calibration input that reaches the values the graph computes makes them NaN,
+    and NaN bounds nothing: the ranges the overflow rules read would be those of the few values
+    it spares (a NaN feature column left every node's absmax at 0, and fp16 overflowed on clean
+    inputs). One the model removes first (``torch.nan_to_num(x)``) bounds nothing away, and inf
+    is taken (an additive mask's -inf is an input like any other)."""
+    name, count, size = found[0]
+    raise CalibrationError(
+        f"calibration batch {batch}, input {name}: {count} NaN values of {size}: every value "
+        "computed from a NaN is NaN, so the ranges calibration measures (what keeps "
+        "overflowing values in float32) would miss them; calibrate on inputs without NaN "
+        "(without calibration=, the example inputs are the one batch)")
+
 
 # ops whose output holds exactly their input's elements (views, reshapes, copies): their
 # statistics are the input's, not measured again; dropout in eval and the identity too (below)
@@ -245,7 +257,8 @@ class Calibrate(Pass):
         for i, batch in enumerate(_progress(self.batches, self.progress)):
             args, kwargs = as_call(batch)
             self._check_fits(gm, i, args, kwargs)
-            _refuse_nan(names, flat_inputs(gm, args, kwargs), i)
+            nan_in = _nan_inputs(names, flat_inputs(gm, args, kwargs))
+            computed_bad: list = []  # computed nodes with inf/NaN in this batch
             # one value, the same in every batch (a decode step's positions hold one value
             # in each batch, a different one in each: calibration saw them vary)
             here = {(name, v) for name, v in ((name, _constant(t)) for name, t in
@@ -263,7 +276,10 @@ class Calibrate(Pass):
                 if stats:
                     seen[node] = max(s[0] for s in stats)
                     smallest[node] = min([smallest.get(node, math.inf)] + [s[1] for s in stats])
-                    bad[node] = bad.get(node, 0) + sum(s[2] for s in stats)
+                    nonfinite = sum(s[2] for s in stats)
+                    bad[node] = bad.get(node, 0) + nonfinite
+                    if nonfinite and node.op.startswith("call_"):
+                        computed_bad.append(node)
 
             def record(node, value):
                 last[0] = node.name
@@ -285,6 +301,8 @@ class Calibrate(Pass):
                 except Exception as e:  # noqa: BLE001 - re-raised with the batch and node named
                     raise CalibrationError(f"calibration batch {i} failed after node {last[0]}: "
                                            f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
+            if nan_in and computed_bad:  # (it reached what the graph computes)
+                _refuse_nan(nan_in, i)
             for node, m in seen.items():
                 per_batch.setdefault(node, []).append(m)
             if count == 0:  # what the converted graph is checked against (CheckConversion)

@@ -735,3 +735,22 @@ def test_a_training_plan_says_its_estimate_is_the_forward_s():
     infer = mpgraph.convert(model.eval(), (torch.randn(16, 64),), dtype="bf16", target=GPU,
                             strategy="rules")
     assert "of the forward" not in infer.plan.summary()
+
+
+def test_a_model_that_removes_nan_itself_takes_nan_inputs():
+    """A forward that starts with torch.nan_to_num(x) runs on NaN inputs eagerly; refusing every
+    NaN input refused to convert it (even its example)."""
+    torch.manual_seed(0)
+
+    class Clean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc(torch.nan_to_num(x))
+
+    x = torch.randn(4, 16)
+    x[0, 0] = float("nan")
+    fast = mpgraph.convert(Clean().eval(), (x,), target=GPU, strategy="rules")
+    assert fast.plan.low_nodes
