@@ -390,8 +390,10 @@ class WeightCopies:
     """The low-precision copies a plan keeps beside their float32 originals (a weight read in
     both precisions: a tied embedding and output layer), kept in step with them: a copy is
     refreshed on the next call after its original is written (``load_state_dict``,
-    ``param.copy_()``, a new tensor set in its place), so it never serves stale values. The
-    copies are not in the state dict; the originals are, under the model's keys.
+    ``param.copy_()``, a new tensor set in its place). A write through ``.data``
+    (``p.data.copy_(new)``: an EMA, some checkpoint loaders) bumps no version counter the copy
+    can see: the copy stays stale until the module's state dict is loaded again (README, Current
+    limits). The copies are not in the state dict; the originals are, under the model's keys.
 
     Under ``torch.compile`` the check runs inside the compiled graph, as an opaque op
     (``mpgraph::refresh_weight_copy``, kept out of CUDA graphs) that writes the copy in place
