@@ -15,11 +15,19 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.ir.graph import fetch_attr, is_conv2d, set_attr, with_data
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, REFERENCE, TENSOR, Decision,
-                             OpInfo, TensorInfo)
+                             OpInfo, TensorInfo, is_inserted_cast)
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 
 CL = torch.channels_last
+
+
+def _cast_for(x, convs) -> bool:
+    """Whether ``x`` is a precision cast the plan inserted (``x.to(dtype)``) read only by the
+    NHWC convolutions: it can write channels_last itself (a layout copy after it, unpriced by
+    the cost model, read its output once more)."""
+    return is_inserted_cast(x) and x.op == "call_method" and x.target == "to" \
+        and bool(x.users) and all(u in convs and u.args and u.args[0] is x for u in x.users)
 
 
 def _four_d(node) -> bool:
@@ -56,6 +64,11 @@ class ChannelsLast(Pass):
             info = x.meta.get(TENSOR) if isinstance(x, torch.fx.Node) else None
             if not isinstance(info, TensorInfo) or len(info.shape) != 4 \
                     or x.meta.get(INSERTED_BY) == self.name:
+                continue
+            if _cast_for(x, convs):  # the cast writes NHWC itself: one copy, not two
+                if x.kwargs.get("memory_format") != CL:
+                    x.kwargs = {**x.kwargs, "memory_format": CL}
+                    edits += 1
                 continue
             with gm.graph.inserting_before(conv):
                 nhwc = gm.graph.create_node("call_method", "contiguous", (x,), {"memory_format": CL},
