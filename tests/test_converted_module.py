@@ -307,7 +307,10 @@ def test_a_parameter_assigned_in_float32_takes_the_dtype_the_plan_stored():
     deep[1][1] = copy.deepcopy(head)
     setattr(fast_deep.get_submodule("1"), "1", head)
     assert fast_deep.get_parameter("1.1.weight").dtype == torch.float16
-    assert fast_deep.get_parameter("1.1.weight") is head.weight  # (the layer swapped in is used)
+    # (a copy of the layer swapped in is used: the caller's own layer is left as it was)
+    assert head.weight.dtype == torch.float32 and fast_deep.get_submodule("1.1") is not head
+    assert torch.equal(fast_deep.get_parameter("1.1.weight").float(),
+                       head.weight.detach().half().float())
     with torch.no_grad():
         assert relative_l2(fast_deep(x), deep(x)) < 4e-3
     # a tensor written through .data (no assignment torch sees) is named at the call
