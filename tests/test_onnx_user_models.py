@@ -322,3 +322,31 @@ def test_only_a_global_pool_s_fp16_mean_passes_the_float32_statistics_rule():
     assert inspect_model(model([2, 8, 16], [1])).low_fp32_ops != []
     assert inspect_model(model([2, 8, 4, 4], [1])).low_fp32_ops != []
     assert onnx  # (the proto builder's package)
+
+
+class _DetectionHead(nn.Module):
+    """Returns logits eagerly, probabilities when exported (YOLO-style heads decode so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(256, 84)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if torch.onnx.is_in_onnx_export():
+            return y.sigmoid()
+        return y
+
+
+def test_an_export_only_branch_is_what_the_file_holds_as_torch_onnx_export_writes(tmp_path):
+    """mpgraph captured the model outside export, so the file silently held the eager branch
+    (logits) where torch.onnx.export writes the export branch (probabilities)."""
+    torch.manual_seed(0)
+    model, x = _DetectionHead().eval(), torch.randn(4, 256)
+    path = tmp_path / "head.onnx"
+    _export(model, (x,), path)
+    (out,) = _run(path, {"x": x.numpy()})
+    with torch.no_grad():
+        want = model(x).sigmoid()
+    assert relative_l2(torch.as_tensor(out).float(), want) < 2e-3
+    assert not torch.onnx.is_in_onnx_export()  # (not left set)

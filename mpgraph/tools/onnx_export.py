@@ -161,6 +161,29 @@ def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
     return dynamic_spec(gm, args, kwargs)
 
 
+@contextlib.contextmanager
+def as_onnx_export():
+    """``torch.onnx.is_in_onnx_export()`` true meanwhile, as in torch.onnx.export: a model's
+    export-only branch (a detection head's decoding, ``if torch.onnx.is_in_onnx_export():``) is
+    what the file must hold, and the float32 model is run on it for validation; captured
+    outside export, the file silently held the eager branch. (torch.onnx's own flag: on a torch
+    without it, nothing is set.)"""
+    try:
+        from torch.onnx._internal.exporter import _flags
+    except ImportError:
+        yield
+        return
+    before = getattr(_flags, "_is_onnx_exporting", None)
+    if before is None:
+        yield
+        return
+    _flags._is_onnx_exporting = True
+    try:
+        yield
+    finally:
+        _flags._is_onnx_exporting = before
+
+
 def in_signature_order(kwargs: dict, names) -> dict:
     """``kwargs`` in the order of the parameter ``names`` (those a ``**kwargs`` takes after them,
     as given). torch.export names the file's inputs in the order the keywords are given, while
@@ -379,9 +402,11 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         try:
             # a static file: a static capture; onnxruntime runs a graph, no Python per node:
             # priced as replayed (kernel time), not as eager PyTorch calls
-            converted = convert(model_or_converted, args, example_kwargs=kwargs, dtype=low,
-                                keep_io_types=keep_io_types, target=target, strategy=strategy,
-                                dynamic=dynamic_shapes is not None, runtime="graphs")
+            with as_onnx_export():  # (the model's branch on torch.onnx.is_in_onnx_export())
+                converted = convert(model_or_converted, args, example_kwargs=kwargs, dtype=low,
+                                    keep_io_types=keep_io_types, target=target,
+                                    strategy=strategy, dynamic=dynamic_shapes is not None,
+                                    runtime="graphs")
         except MpgraphError as e:
             raise ExportError(f"could not convert the model before export: {e}") from e
     if converted.meta.get(STATIC_SHAPES) and dynamic_shapes is not None:
@@ -424,7 +449,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                               fallbacks=fallbacks)
         if validate:
             from mpgraph.tools.onnx_check import validate_onnx
-            with stage("validate"):
+            with stage("validate"), as_onnx_export():  # (the float32 model as exported)
                 result.validation = validate_onnx(os.path.join(workdir, name), converted, args,
                                                   kwargs, reference=reference,
                                                   exported_program=exported.program,
