@@ -350,3 +350,22 @@ def test_an_export_only_branch_is_what_the_file_holds_as_torch_onnx_export_write
         want = model(x).sigmoid()
     assert relative_l2(torch.as_tensor(out).float(), want) < 2e-3
     assert not torch.onnx.is_in_onnx_export()  # (not left set)
+
+
+def test_a_model_the_opset_23_exporter_asserts_on_is_exported_at_opset_18(tmp_path):
+    """Whisper's encoder: the dynamo exporter asserts in its opset-23 Attention ("SDPA (MHA)
+    requires q_num_heads = kv_num_heads"), and the TorchScript fallback's file failed mpgraph's
+    own check (no value types: Softmax read FLOAT16). The dynamo exporter at opset 18 works."""
+    import transformers as hf
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+    torch.manual_seed(0)
+    model = WhisperEncoder(hf.WhisperConfig(
+        d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+        num_mel_bins=16, max_source_positions=32, vocab_size=128)).eval()
+    x = torch.randn(2, 16, 64)
+    result = mpgraph.export_onnx(model, (), tmp_path / "whisper.onnx", target=GPU,
+                                 example_kwargs={"input_features": x})
+    assert result.opset == 18
+    assert result.exporter.startswith("torch.onnx.export(dynamo=True) at opset 18 [opset 23 "
+                                      "failed: ")
+    assert result.validation is not None

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -264,6 +264,18 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
                         unfused if fused else None, fused)
     except Exception as dynamo_error:
         reason = _brief(dynamo_error)
+        if opset > 18:  # (its opset-23 Attention asserts on some models: Whisper's encoder)
+            log.warning("dynamo ONNX export at opset %d failed (%s); trying opset 18", opset,
+                        reason)
+            try:
+                exported = _export_ir(converted, args, kwargs, 18, dynamic_shapes, workdir)
+            except ExportError:
+                pass
+            else:
+                if exported.how.startswith("torch.onnx.export(dynamo=True"):
+                    return replace(exported, how=f"{exported.how} at opset 18 [opset {opset} "
+                                                 f"failed: {reason}]")
+                return exported
         log.warning("dynamo ONNX export failed (%s); trying the TorchScript exporter", reason)
     legacy_opset = min(opset, 20)  # the TorchScript exporter stops at opset 20
     tmp = os.path.join(workdir, "torchscript.onnx")
