@@ -28,7 +28,7 @@ from mpgraph.errors import EAGER, CaptureError
 from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
-                              mutated_nodes, run_recording, seeded, state_kept)
+                              mutated_nodes, run_kept, run_recording, seeded, state_kept)
 from mpgraph.ir.meta import CAPTURE, OBSERVED, READS_TRAINING, STATIC_SHAPES
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 from mpgraph.ir.fake import fake_mode, is_abstract
@@ -357,8 +357,7 @@ def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     outs = []
     try:
         for mode in (False, True):
-            with torch.no_grad(), seeded(), state_kept(work):
-                outs.append(pytree.tree_structure(work.train(mode)(*fresh(args), **fresh(kwargs))))
+            outs.append(pytree.tree_structure(run_kept(work.train(mode), args, kwargs)))
     except Exception as e:  # noqa: BLE001 - traced in eval mode instead
         log.info("not traced in training mode: its training forward fails: %s", _brief(e))
         return False
@@ -556,8 +555,7 @@ def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, arg
                       if m not in before]
             if not failed or not all(_SIZE_ONE.search(m) for m in failed):
                 continue  # (a guard that excludes other sizes than 1 is not tested here)
-            with torch.no_grad(), seeded(), state_kept(model):
-                want = model(*fresh(small_args), **fresh(small_kwargs))
+            want = run_kept(model, small_args, small_kwargs)
             guard.waive(failed)
             got = gm.graph.process_outputs(run_recording(gm, small_args, small_kwargs,
                                                          lambda node, value: None))
@@ -970,8 +968,7 @@ def _eager_failure(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict
     on inputs the model cannot take (a wrong shape or dtype), and its report would send the
     user to rewrite a model that is fine. One eager run, on the failure path only."""
     try:
-        with torch.no_grad(), state_kept(work):
-            work(*fresh(args), **fresh(kwargs))
+        run_kept(work, args, kwargs)
     except Exception as e:  # noqa: BLE001 - reported, with the tracers' reports
         return _brief(e)
     finally:

@@ -259,6 +259,14 @@ def seeded():
         yield
 
 
+def run_kept(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)`` as conversion runs a model for its own ends: without grad, on
+    fresh copies of the inputs, seeded, its state put back (``state_kept``): the caller's
+    tensors, random stream and buffers are left as they were."""
+    with torch.no_grad(), seeded(), state_kept(module):
+        return module(*fresh(args), **fresh(kwargs))
+
+
 def written_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters a forward writes in place: an embedding with ``max_norm`` renormalises the
     rows it looks up, on every call."""

@@ -22,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import ExportError
+from mpgraph.ir.graph import run_kept
 from mpgraph.numerics import relative_l2
 
 log = logging.getLogger(__name__)
@@ -273,14 +274,6 @@ def _scratch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
 
 
-def _run_kept(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """``module`` on fresh copies of the inputs, seeded, its buffers put back: a forward that
-    writes its input (``x.mul_(2)``) or a buffer leaves the caller's tensors and state alone."""
-    from mpgraph.ir.graph import fresh, seeded, state_kept
-    with torch.no_grad(), seeded(), state_kept(module):
-        return module(*fresh(args), **fresh(kwargs))
-
-
 def tolerance_of(plan) -> float:
     """The plan's own bound on its outputs' relative L2 error against float32 (the bound its
     check used: 32 units of the dtype's rounding, or the tolerance it was converted to), which
@@ -437,8 +430,9 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         problems = [f"runtime weight cast {n}" for n in stats.runtime_weight_casts]
         problems += [f"cast round trip {n}" for n in stats.round_trips]
         problems += [f"fp32 op in low precision: {n}" for n in stats.low_fp32_ops]
-        torch_out = _tensors(_run_kept(converted, args, kwargs))
-        ref_out = _tensors(_run_kept(_scratch_model(reference), args, kwargs)) \
+        # (a forward that writes its input, x.mul_(2), or a buffer leaves the caller's alone)
+        torch_out = _tensors(run_kept(converted, args, kwargs))
+        ref_out = _tensors(run_kept(_scratch_model(reference), args, kwargs)) \
             if reference is not None else None
         graph_inputs = [v for v in model.graph.inputs if not v.is_initializer()]
         feeds = _feeds(graph_inputs, named)
