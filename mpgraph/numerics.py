@@ -67,8 +67,7 @@ def output_errors(outputs: Any, references: Any) -> list[float]:
     float among them too: ``loss.item()``)."""
     def floats(value):
         return [torch.tensor(t, dtype=torch.float64) if type(t) is float else t
-                for t in leaves(value) if type(t) is float or
-                (isinstance(t, torch.Tensor) and t.is_floating_point())]
+                for t in leaves(value) if _is_float(t)]
     got, want = floats(outputs), floats(references)
     if len(got) != len(want):
         raise ValueError(f"the converted model returns {len(got)} float outputs, float32 "
@@ -79,8 +78,12 @@ def output_errors(outputs: Any, references: Any) -> list[float]:
 def float_leaf_positions(outputs: Any) -> list[int]:
     """The place among the outputs' leaves (``leaves``) of each error ``output_errors`` gives:
     the summary and ``discrete_mismatches`` number outputs by that place."""
-    return [i for i, t in enumerate(leaves(outputs)) if type(t) is float or
-            (isinstance(t, torch.Tensor) and t.is_floating_point())]
+    return [i for i, t in enumerate(leaves(outputs)) if _is_float(t)]
+
+
+def _is_float(leaf) -> bool:
+    """An output leaf an error is measured on: a float tensor, or a Python float."""
+    return type(leaf) is float or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point())
 
 
 def discrete_mismatches(outputs: Any, references: Any) -> dict[str, float]:

@@ -156,19 +156,17 @@ class CheckConversion(Pass):
         return absmax
 
     def _check_values(self, gm, outputs, reference) -> None:
-        low = _low_dtype(gm)
-        if low is None:  # nothing in low precision: the float32 graph itself, checked as one
-            errors = output_errors(outputs, reference.outputs)
-            gm.meta[CHECK] = {"error": max(errors, default=0.0), "bound": None,
-                              "outputs": errors, "all_float32": True,
-                              "output_leaves": float_leaf_positions(reference.outputs)}
-            return
-        self._same_lengths(gm, outputs, reference.outputs, low)
+        low = _low_dtype(gm)  # (None: nothing in low precision, the float32 graph checked as one)
+        if low is not None:
+            self._same_lengths(gm, outputs, reference.outputs, low)
         errors = output_errors(outputs, reference.outputs)
         error = max(errors, default=0.0)
-        bound = value_bound(low) if self.tolerance is None else self.tolerance
+        bound = None if low is None else value_bound(low) if self.tolerance is None \
+            else self.tolerance
         gm.meta[CHECK] = {"error": error, "bound": bound, "outputs": errors,
                           "output_leaves": float_leaf_positions(reference.outputs)}
+        if low is None:
+            return
         differ = discrete_mismatches(outputs, reference.outputs)
         if differ:  # (not bounded: an argmax may move where two logits tie to rounding)
             gm.meta[CHECK]["discrete"] = differ
