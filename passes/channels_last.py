@@ -90,10 +90,10 @@ class ChannelsLast(Pass):
         ``out.view(B, -1)`` failed on the converted module's NHWC output), unless the example
         inputs were channels_last: torch's convolutions then return NHWC in the model too."""
         reached, stack = set(convs), list(convs)
-        while stack:  # (not through this pass's own NCHW copies: a second run adds none)
+        while stack:  # (not through this pass's own copies: a second run adds none)
             for user in stack.pop().users:
                 if user not in reached and user.op != "output" \
-                        and not str(user.name).endswith("_nchw"):
+                        and user.meta.get(INSERTED_BY) != self.name:
                     reached.add(user)
                     stack.append(user)
         edits = 0
@@ -120,9 +120,9 @@ class ChannelsLast(Pass):
                     (node.op == "call_method" and node.target == "view")
                     or node.target is torch.ops.aten.view.default):
                 node.replace_input_with(x, nchw(x, node))
-        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         if _channels_last_inputs(gm):  # torch's convs keep it: the model returns NHWC too
             return edits
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         done: dict = {}
 
         def restore(value: torch.fx.Node) -> torch.fx.Node:

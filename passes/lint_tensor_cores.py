@@ -113,5 +113,4 @@ class LintTensorCores(Pass):
             text += ("; cuBLAS >= 11 still runs it on Tensor Cores, off their fastest path, by an "
                      "amount the plan's cost model does not price: no gain is estimated (time "
                      "the padded layer on the GPU: mpgraph.profile)")
-        gain = None
-        return TensorCoreFinding(dims, multiple, padding, gain, text)
+        return TensorCoreFinding(dims, multiple, padding, None, text)
