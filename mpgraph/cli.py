@@ -243,7 +243,8 @@ def _profile(args) -> int:
             print(ncu.format_per_node(ncu.per_node(ncu.parse_ncu_csv(f.read()))))
         return 0
     from mpgraph.ir.graph import to_device as _to
-    _check_device(device)
+    from mpgraph.tools.profiling import check_device
+    check_device(device, given=f"--device {device}")  # (before the model is moved there)
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
     model, inputs, kwargs = model.to(device), _to(inputs, device), _to(kwargs, device)
     converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target,
@@ -259,20 +260,6 @@ def _profile(args) -> int:
         result = profile(converted, inputs, example_kwargs=kwargs, device=device, iters=args.iters)
     print(result.table())
     return 0
-
-
-def _check_device(device: str) -> None:
-    """--device, before the model is moved there: torch's own refusals are tracebacks (an
-    AssertionError for cuda on a build without it, a RuntimeError for an unknown type)."""
-    import torch
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device}: profile runs on cpu or cuda (cuda:N)")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but torch sees no GPU")  # (profile's own words)
 
 
 def main(argv=None) -> int:

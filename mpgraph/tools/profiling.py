@@ -212,6 +212,21 @@ def _finding(record, tensor_core: Optional[bool], kernels: tuple[str, ...]) -> s
             + (f"{simt[0]} is a CUDA-core (FFMA) GEMM" if simt else "no matmul kernel ran"))
 
 
+def check_device(device, given: Optional[str] = None) -> torch.device:
+    """The device to profile on: cpu or cuda; a ValueError names another (torch's own refusal
+    of an unknown type is a RuntimeError from deep inside it) or cuda where torch sees no GPU.
+    ``given``: how the caller names the option (the CLI's ``--device tpu``)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{given or f'device={device!r}'}: profile runs on cpu or cuda (cuda:N)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} but torch sees no GPU")
+    return dev
+
+
 def profile(converted: torch.fx.GraphModule, example_inputs: Any = None, *,
             example_kwargs: Optional[dict] = None, device: Optional[str] = None,
             iters: int = 5, warmup: int = 2) -> ProfileResult:
@@ -223,9 +238,7 @@ def profile(converted: torch.fx.GraphModule, example_inputs: Any = None, *,
         raise ValueError(f"iters must be >= 1, got {iters}")
     args, kwargs = as_call(example_inputs, example_kwargs)
     here = next((p.device for p in converted.parameters()), torch.device("cpu"))
-    dev = torch.device(device) if device is not None else here
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no GPU")
+    dev = check_device(device) if device is not None else here
     gm = converted if dev == here else copy.deepcopy(converted).to(dev)
     args, kwargs = to_device(args, dev), to_device(kwargs, dev)
     cuda = dev.type == "cuda"
