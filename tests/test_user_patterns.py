@@ -682,6 +682,11 @@ def test_a_plan_that_keeps_everything_float32_still_reports_its_check():
         assert fast.plan.check["outputs"] == [rel_err(fast(x), model(x))] == [0.0]
     assert fast.plan.check["bound"] is None
     assert "checked: error 0 vs float32 (all float32)" in fast.plan.summary()
+    # it says what it kept, not "converted 0/3 nodes to float16 ... 0 weights stored as float16",
+    # and no estimate of 1.00x with its source repeated
+    assert fast.plan.summary().startswith("kept all 3 nodes in float32 (no casts, no weight "
+                                          "stored low); captured with ")
+    assert "estimated" not in fast.plan.summary() and "stored as" not in fast.plan.summary()
 
 
 def test_an_override_that_matches_is_not_warned_about_as_matching_nothing(caplog):

@@ -252,10 +252,13 @@ class Plan:
         stored = sum(w.numel for w in self.weights)
         text = "".join(f"warning: {w}\n" for w in (self.warning, self.calibration_warning) if w)
         kinds = sorted({dtype_name(w.dtype) for w in self.weights}) or [low]
-        text += (f"converted {len(self.low_nodes)}/{len(self.compute_nodes)} nodes to {low} "
-                f"with {len(self.casts)} casts; {len(self.weights)} weights "
-                f"({stored / 1e6:.2f}M values) stored as {' and '.join(kinds)}; "
-                f"captured with {self.capture}")
+        all_fp32 = bool(self.compute_nodes) and not (self.low_nodes or self.casts or self.weights)
+        text += (f"kept all {len(self.compute_nodes)} nodes in float32 (no casts, no weight stored "
+                 "low); " if all_fp32 else
+                 f"converted {len(self.low_nodes)}/{len(self.compute_nodes)} nodes to {low} "
+                 f"with {len(self.casts)} casts; {len(self.weights)} weights "
+                 f"({stored / 1e6:.2f}M values) stored as {' and '.join(kinds)}; ")
+        text += f"captured with {self.capture}"
         if self.kept_fp32:
             text += f"; kept float32: {self.kept_fp32}"
         if self.mode == "train":
@@ -282,7 +285,7 @@ class Plan:
             t = self.tolerance
             text += (f"; tolerance {t['tolerance']:g}: error {t['error']:.3g} with "
                      f"{len(t['pinned'])} nodes pinned to float32")
-        if self.estimate.get("plan_s"):
+        if self.estimate.get("plan_s") and not all_fp32:  # (all float32: 1.00x, said above)
             source = self.estimate.get("source")
             what = " of the forward, priced without autograd (the backward is not)" \
                 if self.mode == "train" else ""
