@@ -914,6 +914,69 @@ def test_guards_on_a_size_of_1_are_waived_only_where_the_model_agrees_at_size_1(
         flips(_x(2, 4, 16))  # a guard on > 8 is never waived: flipped at 16, not at 4
 
 
+class StepBias(nn.Module):
+    """A decode-step branch adding a learned bias that starts at zero (an untrained adapter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.step_bias = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.shape[1] == 1:
+            h = h + self.step_bias
+        return self.b(h)
+
+
+class BatchGain(nn.Module):
+    """A batch-1 branch scaling by a learned gain that starts at one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.gain = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.shape[0] == 1:
+            h = h * self.gain
+        return self.b(h)
+
+
+class StreamClip(nn.Module):
+    """A sequence-1 branch that clips at a bound the example's values do not reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.shape[1] == 1:
+            h = h.clamp(-3, 3)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("cls,call", [(StepBias, (4, 1, 16)), (BatchGain, (1, 8, 16)),
+                                      (StreamClip, (4, 1, 16))])
+def test_a_size_1_branch_that_agrees_on_the_example_by_chance_keeps_its_guard(cls, call):
+    """The waiver compared one run at size 1 on the example and the weights of the day: a zero
+    bias, a gain of one, a clip the example never reaches agreed, the guard was waived, and after
+    load_state_dict (or on larger inputs) a size-1 call skipped the branch, silently (probe 40a:
+    errors of 0.11-1.4). The branch now also runs on inputs 10x larger and on those constant
+    weights varied, and the guard stays: a clear error at size 1."""
+    torch.manual_seed(0)
+    model = cls().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = mpgraph.convert(model, _x(4, 8, 16), dtype="fp16", target=GPU, strategy="rules")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # (untouched)
+    trained = {k: v + 0.5 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    fast.load_state_dict(trained)
+    with pytest.raises(mpgraph.InputMismatchError, match=r"x\.size\(\)\[[01]\] != 1"):
+        fast(_x(*call) * 10)
+
+
 def test_attention_onnxruntime_cannot_run_at_opset_23_exports_at_opset_18(tmp_path):
     """onnxruntime 1.31 rejects opset 23's Attention with a key-padding mask broadcast over the
     queries: the file is written at opset 18 (attention decomposed, softmax float32), and says so."""

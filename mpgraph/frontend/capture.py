@@ -536,10 +536,12 @@ _SIZE_ONE = re.compile(r"\.size\(\)\[\d+\] (!= 1|> 1|>= 2)$")
 def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
                            kwargs: dict) -> None:
     """A guard on a size of 1 (batch 1, sequence 1) that the graph computes right without is
-    waived: the model run eagerly at that size and the graph run past the guard agree. Such
+    waived: the model run eagerly at that size and the graph run past the guard agree, on the
+    example cut to that size and on the variations of it ``_beyond_example`` makes. Such
     guards come from library code that branches on a size of 1 to no effect (transformers'
     mask expansion, the memory format PyTorch's convolution picks); one on a branch of the
-    model's that changes the answer stays (if x.shape[0] == 1: ...)."""
+    model's that changes the answer stays (if x.shape[0] == 1: ...). ``model`` is capture's
+    own copy, whose tensors the graph shares."""
     guard = getattr(gm, EXPORT_GUARD, None)
     if not isinstance(guard, InputGuard) or any(
             isinstance(t, torch.Tensor) and is_abstract(t) for t in pytree.tree_leaves((args, kwargs))):
@@ -555,22 +557,57 @@ def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, arg
                       if m not in before]
             if not failed or not all(_SIZE_ONE.search(m) for m in failed):
                 continue  # (a guard that excludes other sizes than 1 is not tested here)
-            want = run_kept(model, small_args, small_kwargs)
             guard.waive(failed)
-            got = gm.graph.process_outputs(run_recording(gm, small_args, small_kwargs,
-                                                         lambda node, value: None))
+            agree = all(_same_leaves(run_kept(model, a, k), gm.graph.process_outputs(
+                run_recording(gm, a, k, lambda node, value: None)))
+                for a, k in _beyond_example(model, small_args, small_kwargs))
         except Exception as e:  # noqa: BLE001 - the guards stay as they were
             log.debug("guards at size 1 of dimension %d stay: %s", dim, _brief(e))
             guard.waived = before
             guard.waive(())
             continue
-        agree = _same_leaves(want, got)
         if not agree:
             guard.waived = before
             guard.waive(())
         log.info("%s at size 1 of dimension %d: %s", "; ".join(failed), dim,
                  "waived (the graph computes what the model does there)" if agree
                  else "kept (the model computes something else there)")
+
+
+_SCALE = 10.0  # how much larger than the example the scaled inputs are
+
+
+def _beyond_example(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """The inputs a size-1 branch is tested on, each yielded while it runs: the example as it
+    is, its float tensors ``_SCALE`` times larger, and the example again with every float
+    parameter and buffer whose elements are all equal (an untrained bias of zeros, a gain of
+    ones, a zero-initialised adapter, fresh batch-norm statistics) set to random values around
+    that constant (of its sign), put back exactly afterwards. One sample proves little: a
+    branch that adds a zero bias, scales by a gain of one, or clamps at a bound the example does
+    not reach agreed on the example alone, and was waived (then a batch-1 call after
+    ``load_state_dict`` skipped it, silently)."""
+    yield args, kwargs
+    yield pytree.tree_map(lambda t: t * _SCALE if isinstance(t, torch.Tensor)
+                          and t.is_floating_point() else t, (args, kwargs))
+    generator = torch.Generator().manual_seed(0)
+    swapped = []
+    try:
+        for t in list(model.parameters()) + list(model.buffers()):
+            if not t.is_floating_point() or not t.numel() or is_abstract(t):
+                continue
+            lo, hi = torch.aminmax(t.detach())
+            if lo != hi:
+                continue
+            c = float(lo)
+            noise = torch.rand(t.shape, generator=generator, dtype=torch.float32)
+            # (zero: values in [-1, 1); c: in [c/2, 3c/2), of c's sign: a variance stays > 0)
+            varied = (noise * 2 - 1) if c == 0 else c * (0.5 + noise)
+            swapped.append((t, t.data))
+            t.data = varied.to(t.dtype)
+        yield args, kwargs
+    finally:
+        for t, data in swapped:
+            t.data = data
 
 
 def _same_leaves(a, b) -> bool:
