@@ -558,9 +558,9 @@ def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, arg
             if not failed or not all(_SIZE_ONE.search(m) for m in failed):
                 continue  # (a guard that excludes other sizes than 1 is not tested here)
             guard.waive(failed)
-            agree = all(_same_leaves(run_kept(model, a, k), gm.graph.process_outputs(
-                run_recording(gm, a, k, lambda node, value: None)))
-                for a, k in _beyond_example(model, small_args, small_kwargs))
+            with contextlib.closing(_beyond_example(model, small_args, small_kwargs)) as runs:
+                agree = all(_same_leaves(run_kept(model, a, k), gm.graph.process_outputs(
+                    run_recording(gm, a, k, lambda node, value: None))) for a, k in runs)
         except Exception as e:  # noqa: BLE001 - the guards stay as they were
             log.debug("guards at size 1 of dimension %d stay: %s", dim, _brief(e))
             guard.waived = before
