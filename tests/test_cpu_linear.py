@@ -142,6 +142,30 @@ def test_a_written_or_replaced_weight_is_packed_again(packing):
         assert relative_l2(fast(x), model(x)) < 2e-2
 
 
+def test_a_weight_written_while_it_is_packed_is_packed_again(packing, monkeypatch):
+    """The version was read after packing: a load_state_dict landing in another thread while a
+    pack was made stored the old values' pack under the new version, and every later call used
+    it (probe 40b: errors 0.09-44 until the next write). Here the other thread's write is made
+    inside the pack."""
+    model, x, fast = _converted_mlp()
+    other = MLP().eval()
+    pack, fired = cpu_linear._pack, []
+
+    def pack_while_written(w):
+        packed = pack(w)  # the values the weight holds now
+        if not fired:  # meanwhile, another thread's load_state_dict lands
+            fired.append(True)
+            fast.load_state_dict(other.state_dict())
+        return packed
+
+    fast.cpu_linears.clear()
+    monkeypatch.setattr(cpu_linear, "_pack", pack_while_written)
+    with torch.no_grad():
+        fast(x)  # the call that packs, racing the write
+        assert fired
+        assert relative_l2(fast(x), other(x)) < 2e-2  # the next call: the new weights
+
+
 def test_autograd_and_tracers_take_atens_own_op(packing):
     model, x, fast = _converted_mlp()
     packing.clear()

@@ -147,12 +147,16 @@ def packed_weight(weight: torch.Tensor, transposed: bool = False) -> Optional[to
     if found is not None and found[0]() is weight and found[1] == weight._version \
             and found[2] == weight.data_ptr():
         return found[3]
+    # the version and address the pack is made from, read before it is made: a write while it
+    # is made (load_state_dict in another thread) leaves the store behind, so the next call
+    # packs again (read after, the pack of the old values passed for current, for good)
+    version, address = weight._version, weight.data_ptr()
     with torch.no_grad():
         w = weight.detach()
         packed = _pack(w.t() if transposed else w)
     # (w keeps the storage packed from alive: a tensor given new .data twice cannot have its
     # new storage at the old address, which would pass for the same weight)
-    _PACKS[key] = (weakref.ref(weight, _forget(key)), weight._version, weight.data_ptr(), packed, w)
+    _PACKS[key] = (weakref.ref(weight, _forget(key)), version, address, packed, w)
     return packed
 
 
