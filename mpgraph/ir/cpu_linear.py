@@ -139,7 +139,8 @@ def _forget(key):
 def packed_weight(weight: torch.Tensor, transposed: bool = False) -> Optional[torch.Tensor]:
     """``weight`` (``transposed``: its transpose) packed, from the store while the weight is the
     same tensor at the same version and address, else packed now; None for a weight that cannot
-    be followed (an inference tensor has no version counter)."""
+    be followed (an inference tensor has no version counter; one in shared memory, which other
+    processes write)."""
     if weight.is_inference() or weight.dim() != 2:
         return None
     key = (id(weight), transposed)
@@ -153,7 +154,9 @@ def packed_weight(weight: torch.Tensor, transposed: bool = False) -> Optional[to
     version, address = weight._version, weight.data_ptr()
     with torch.no_grad():
         w = weight.detach()
-        packed = _pack(w.t() if transposed else w)
+        # in shared memory (share_memory(): its address moved, so this is a miss), another
+        # process's writes move no version counter here: ATen's op, which reads it on each call
+        packed = None if weight.is_shared() else _pack(w.t() if transposed else w)
     # (w keeps the storage packed from alive: a tensor given new .data twice cannot have its
     # new storage at the old address, which would pass for the same weight)
     _PACKS[key] = (weakref.ref(weight, _forget(key)), version, address, packed, w)

@@ -404,6 +404,7 @@ class WeightCopies:
     def __init__(self, root: torch.nn.Module, pairs):
         self.pairs = tuple(pairs)  # (original's path, copy's path)
         self.seen = {copy: _stamp(_tensor_at(root, source)) for source, copy in self.pairs}
+        self.shared: set = set()  # copies of originals in shared memory: written on every call
         self._register()
 
     def _register(self) -> None:
@@ -412,10 +413,11 @@ class WeightCopies:
         _COPIES[self.key] = self
 
     def __getstate__(self):
-        return {"pairs": self.pairs, "seen": dict(self.seen)}
+        return {"pairs": self.pairs, "seen": dict(self.seen), "shared": set(self.shared)}
 
     def __setstate__(self, state):  # (copy.deepcopy: a key of its own)
         self.pairs, self.seen = state["pairs"], state["seen"]
+        self.shared = state.get("shared", set())
         self._register()
 
     def invalidate(self, path: str) -> None:
@@ -450,8 +452,10 @@ class WeightCopies:
         since the last refresh."""
         source, copy = self.pairs[index]
         stamp = _stamp(original)
-        if self.seen.get(copy) == stamp:
+        if self.seen.get(copy) == stamp and copy not in self.shared:
             return
+        if original.is_shared():  # (share_memory(): its address moved, so this is a miss)
+            self.shared.add(copy)  # another process's writes move no version here: every call
         check_fits([(f"{source} (read as its {dtype_name(low.dtype)} copy {copy})", original,
                      low.dtype)], f"{source} was written",
                    f"{copy} was not refreshed, and each call raises this until {source} holds "
