@@ -72,6 +72,7 @@ from mpgraph.ir.meta import FUSED, OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFindin
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
+from mpgraph.passes.insert_casts import carries_sentinel
 from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.ops import move_names
 
@@ -280,6 +281,10 @@ class _Rules:
         self._seen = seen  # weight statistics of the current run, by tensor
         self.limit = torch.finfo(low).max / margin
         self.top = torch.finfo(low).max
+        # a range narrower than float32's (fp16): a fill beyond it, clamped at its cast (the
+        # casts' saturation), no longer swamps what is added to it (-65504 + a score of 20
+        # keeps the score, where finfo(float32).min + 20 does not; bf16's min does too)
+        self.narrow = torch.finfo(low).max < 1e38
         self.tiny = smallest_subnormal(low)
         self.margin = margin
         # magnitudes below tiny / 2 round to 0; the margin is the headroom, as for ``range``
@@ -287,6 +292,9 @@ class _Rules:
 
     def _range_evidence(self, node) -> Optional[str]:
         r = node.meta.get(RANGE)
+        if self.narrow and carries_sentinel(node, self.low):
+            return (f"{node.name} may hold a constant beyond {dtype_name(self.low)}'s range (a "
+                    "mask's fill, where the calibration's mask masked nothing)")
         if r is None or r.absmax <= self.limit:
             return None
         return (f"{node.name} absmax {r.absmax:.3g} > limit {self.limit:.3g} "
