@@ -8,10 +8,9 @@ they run eagerly, under torch.compile and through torch.export.
 """
 from __future__ import annotations
 
-import torch
-
 import math
 
+import torch
 from torch.utils import _pytree as pytree
 
 from mpgraph.ir.edges import cast_info, cast_leaves, required_dtype
@@ -122,7 +121,8 @@ class InsertCasts(Pass):
     def _saturate(self, graph, value, dtype, have):
         """``value`` clamped to ``dtype``'s finite range before its cast: the fill stays the
         most negative (positive) value there, as a model computing in that dtype writes its
-        mask (``finfo(dtype).min``), not -inf; inf and NaN pass as they are."""
+        mask (``finfo(dtype).min``), not -inf. NaN passes; an inf in the same value becomes the
+        range's end too (still a zero weight after softmax)."""
         info = torch.finfo(dtype)
         node = graph.create_node("call_method", "clamp", (value, info.min, info.max), {},
                                  name=f"{value.name}_saturated")

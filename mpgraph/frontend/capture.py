@@ -587,8 +587,10 @@ def _beyond_example(model: torch.nn.Module, args: tuple, kwargs: dict):
     not reach agreed on the example alone, and was waived (then a batch-1 call after
     ``load_state_dict`` skipped it, silently)."""
     yield args, kwargs
-    yield pytree.tree_map(lambda t: t * _SCALE if isinstance(t, torch.Tensor)
-                          and t.is_floating_point() else t, (args, kwargs))
+    if any(isinstance(t, torch.Tensor) and t.is_floating_point()
+           for t in pytree.tree_leaves((args, kwargs))):  # (token ids alone: nothing to scale)
+        yield pytree.tree_map(lambda t: t * _SCALE if isinstance(t, torch.Tensor)
+                              and t.is_floating_point() else t, (args, kwargs))
     generator = torch.Generator().manual_seed(0)
     swapped = []
     try:
@@ -604,7 +606,8 @@ def _beyond_example(model: torch.nn.Module, args: tuple, kwargs: dict):
             varied = (noise * 2 - 1) if c == 0 else c * (0.5 + noise)
             swapped.append((t, t.data))
             t.data = varied.to(t.dtype)
-        yield args, kwargs
+        if swapped:  # (trained weights: nothing constant to vary)
+            yield args, kwargs
     finally:
         for t, data in swapped:
             t.data = data
