@@ -546,6 +546,7 @@ def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, arg
     if not isinstance(guard, InputGuard) or any(
             isinstance(t, torch.Tensor) and is_abstract(t) for t in pytree.tree_leaves((args, kwargs))):
         return  # (a model without values cannot show what it computes: its guards stay)
+    constant = None
     for dim in (0, 1):
         variant = _narrowed(args, kwargs, dim)
         if variant is None:
@@ -558,7 +559,9 @@ def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, arg
             if not failed or not all(_SIZE_ONE.search(m) for m in failed):
                 continue  # (a guard that excludes other sizes than 1 is not tested here)
             guard.waive(failed)
-            with contextlib.closing(_beyond_example(model, small_args, small_kwargs)) as runs:
+            if constant is None:  # (one pass over the weights, for both dimensions)
+                constant = _constant_valued(model)
+            with contextlib.closing(_beyond_example(constant, small_args, small_kwargs)) as runs:
                 agree = all(_same_leaves(run_kept(model, a, k), gm.graph.process_outputs(
                     run_recording(gm, a, k, lambda node, value: None))) for a, k in runs)
         except Exception as e:  # noqa: BLE001 - the guards stay as they were
@@ -577,12 +580,23 @@ def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, arg
 _SCALE = 10.0  # how much larger than the example the scaled inputs are
 
 
-def _beyond_example(model: torch.nn.Module, args: tuple, kwargs: dict):
+def _constant_valued(model: torch.nn.Module) -> list[tuple[torch.Tensor, float]]:
+    """(tensor, its value) for each float parameter and buffer whose elements are all equal."""
+    found = []
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point() and t.numel() and not is_abstract(t):
+            lo, hi = torch.aminmax(t.detach())
+            if lo == hi:
+                found.append((t, float(lo)))
+    return found
+
+
+def _beyond_example(constant: list, args: tuple, kwargs: dict):
     """The inputs a size-1 branch is tested on, each yielded while it runs: the example as it
-    is, its float tensors ``_SCALE`` times larger, and the example again with every float
-    parameter and buffer whose elements are all equal (an untrained bias of zeros, a gain of
-    ones, a zero-initialised adapter, fresh batch-norm statistics) set to random values around
-    that constant (of its sign), put back exactly afterwards. One sample proves little: a
+    is, its float tensors ``_SCALE`` times larger, and the example again with the weights in
+    ``constant`` (``_constant_valued``: an untrained bias of zeros, a gain of ones, a
+    zero-initialised adapter, fresh batch-norm statistics) set to random values around their
+    constant (of its sign), put back exactly afterwards. One sample proves little: a
     branch that adds a zero bias, scales by a gain of one, or clamps at a bound the example does
     not reach agreed on the example alone, and was waived (then a batch-1 call after
     ``load_state_dict`` skipped it, silently)."""
@@ -594,13 +608,7 @@ def _beyond_example(model: torch.nn.Module, args: tuple, kwargs: dict):
     generator = torch.Generator().manual_seed(0)
     swapped = []
     try:
-        for t in list(model.parameters()) + list(model.buffers()):
-            if not t.is_floating_point() or not t.numel() or is_abstract(t):
-                continue
-            lo, hi = torch.aminmax(t.detach())
-            if lo != hi:
-                continue
-            c = float(lo)
+        for t, c in constant:
             noise = torch.rand(t.shape, generator=generator, dtype=torch.float32)
             # (zero: values in [-1, 1); c: in [c/2, 3c/2), of c's sign: a variance stays > 0)
             varied = (noise * 2 - 1) if c == 0 else c * (0.5 + noise)
