@@ -197,13 +197,14 @@ def test_an_original_whose_low_copy_would_overflow_is_checked_on_load_and_on_wri
         assert torch.equal(fast(x), good)
 
 
-def _write_in_another_process(fast, state) -> None:
-    import multiprocessing
-    writer = multiprocessing.get_context("fork").Process(target=fast.load_state_dict,
-                                                        args=(state,))
-    writer.start()
-    writer.join(timeout=120)
-    assert writer.exitcode == 0
+def _write_as_another_process(module, state) -> None:
+    """What another process's load_state_dict does to a module in shared memory, as this
+    process sees it: the values change, no version counter here moves (a write through .data,
+    which moves none either: no fork in a test worker that holds threads)."""
+    with torch.no_grad():
+        for name, t in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items():
+            if name in state:
+                t.data.copy_(state[name])
 
 
 def test_copies_of_weights_in_shared_memory_follow_another_process_s_writes():
@@ -218,7 +219,7 @@ def test_copies_of_weights_in_shared_memory_follow_another_process_s_writes():
         fast(x)
         fast.share_memory()
         fast(x)
-        _write_in_another_process(fast, new.state_dict())
+        _write_as_another_process(fast, new.state_dict())
         assert torch.equal(fast.fc.weight, new.fc.weight)
         assert relative_l2(fast(x), new(x)) < 5e-3
 

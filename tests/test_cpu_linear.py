@@ -170,7 +170,6 @@ def test_weights_in_shared_memory_are_not_packed(packing):
     """share_memory() and another process's load_state_dict: the packs (this process's memory,
     keyed by a version counter the other process does not move) kept the old weights (probe
     40b: BERT, error 0.35). A weight in shared memory takes ATen's op, which reads it."""
-    import multiprocessing
     model, x, fast = _converted_mlp()
     other = MLP().eval()
     with torch.no_grad():
@@ -179,11 +178,10 @@ def test_weights_in_shared_memory_are_not_packed(packing):
         count = len(packing)
         fast(x)
         assert len(packing) == count  # (its address moved: a miss, and no pack)
-        writer = multiprocessing.get_context("fork").Process(target=fast.load_state_dict,
-                                                            args=(other.state_dict(),))
-        writer.start()
-        writer.join(timeout=120)
-        assert writer.exitcode == 0
+        # what another process's load_state_dict does, as this one sees it: new values, no
+        # version counter moved (a write through .data moves none either; no fork in a test)
+        for name, t in fast.named_parameters():
+            t.data.copy_(other.state_dict()[name])
         assert relative_l2(fast(x), other(x)) < 2e-2
 
 
