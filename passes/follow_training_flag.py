@@ -16,8 +16,8 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import free_attr_name
-from mpgraph.ir.meta import INSERTED_BY, OBSERVED, TENSOR
-from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm
+from mpgraph.ir.meta import CAPTURED_TRAINING, INSERTED_BY, OBSERVED, TENSOR
+from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingArgument, TrainingBatchNorm
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
@@ -40,6 +40,15 @@ def _functional_dropout(node):
     if training is not True or node.kwargs.get("inplace") or not isinstance(p, float):
         return None
     return _FUNCTIONAL_DROPOUT[node.target](p), (node.args[0],)
+
+
+# ops whose training flag is an argument (its position), taken by TrainingArgument: nn.Dropout1d
+# to 3d, AlphaDropout, FeatureAlphaDropout, RReLU, GRU/LSTM/RNN's dropout between layers,
+# InstanceNorm with running statistics (use_input_stats)
+_TRAIN_ARGUMENT = {aten.feature_dropout.default: 2, aten.alpha_dropout.default: 2,
+                   aten.feature_alpha_dropout.default: 2, aten.rrelu.default: 3,
+                   aten.gru.input: 6, aten.lstm.input: 6, aten.rnn_tanh.input: 6,
+                   aten.rnn_relu.input: 6, aten.instance_norm.default: 5}
 
 
 def _dropout_p(node):
@@ -70,32 +79,49 @@ class FollowTrainingFlag(Pass):
     def call(self, gm):
         graph, changed = gm.graph, 0
         stale = False  # an op ran with a baked flag other than the module's: its value changes
+        # the flag the model had when it was traced: an op whose baked flag is another one did
+        # not follow the model's (a submodule frozen in eval, F.dropout(training=False), MC
+        # dropout's F.dropout(x) in eval) and keeps it
+        captured = gm.meta.get(CAPTURED_TRAINING, gm.training)
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
             if node.target is aten.dropout.default:
                 x, p = node.args[0], node.args[1]
-                stale |= bool(p) and (node.args[2] if len(node.args) > 2 else True) != gm.training
+                if (node.args[2] if len(node.args) > 2 else True) != captured:
+                    continue
+                stale |= bool(p) and captured != gm.training
                 module = torch.nn.Dropout(p)
                 args = (x,)
             elif node.target is aten.batch_norm.default:
                 x, w, b, rm, rv, _, momentum, eps = node.args[:8]
-                if rm is None or rv is None:
+                if rm is None or rv is None or node.args[5] != captured:
                     continue  # no running statistics: the flag is not baked in
-                stale |= node.args[5] != gm.training
+                stale |= captured != gm.training
                 module = TrainingBatchNorm(momentum, eps)
                 args = (x, w, b, rm, rv)
+            elif node.target in _TRAIN_ARGUMENT:
+                position = _TRAIN_ARGUMENT[node.target]
+                if len(node.args) <= position or node.args[position] is not captured or (
+                        node.target is aten.instance_norm.default and node.args[3] is None):
+                    continue  # (instance norm without running statistics: always batch's)
+                stale |= captured != gm.training
+                module, args = TrainingArgument(node.target, position), node.args
             elif node.target is aten.scaled_dot_product_attention.default \
                     and _dropout_p(node) not in (None, 0.0):
+                if not captured:
+                    continue  # (a rate given in eval: the model's own choice)
                 self._rate(gm, node)
                 stale |= not gm.training
                 changed += 1
                 continue
-            elif gm.training and _functional_dropout(node) is not None:
+            elif captured and _functional_dropout(node) is not None:
                 module, args = _functional_dropout(node)
             elif node.target is aten.add_.Tensor and isinstance(node.args[0], torch.fx.Node) \
                     and node.args[0].op == "get_attr" \
                     and str(node.args[0].target).endswith("num_batches_tracked") and node.args[1] == 1:
+                if not captured:
+                    continue
                 module, args = CountBatches(), (node.args[0],)
                 stale |= not gm.training
             else:

@@ -136,6 +136,79 @@ def test_train_and_eval_switch_dropout_like_the_model():
     assert torch.equal(a, b) and relative_l2(a, ref) < 3e-2
 
 
+class Stochastic(nn.Module):
+    """Layers whose training flag torch.export bakes into an op's argument."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.kind = kind
+        self.layer = {"gru": lambda: nn.GRU(16, 16, num_layers=2, dropout=0.5, batch_first=True),
+                      "dropout2d": lambda: nn.Dropout2d(0.5),
+                      "alpha": lambda: nn.AlphaDropout(0.5),
+                      "rrelu": lambda: nn.RReLU(),
+                      "instance": lambda: nn.InstanceNorm1d(16, track_running_stats=True)}[kind]()
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == "gru":
+            return self.layer(h)[0]
+        if self.kind == "dropout2d":
+            return self.layer(h.unsqueeze(-1)).squeeze(-1)
+        if self.kind == "instance":
+            return self.layer(h.transpose(1, 2)).transpose(1, 2)
+        return self.layer(h)
+
+
+@pytest.mark.parametrize("kind", ["gru", "dropout2d", "alpha", "rrelu", "instance"])
+def test_eval_switches_off_the_training_behaviour_of_every_layer_that_has_one(kind):
+    """Only dropout, batch norm and attention's rate followed .eval(): a GRU's dropout between
+    layers, Dropout2d, AlphaDropout, RReLU and InstanceNorm's batch statistics stayed as captured
+    in training (probe 41a: errors 0.06-1.0 after .eval(), different on every call)."""
+    torch.manual_seed(0)
+    model = Stochastic(kind).train()
+    x = torch.randn(4, 6, 16)
+    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    fast.eval()
+    model.eval()
+    with torch.no_grad():
+        a, b, want = fast(x), fast(x), model(x)
+    assert torch.equal(a, b) and relative_l2(a, want) < 2e-2
+
+
+def test_a_flag_the_model_fixed_itself_is_kept_not_followed():
+    """A backbone frozen with .eval() inside a training model (the README's way to freeze batch
+    norm), and F.dropout(training=False) in a training model, were made to follow the root's
+    flag: the frozen statistics were overwritten (probe 41a: running_mean moved 0.6) and the
+    dropout dropped (0.64). An op whose captured flag is not the model's keeps it."""
+
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8))
+            self.head = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                      nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+
+        def forward(self, x):
+            h = F.dropout(self.backbone(x), 0.5, training=False)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Frozen().train()
+    with torch.no_grad():
+        model.backbone[1].running_mean.uniform_(-1, 1)
+    model.backbone.eval()
+    x = torch.randn(4, 3, 8, 8) * 3 + 2
+    frozen = model.backbone[1].running_mean.clone()
+    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    with torch.no_grad():
+        out = fast(x)
+        assert torch.equal(fast.state_dict()["backbone.1.running_mean"], frozen)
+        assert relative_l2(out, copy.deepcopy(model)(x)) < 3e-2
+        assert not torch.equal(fast.state_dict()["head.1.running_mean"],
+                               model.head[1].running_mean)  # (the head's still trains)
+
+
 def test_loss_inside_the_model_stays_fp32():
     class WithLoss(nn.Module):
         def __init__(self):

@@ -29,7 +29,7 @@ from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
-from mpgraph.ir.meta import CAPTURE, OBSERVED, READS_TRAINING, STATIC_SHAPES
+from mpgraph.ir.meta import CAPTURE, CAPTURED_TRAINING, OBSERVED, READS_TRAINING, STATIC_SHAPES
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 from mpgraph.ir.fake import fake_mode, is_abstract
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
@@ -999,6 +999,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         if name == EXPORT and not dynamic:
             gm.meta[STATIC_SHAPES] = True  # its input guard is then what rejects another shape
         gm.training = model.training  # a fresh GraphModule says "training"; keep the model's flag
+        gm.meta[CAPTURED_TRAINING] = work.training  # (what the graph's baked flags followed)
         if reports:
             log.info("captured with %s after: %s", name, "; ".join(reports))
         return gm

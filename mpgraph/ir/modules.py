@@ -68,6 +68,21 @@ class DropoutRate(torch.nn.Module):
         return self.p if self.training else 0.0
 
 
+class TrainingArgument(torch.nn.Module):
+    """An ATen op whose argument at ``position`` is the training flag (feature and alpha
+    dropout, rrelu, a multi-layer RNN's dropout, instance norm's use of batch statistics),
+    called with this module's ``training`` there: torch.export baked the flag in as a constant."""
+
+    def __init__(self, op, position: int):
+        super().__init__()
+        self.op, self.position = op, position
+
+    def forward(self, *args):
+        args = list(args)
+        args[self.position] = self.training
+        return self.op(*args)
+
+
 class InputGuard(torch.nn.Module):
     """torch.export's input guard (its ``_guards_fn``: the asserts on input shapes the graph was
     captured under), as a module that pickles and calls the assert function directly: export's
