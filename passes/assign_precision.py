@@ -37,7 +37,7 @@ from mpgraph.ir.edges import required_dtype
 from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, module_path, mutated_nodes,
                               stored_into_only, target_name)
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
-                             TENSOR, Decision, dtype_name, is_float32_tensor)
+                             TENSOR, Decision, TensorInfo, dtype_name, is_float32_tensor)
 from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok
 from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
@@ -70,9 +70,14 @@ _PROMOTING = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.at
 
 def _promotes(node, gm) -> bool:
     """A binary elementwise ATen op whose kernel promotes mixed float inputs to float32 itself
-    (used in training, where no exported file has to spell the cast out)."""
+    (used in training, where no exported file has to spell the cast out). Not where an input is
+    a 0-dim tensor: type promotion lets a tensor with dimensions decide over it, so a bf16
+    activation times a float32 scalar parameter (ReZero, a learned temperature) is bf16, and the
+    plan said float32 (a ConversionError in training, probe 41a)."""
     return node.op == "call_function" and node.target in _PROMOTING and not is_inplace(node, gm) \
-        and all(isinstance(a, torch.fx.Node) for a in node.args[:2])
+        and all(isinstance(a, torch.fx.Node) for a in node.args[:2]) \
+        and all(isinstance(a.meta.get(TENSOR), TensorInfo) and len(a.meta[TENSOR].shape) > 0
+                for a in node.args[:2])
 
 
 class AssignPrecision(Pass):

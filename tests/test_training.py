@@ -209,6 +209,28 @@ def test_a_flag_the_model_fixed_itself_is_kept_not_followed():
                                model.head[1].running_mean)  # (the head's still trains)
 
 
+def test_a_scalar_parameter_gain_trains():
+    """h * self.scale with a 0-dim nn.Parameter (ReZero, a learned temperature): the plan read
+    the bf16 activation as it was, counting on type promotion to float32, which a 0-dim tensor
+    does not get: the product came out bf16 and training was a ConversionError (probe 41a)."""
+
+    class Gain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = nn.Linear(64, 64), nn.Linear(64, 1)
+            self.scale = nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            return self.out(F.silu(self.fc(x)) * self.scale)
+
+    torch.manual_seed(0)
+    model, x = Gain().train(), torch.randn(16, 64)
+    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    fast(x).sum().backward()
+    model(x).sum().backward()
+    assert relative_l2(fast.scale.grad, model.scale.grad) < 3e-2
+
+
 def test_loss_inside_the_model_stays_fp32():
     class WithLoss(nn.Module):
         def __init__(self):
