@@ -24,6 +24,7 @@ weight, stored in the dtype its reader computes in.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import operator
@@ -293,6 +294,15 @@ class AssignPrecision(Pass):
             log.warning("%s: %s to %s refused: %s", node.name, why, dtype_name(self.low), safety)
             return Decision(FP32, f"{safety} ({why} to {dtype_name(self.low)} refused)", pinned=True)
         if forced is not None:
+            if node.name in self.from_plan:  # a saved plan's dtype: how the rules would read it
+                saved = self.from_plan.pop(node.name)
+                try:  # (a low norm's float32 parameters: cast, the batch statistics it writes
+                    # would land in a copy and be lost; promotion in training's kernels)
+                    natural = self._decide(node, gm, dec, stored, convertible)
+                finally:
+                    self.from_plan[node.name] = saved
+                if natural.dtype == forced:
+                    return dataclasses.replace(natural, reason=why, pinned=True)
             return Decision(forced, why, pinned=True)
 
         if node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, gm):

@@ -231,6 +231,26 @@ def test_a_scalar_parameter_gain_trains():
     assert relative_l2(fast.scale.grad, model.scale.grad) < 3e-2
 
 
+def test_a_training_conversion_with_a_saved_plan_updates_batch_norm_statistics():
+    """plan= applied each node's dtype as an override and dropped how the rules read it: a bf16
+    batch norm's float32 parameters and running statistics were cast to bf16 copies, so its
+    statistics updates landed in copies and were lost (probe 41a: running_var stayed 1, the eval
+    error 0.22 against 0.05; 10 casts against 6)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(),
+                          nn.Linear(128, 10)).train()
+    x = torch.randn(32, 64)
+    first = convert_rules(model, x, dtype=BF16, mode="train")
+    again = mpgraph.convert(model, x, mode="train", plan=first.plan)
+    assert len(again.plan.casts) == len(first.plan.casts)
+    batch = torch.randn(32, 64) * 2 + 1
+    for m in (first, again):
+        m(batch)
+    for name in ("1.running_mean", "1.running_var"):
+        assert torch.equal(again.state_dict()[name], first.state_dict()[name]), name
+        assert not torch.equal(again.state_dict()[name], model.state_dict()[name]), name
+
+
 def test_loss_inside_the_model_stays_fp32():
     class WithLoss(nn.Module):
         def __init__(self):
