@@ -24,8 +24,8 @@ from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_p
 from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
 from mpgraph.numerics import float_leaves
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, fresh, seeded, state_kept, target_name
-from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, WeightCopies, planned_layout,
-                                refuse_hooks)
+from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, TrainingFlag,
+                                WeightCopies, planned_layout, refuse_hooks)
 from mpgraph.ir.meta import (CONSTANT_INPUTS, FUSED, OP_CLASS, PRECISION, REFERENCE, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
@@ -679,7 +679,7 @@ def follows_training_flag(gm: torch.nn.Module) -> bool:
     """Whether the converted module holds anything that behaves differently in training
     (dropout, batch norm: the modules FollowTrainingFlag put there, or the model's own)."""
     kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm,
-             TrainingBatchNorm, DropoutRate)
+             TrainingBatchNorm, DropoutRate, TrainingFlag)
     return any(isinstance(m, kinds) for m in gm.modules())
 
 

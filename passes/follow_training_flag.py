@@ -17,7 +17,7 @@ import torch.fx
 
 from mpgraph.ir.graph import free_attr_name
 from mpgraph.ir.meta import CAPTURED_TRAINING, INSERTED_BY, OBSERVED, TENSOR
-from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingArgument, TrainingBatchNorm
+from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm, TrainingFlag
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
@@ -42,7 +42,7 @@ def _functional_dropout(node):
     return _FUNCTIONAL_DROPOUT[node.target](p), (node.args[0],)
 
 
-# ops whose training flag is an argument (its position), taken by TrainingArgument: nn.Dropout1d
+# ops whose training flag is an argument (its position), read from a TrainingFlag: nn.Dropout1d
 # to 3d, AlphaDropout, FeatureAlphaDropout, RReLU, GRU/LSTM/RNN's dropout between layers,
 # InstanceNorm with running statistics (use_input_stats)
 _TRAIN_ARGUMENT = {aten.feature_dropout.default: 2, aten.alpha_dropout.default: 2,
@@ -76,6 +76,17 @@ class FollowTrainingFlag(Pass):
         else:
             node.update_arg(4, rate)
 
+    def _flag(self, gm, node, position: int) -> None:
+        """The op keeps its place; its training argument comes from a TrainingFlag module."""
+        module = TrainingFlag()
+        module.train(gm.training)
+        name = free_attr_name(gm, f"{node.name}_training")
+        gm.add_submodule(name, module)
+        with gm.graph.inserting_before(node):
+            flag = gm.graph.call_module(name, ())
+        flag.meta.update({INSERTED_BY: self.name, TENSOR: None})  # a bool, not a tensor
+        node.update_arg(position, flag)
+
     def call(self, gm):
         graph, changed = gm.graph, 0
         stale = False  # an op ran with a baked flag other than the module's: its value changes
@@ -106,7 +117,9 @@ class FollowTrainingFlag(Pass):
                         node.target is aten.instance_norm.default and node.args[3] is None):
                     continue  # (instance norm without running statistics: always batch's)
                 stale |= captured != gm.training
-                module, args = TrainingArgument(node.target, position), node.args
+                self._flag(gm, node, position)
+                changed += 1
+                continue
             elif node.target is aten.scaled_dot_product_attention.default \
                     and _dropout_p(node) not in (None, 0.0):
                 if not captured:

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mpgraph.ir.modules import CountBatches, DropoutRate, InputGuard, TrainingBatchNorm
+from mpgraph.ir.modules import CountBatches, DropoutRate, InputGuard, TrainingBatchNorm, TrainingFlag
 from mpgraph.ir.ops import MOVES
 
 from mpgraph.ir.meta import (CAST, FOLLOW, FP32_COMPUTE, FP32_ONLY, OP_CLASSES,  # noqa: F401
@@ -216,6 +216,7 @@ OPS: dict[str, OpEntry] = _table(
     # ops only a module type spells (mpgraph's own modules, torch.export's guard)
     _ops(FOLLOW, "counts batches (an integer buffer): no float arithmetic", "count_batches"),
     _ops(FOLLOW, "a dropout probability (a Python float): no tensor", "dropout_rate"),
+    _ops(FOLLOW, "the training flag (a Python bool): no tensor", "training_flag"),
     _ops(FOLLOW, _GUARD, "export_guards"),
 )
 
@@ -310,6 +311,7 @@ SPELLED_APART: dict[str, tuple] = {
     "__or__": (operator.or_,),
     "count_batches": (CountBatches,),
     "dropout_rate": (DropoutRate,),
+    "training_flag": (TrainingFlag,),
     "export_guards": _GUARDS,
 }
 

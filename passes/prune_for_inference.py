@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.meta import EVAL_ONLY
-from mpgraph.ir.modules import DropoutRate
+from mpgraph.ir.modules import DropoutRate, TrainingFlag
 from mpgraph.passes.infra import Pass, PassResult
 
 _ASSERTS = {getattr(torch.ops.aten, name, None) for name in ("_assert_tensor_metadata",)} - {None}
@@ -37,7 +37,7 @@ class PruneForInference(Pass):
     def call(self, gm):
         if gm.training:
             return PassResult(gm, False)  # captured in training mode: the flag still matters
-        graph, removed, dropouts = gm.graph, 0, 0
+        graph, removed, dropouts, flags = gm.graph, 0, 0, 0
         for node in list(graph.nodes):
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
             if module is not None and _dropout(module) and len(node.args) == 1:
@@ -47,6 +47,10 @@ class PruneForInference(Pass):
                 for user in list(node.users):  # attention's dropout_p in eval mode
                     user.replace_input_with(node, 0.0)
                 dropouts += 1
+            elif isinstance(module, TrainingFlag):
+                for user in list(node.users):  # an op's training argument in eval mode
+                    user.replace_input_with(node, False)
+                flags += 1
             elif not (node.op == "call_function"
                       and getattr(node.target, "overloadpacket", None) in _ASSERTS):
                 continue
@@ -57,8 +61,11 @@ class PruneForInference(Pass):
             if node.op == "call_function" and node.target in _SIZES and not node.users:
                 graph.erase_node(node)
                 removed += 1
-        if dropouts:  # what .train() on the converted module cannot bring back: it says so
-            gm.meta[EVAL_ONLY] = f"{dropouts} dropout op{'s' if dropouts > 1 else ''} removed"
+        if dropouts or flags:  # what .train() on the converted module cannot bring back: said
+            gm.meta[EVAL_ONLY] = ", ".join(
+                ([f"{dropouts} dropout op{'s' if dropouts > 1 else ''} removed"] if dropouts else [])
+                + ([f"{flags} op{'s' if flags > 1 else ''}' training flag fixed to eval"]
+                   if flags else []))
         if removed:
             gm.delete_all_unused_submodules()
         return PassResult(gm, removed > 0)

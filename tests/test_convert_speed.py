@@ -321,6 +321,15 @@ class _BakedDropout(nn.Module):
         return self.l2(nn.functional.dropout(self.l1(x), 0.5, True)) * (n / 64)
 
 
+class _FlagDropout(_BakedDropout):
+    """Dropout that follows the model's flag (F.dropout(h, 0.5, self.training)), down the
+    torch.export route, which bakes the flag in: FollowTrainingFlag makes it follow again."""
+
+    def forward(self, x):
+        n = int(x.shape[-1])
+        return self.l2(nn.functional.dropout(self.l1(x), 0.5, self.training)) * (n / 64)
+
+
 class _WritesThenViews(nn.Module):
     def __init__(self):
         super().__init__()
@@ -347,10 +356,11 @@ def test_what_capture_s_run_cannot_stand_for_is_run_again():
     inputs given as a list of tensors: each measured as it is, never a stale figure."""
     torch.manual_seed(0)
     x = torch.randn(8, 64)
-    model = _BakedDropout().eval()
-    gm = mpgraph.convert(model, x, dtype="bf16", target="cpu", strategy="rules")
-    want = model.l2(model.l1(x))
-    assert relative_l2(gm(x), want) < 0.01
+    model = _FlagDropout().eval()  # mode="train" captures it training; the module evaluates
+    gm = mpgraph.convert(model, x, dtype="bf16", target="cpu", strategy="rules", mode="train")
+    with torch.no_grad():
+        want = model.l2(model.l1(x))
+        assert relative_l2(gm(x), want) < 0.01
     r = {n.name: n.meta.get(RANGE) for n in
          run_passes(prepare_pipeline((x,), {}), mpgraph.capture(_WritesThenViews().eval(), x,
                                                                  observe=True)).graph.nodes}
@@ -389,7 +399,7 @@ def test_convert_regenerates_the_converted_code_once_and_plan_not_at_all(monkeyp
     recompile = ConvertedModule.recompile
     monkeypatch.setattr(ConvertedModule, "recompile", lambda self: calls.append(1) or recompile(self))
     torch.manual_seed(0)
-    model, x = _BakedDropout().eval(), torch.randn(8, 64)  # the export route: a ConvertedModule
+    model, x = _FlagDropout().eval(), torch.randn(8, 64)  # the export route: a ConvertedModule
     mpgraph.plan(model, x, dtype="fp16", target=GPU)
     planned = len(calls)
     calls.clear()

@@ -396,6 +396,23 @@ def test_hf_generation_arguments_give_hf_s_tokens(options):
         assert options["eos_token_id"] not in ours[0, PROMPT:].tolist()
 
 
+def test_a_generation_config_passed_second_as_hf_takes_it():
+    """HF's generate(inputs, generation_config): ours took the second argument for the
+    attention mask (probe 41b: AttributeError 'GenerationConfig' object has no attribute 'to',
+    or HF's default of 20 new tokens in place of the config's); a mask passed there is a
+    TypeError naming the keyword."""
+    from transformers import GenerationConfig
+    model, decoder = _fp32_decoder()
+    ids = prompt()
+    config = GenerationConfig(max_new_tokens=3, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, config)
+        got = decoder.generate(ids, config)
+    assert got.shape == (2, PROMPT + 3) and got.tolist() == want.tolist()
+    with pytest.raises(TypeError, match="pass the mask as attention_mask="):
+        decoder.generate(ids, torch.ones_like(ids))
+
+
 def test_return_dict_in_generate_gives_hf_s_output_object_with_scores_and_logits():
     """return_dict_in_generate=True, output_scores=True was accepted and ignored (a bare
     tensor came back; code reading out.sequences failed elsewhere)."""

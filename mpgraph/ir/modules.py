@@ -68,19 +68,13 @@ class DropoutRate(torch.nn.Module):
         return self.p if self.training else 0.0
 
 
-class TrainingArgument(torch.nn.Module):
-    """An ATen op whose argument at ``position`` is the training flag (feature and alpha
-    dropout, rrelu, a multi-layer RNN's dropout, instance norm's use of batch statistics),
-    called with this module's ``training`` there: torch.export baked the flag in as a constant."""
+class TrainingFlag(torch.nn.Module):
+    """The training flag an op takes as an argument (feature and alpha dropout, rrelu, a
+    multi-layer RNN's dropout, instance norm's use of batch statistics), at run time: the op
+    stays in the graph for plans and exports, and torch.export had baked the flag in."""
 
-    def __init__(self, op, position: int):
-        super().__init__()
-        self.op, self.position = op, position
-
-    def forward(self, *args):
-        args = list(args)
-        args[self.position] = self.training
-        return self.op(*args)
+    def forward(self) -> bool:
+        return self.training
 
 
 class InputGuard(torch.nn.Module):

@@ -363,11 +363,15 @@ class ConvertedDecoder:
                                           backend=backend)
         return self._graphed
 
-    def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
-        """As the HF model's ``generate``: ``mpgraph.generate(self, input_ids, ...)``."""
-        if input_ids is None:
-            input_ids = kwargs.pop("inputs", None)
-        return generate(self, input_ids, attention_mask=attention_mask,
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """As the HF model's ``generate(inputs, generation_config, **kwargs)``, positions
+        included (``generate(ids, config)`` took the config for the attention mask):
+        ``mpgraph.generate(self, input_ids, ...)``."""
+        if isinstance(generation_config, torch.Tensor):
+            raise TypeError("generate's second positional argument is the generation config, as "
+                            "in HuggingFace's generate: pass the mask as attention_mask=...")
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        return generate(self, input_ids, attention_mask=kwargs.pop("attention_mask", None),
                         generation_config=generation_config, **kwargs)
 
     def summary(self) -> str:
