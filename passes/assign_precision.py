@@ -298,10 +298,10 @@ class AssignPrecision(Pass):
                 saved = self.from_plan.pop(node.name)
                 try:  # (a low norm's float32 parameters: cast, the batch statistics it writes
                     # would land in a copy and be lost; promotion in training's kernels)
-                    natural = self._decide(node, gm, dec, stored, convertible)
-                finally:
+                    natural = self._decide(node, gm, dec, set(stored), convertible)
+                finally:  # (a copy of stored: a parameter-only node the plan decides stays out)
                     self.from_plan[node.name] = saved
-                if natural.dtype == forced:
+                if natural.dtype == forced and not natural.stored:
                     return dataclasses.replace(natural, reason=why, pinned=True)
             return Decision(forced, why, pinned=True)
 

@@ -62,30 +62,20 @@ class FollowTrainingFlag(Pass):
     rewrites = True
     writes = (INSERTED_BY, TENSOR, OBSERVED)  # the new nodes' facts (values observed at capture)
 
-    def _rate(self, gm, node) -> None:
-        """Attention keeps its op; its dropout_p comes from a DropoutRate module at run time."""
-        module = DropoutRate(float(_dropout_p(node)))
+    def _argument(self, gm, node, module, suffix: str, position: int, keyword: str = "") -> None:
+        """The op keeps its place; its argument at ``position`` (or ``keyword``) comes from
+        ``module`` at run time: attention's dropout_p from a DropoutRate, an op's training flag
+        from a TrainingFlag."""
         module.train(gm.training)
-        name = free_attr_name(gm, f"{node.name}_dropout_p")
+        name = free_attr_name(gm, f"{node.name}_{suffix}")
         gm.add_submodule(name, module)
         with gm.graph.inserting_before(node):
-            rate = gm.graph.call_module(name, ())
-        rate.meta.update({INSERTED_BY: self.name, TENSOR: None})  # a float, not a tensor
-        if "dropout_p" in node.kwargs:
-            node.update_kwarg("dropout_p", rate)
+            value = gm.graph.call_module(name, ())
+        value.meta.update({INSERTED_BY: self.name, TENSOR: None})  # a float or bool, no tensor
+        if keyword in node.kwargs:
+            node.update_kwarg(keyword, value)
         else:
-            node.update_arg(4, rate)
-
-    def _flag(self, gm, node, position: int) -> None:
-        """The op keeps its place; its training argument comes from a TrainingFlag module."""
-        module = TrainingFlag()
-        module.train(gm.training)
-        name = free_attr_name(gm, f"{node.name}_training")
-        gm.add_submodule(name, module)
-        with gm.graph.inserting_before(node):
-            flag = gm.graph.call_module(name, ())
-        flag.meta.update({INSERTED_BY: self.name, TENSOR: None})  # a bool, not a tensor
-        node.update_arg(position, flag)
+            node.update_arg(position, value)
 
     def call(self, gm):
         graph, changed = gm.graph, 0
@@ -114,17 +104,20 @@ class FollowTrainingFlag(Pass):
             elif node.target in _TRAIN_ARGUMENT:
                 position = _TRAIN_ARGUMENT[node.target]
                 if len(node.args) <= position or node.args[position] is not captured or (
-                        node.target is aten.instance_norm.default and node.args[3] is None):
-                    continue  # (instance norm without running statistics: always batch's)
+                        node.target is aten.instance_norm.default and node.args[3] is None) or (
+                        position == 6 and not (node.args[5] and node.args[4] > 1)):
+                    continue  # (instance norm without running statistics: always batch's; an
+                    # RNN without dropout between layers: the flag changes nothing)
                 stale |= captured != gm.training
-                self._flag(gm, node, position)
+                self._argument(gm, node, TrainingFlag(), "training", position)
                 changed += 1
                 continue
             elif node.target is aten.scaled_dot_product_attention.default \
                     and _dropout_p(node) not in (None, 0.0):
                 if not captured:
                     continue  # (a rate given in eval: the model's own choice)
-                self._rate(gm, node)
+                self._argument(gm, node, DropoutRate(float(_dropout_p(node))), "dropout_p", 4,
+                               "dropout_p")
                 stale |= not gm.training
                 changed += 1
                 continue

@@ -24,7 +24,8 @@ _SIZES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default}
 
 
 def _dropout(module) -> bool:
-    return isinstance(module, torch.nn.modules.dropout._DropoutNd)
+    """Dropout in eval (a module the model set to train itself, MC dropout, stays)."""
+    return isinstance(module, torch.nn.modules.dropout._DropoutNd) and not module.training
 
 
 class PruneForInference(Pass):
@@ -64,7 +65,7 @@ class PruneForInference(Pass):
         if dropouts or flags:  # what .train() on the converted module cannot bring back: said
             gm.meta[EVAL_ONLY] = ", ".join(
                 ([f"{dropouts} dropout op{'s' if dropouts > 1 else ''} removed"] if dropouts else [])
-                + ([f"{flags} op{'s' if flags > 1 else ''}' training flag fixed to eval"]
+                + ([f"{flags} training flag{'s' if flags > 1 else ''} fixed to eval"]
                    if flags else []))
         if removed:
             gm.delete_all_unused_submodules()

@@ -17,6 +17,7 @@ from conftest import GPU, ConvBnReluPool, small_bert
 
 import mpgraph
 from mpgraph.cli import main as cli
+from mpgraph.numerics import relative_l2
 from mpgraph.tools.report import CAST_COLOUR, group_of
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
@@ -104,6 +105,34 @@ def test_an_edited_plan_is_applied(tmp_path):
     # its reason says the edit, not the bf16 decision's reason alone as if it were float32's
     assert edited.plan.node("blocks_1_0").reason.startswith(
         "saved plan: edited to float32 (decided bfloat16: matrix multiply")
+
+
+def test_an_edited_plan_pins_a_node_computed_from_parameters_only():
+    """A saved plan's dtype is taken with the decision the rules make for it; asking the rules
+    put a node computed from parameters alone (w * g) among the stored ones, the plan's float32
+    for it was then overwritten, and the edited plan was a PlanMismatchError (review 40)."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64, 64) * 0.1)
+            self.g = nn.Parameter(torch.ones(64, 1) * 1.5)
+            self.l = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.l(x @ (self.w * self.g).t())
+
+    torch.manual_seed(0)
+    model, x = Scaled().eval(), torch.randn(8, 64)
+    gm = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
+    data = gm.plan.to_dict()
+    for node in data["nodes"]:
+        if node["name"] in ("mul", "t"):
+            node["dtype"] = "float32"
+    edited = mpgraph.convert(model, x, plan=mpgraph.Plan.from_dict(data))
+    assert edited.plan.node("mul").dtype == edited.plan.node("t").dtype == "float32"
+    with torch.no_grad():
+        assert relative_l2(edited(x), model(x)) < 5e-3
 
 
 def test_what_a_saved_plan_decides_asked_for_otherwise_is_refused_not_ignored():

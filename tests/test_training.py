@@ -209,6 +209,32 @@ def test_a_flag_the_model_fixed_itself_is_kept_not_followed():
                                model.head[1].running_mean)  # (the head's still trains)
 
 
+def test_a_dropout_module_the_model_keeps_training_in_eval_keeps_dropping():
+    """MC dropout (model.eval(); model.d.train()): PruneForInference removed every dropout
+    module of an eval-mode inference conversion, whatever its own flag, and the conversion's
+    check then refused the result (review 40); an RNN without dropout between layers gets no
+    training flag to follow."""
+
+    class MC(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.d, self.l2 = nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.l2(self.d(self.l1(x)))
+
+    torch.manual_seed(0)
+    model = MC().eval()
+    model.d.train()
+    x = torch.randn(8, 64)
+    fast = convert_rules(model, x, dtype=BF16)
+    with torch.no_grad():
+        assert not torch.equal(fast(x), fast(x))  # (as the model: a new mask each call)
+    from mpgraph.ir.modules import TrainingFlag
+    gru = convert_rules(nn.GRU(16, 16, batch_first=True).eval(), torch.randn(2, 5, 16), dtype=BF16)
+    assert not any(isinstance(m, TrainingFlag) for m in gru.modules())
+
+
 def test_a_scalar_parameter_gain_trains():
     """h * self.scale with a 0-dim nn.Parameter (ReZero, a learned temperature): the plan read
     the bf16 activation as it was, counting on type promotion to float32, which a 0-dim tensor

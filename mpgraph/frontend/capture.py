@@ -613,7 +613,7 @@ def _beyond_example(constant: list, args: tuple, kwargs: dict):
             # (zero: values in [-1, 1); c: in [c/2, 3c/2), of c's sign: a variance stays > 0)
             varied = (noise * 2 - 1) if c == 0 else c * (0.5 + noise)
             swapped.append((t, t.data))
-            t.data = varied.to(t.dtype)
+            t.data = varied.to(device=t.device, dtype=t.dtype)
         if swapped:  # (trained weights: nothing constant to vary)
             yield args, kwargs
     finally:

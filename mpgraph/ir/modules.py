@@ -465,6 +465,8 @@ class WeightCopies:
             return
         if original.is_shared():  # (share_memory(): its address moved, so this is a miss)
             self.shared.add(copy)  # another process's writes move no version here: every call
+        else:
+            self.shared.discard(copy)
         check_fits([(f"{source} (read as its {dtype_name(low.dtype)} copy {copy})", original,
                      low.dtype)], f"{source} was written",
                    f"{copy} was not refreshed, and each call raises this until {source} holds "
