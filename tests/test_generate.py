@@ -650,6 +650,10 @@ def test_decode_calibration_stays_within_the_model_s_positions():
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert decoder.generate(ids, max_new_tokens=6).shape == want.shape
+    # past the table: a clear error, not an IndexError from inside the graph (probe 41b)
+    with pytest.raises(ValueError, match=r"exceed the model's learned position table "
+                                         r"\(transformer\.wpe: 30 positions"):
+        decoder.generate(ids, max_new_tokens=30 - PROMPT + 1)
 
 
 def test_load_weights_into_a_decoder_keeps_its_graphs_sharing_and_gives_the_new_model_s_logits(

@@ -173,6 +173,23 @@ def _check_rope(model: torch.nn.Module, text, max_cache_len: int) -> None:
                 "it), or generate with the HF model's own generate")
 
 
+def _position_table(decoder) -> Optional[tuple[str, int]]:
+    """(name, positions) of the decoder's learned position table, if it has one (GPT-2's
+    ``wpe``, OPT's ``embed_positions``, with its offset of 2): a sequence longer than it makes
+    positions that index out of range inside the graph."""
+    text = decoder.config.get_text_config(decoder=True)
+    limit = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    for name, t in decoder.prefill.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        last = owner.rpartition(".")[2]
+        if leaf == "weight" and t.dim() == 2 and ("pos" in last or last == "wpe") \
+                and limit <= t.shape[0] <= limit + 2:
+            return owner.removeprefix("model."), limit  # (the cache step holds the model)
+    return None
+
+
 def cache_names(module: torch.nn.Module) -> list[str]:
     """The cache tensors' attribute names of a converted step (key_cache_0, value_cache_0, ...)."""
     names = [n for n, _ in module.named_buffers() if n.startswith((KEY, VALUE))]
@@ -717,6 +734,11 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if length + new > slots:
         raise ValueError(f"{length} prompt tokens + {new} new tokens exceed the "
                          f"cache's {slots} slots (convert_decoder(..., max_cache_len=...))")
+    table = _position_table(decoder) if length + new > 1 else None
+    if table is not None and length + new > table[1]:
+        raise ValueError(f"{length} prompt tokens + {new} new tokens exceed the model's learned "
+                         f"position table ({table[0]}: {table[1]} positions; positions past it "
+                         "do not exist, as in HF's generate): generate fewer tokens")
     if forced_tokens is not None and tuple(forced_tokens.shape) != (rows, new):
         raise ValueError(f"forced_tokens must be (batch, new tokens) = {(rows, new)}, got "
                          f"{tuple(forced_tokens.shape)}")
