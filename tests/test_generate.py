@@ -316,6 +316,9 @@ def test_misuse_is_refused_with_the_reason():
     mask[0, -2:] = 0
     with pytest.raises(ValueError, match="on the left"):
         mpgraph.generate(decoder, prompt(), 4, attention_mask=mask)
+    mask[0] = 0  # (probe 41b: said "padding on the right")
+    with pytest.raises(ValueError, match="masks every token of row 0: that row has no prompt"):
+        mpgraph.generate(decoder, prompt(), 4, attention_mask=mask)
     with pytest.raises(ValueError, match="calibration takes prompts"):
         mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS,
                                 calibration=[torch.randn(2, PROMPT)])

@@ -750,6 +750,11 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if given.shape != ids.shape:
         raise ValueError(f"attention_mask {tuple(given.shape)} does not match input_ids "
                          f"{tuple(ids.shape)}")
+    empty = (given == 0).all(dim=1)
+    if bool(empty.any()):  # (not right padding: nothing at all to generate from)
+        raise ValueError(f"attention_mask masks every token of row "
+                         f"{int(empty.nonzero()[0])}: that row has no prompt to generate from "
+                         "(drop it from the batch, or give it at least one token)")
     if bool((given[:, -1] == 0).any()):
         raise ValueError(("attention_mask has" if attention_mask is not None else
                           "input_ids end in the pad id, so the inferred attention_mask has")
