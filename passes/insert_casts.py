@@ -8,57 +8,16 @@ they run eagerly, under torch.compile and through torch.export.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-from torch.utils import _pytree as pytree
 
 from mpgraph.ir.edges import cast_info, cast_leaves, required_dtype
 from mpgraph.ir.graph import input_nodes, mutated_nodes
-from mpgraph.ir.ops import MOVES
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, SHORT_DTYPE_NAMES, TENSOR, Decision,
                           OpInfo)
+from mpgraph.passes.numeric_safety import carries_sentinel
 from mpgraph.passes.op_table import CAST
 from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
-
-
-# ops through which a value keeps elements of its inputs unchanged: a fill value a mask put in
-# reaches the cast through them (T5: where(mask, position_bias, finfo.min), then + scores)
-_CARRY = frozenset(MOVES) | {"add", "sub", "rsub", "neg", "where", "masked_fill", "to",
-                             "_to_copy", "type_as", "cat", "stack", "full", "full_like",
-                             "fill", "mul", "iadd", "isub"}
-_CARRY_DEPTH = 24  # nodes walked back from a cast
-
-
-def _op(node: torch.fx.Node) -> str:
-    target = node.target
-    name = target if isinstance(target, str) else getattr(
-        getattr(target, "overloadpacket", target), "__name__", "")
-    return name.strip("_") if name.startswith("__") else name
-
-
-def carries_sentinel(value: torch.fx.Node, dtype: torch.dtype) -> bool:
-    """Whether ``value`` may hold a finite constant beyond ``dtype``'s range put in by an op on
-    its way (a mask's ``finfo(float32).min``, a -1e9 fill for fp16) through ops that carry
-    elements unchanged: calibration sees such a fill only where the example's mask has a
-    masked position, and a plain cast makes it -inf (a fully masked row then computed 0 in
-    place of float32's uniform attention: T5, relative L2 0.46)."""
-    top = torch.finfo(dtype).max
-    seen, todo = set(), [value]
-    while todo and len(seen) < _CARRY_DEPTH:
-        node = todo.pop()
-        if node in seen or node.op not in ("call_function", "call_method"):
-            continue
-        seen.add(node)
-        if _op(node) not in _CARRY:
-            continue
-        constants = [a for a in pytree.tree_leaves((node.args, node.kwargs))
-                     if isinstance(a, float) and math.isfinite(a)]
-        if any(abs(c) > top for c in constants):
-            return True
-        todo.extend(input_nodes(node))
-    return False
 
 
 class InsertCasts(Pass):

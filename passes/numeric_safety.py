@@ -66,15 +66,15 @@ from typing import Optional
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 from mpgraph.ir.graph import CALLS, fetch_attr, input_nodes, mutated_nodes, owner_of
 from mpgraph.ir.meta import FUSED, OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
-from mpgraph.passes.insert_casts import carries_sentinel
 from mpgraph.ir.fake import is_abstract
-from mpgraph.ir.ops import move_names
+from mpgraph.ir.ops import MOVES, move_names
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,37 @@ def op_name(node: torch.fx.Node) -> str:
     """The op's name without its namespace, for every spelling of a call: "log" for torch.log,
     Tensor.log and aten.log.default; "truediv" for ``x / y``; "div" for torch.div and aten.div."""
     return node.meta[OP_CLASS].key.rpartition(".")[2]
+
+
+# ops through which a value keeps elements of its inputs unchanged: a fill value a mask put in
+# reaches the cast through them (T5: where(mask, position_bias, finfo.min), then + scores)
+_CARRY = frozenset(MOVES) | {"add", "sub", "rsub", "neg", "where", "masked_fill", "to",
+                             "_to_copy", "type_as", "cat", "stack", "full", "full_like",
+                             "fill", "mul"}
+_CARRY_DEPTH = 24  # nodes walked back from a cast
+
+
+def carries_sentinel(value: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """Whether ``value`` may hold a finite constant beyond ``dtype``'s range put in by an op on
+    its way (a mask's ``finfo(float32).min``, a -1e9 fill for fp16) through ops that carry
+    elements unchanged: calibration sees such a fill only where the example's mask has a
+    masked position, and a plain cast makes it -inf (a fully masked row then computed 0 in
+    place of float32's uniform attention: T5, relative L2 0.46)."""
+    top = torch.finfo(dtype).max
+    seen, todo = set(), [value]
+    while todo and len(seen) < _CARRY_DEPTH:
+        node = todo.pop()
+        if node in seen or node.op not in ("call_function", "call_method"):
+            continue
+        seen.add(node)
+        if OP_CLASS not in node.meta or op_name(node) not in _CARRY:
+            continue
+        constants = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+                     if isinstance(a, float) and math.isfinite(a)]
+        if any(abs(c) > top for c in constants):
+            return True
+        todo.extend(input_nodes(node))
+    return False
 
 
 def _arg(node: torch.fx.Node, position: int, keyword: str):

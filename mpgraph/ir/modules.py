@@ -333,12 +333,9 @@ def overflow_absmax(value, dtype: torch.dtype) -> Optional[float]:
     """The absmax of ``value``'s finite values where it exceeds ``dtype``'s max (cast to
     ``dtype``, they would be inf: NumericSafety's "weight" overflow), else None. One aminmax
     pass; none where no cast narrows the range (same dtype, float32 into float32 or float64)."""
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
-            or not dtype.is_floating_point or value.dtype == dtype or value.numel() == 0:
+    if not _narrower(value, dtype) or value.numel() == 0:
         return None
     top = torch.finfo(dtype).max
-    if torch.finfo(value.dtype).max <= top:
-        return None
     from mpgraph.ir.fake import is_abstract
     v = value.detach()
     if _is_dtensor(v):
@@ -444,6 +441,9 @@ class WeightCopies:
                 torch.ops.mpgraph.refresh_weight_copy(
                     _tensor_at(root, source).detach(), _tensor_at(root, copy), self.key, index)
             return
+        self._refresh_all(root)
+
+    def _refresh_all(self, root: torch.nn.Module) -> None:
         for index, (source, copy) in enumerate(self.pairs):
             self.refresh_one(index, _tensor_at(root, source), _tensor_at(root, copy))
 
@@ -453,8 +453,7 @@ class WeightCopies:
         "graph break): compile without fullgraph=True, or use a torch with "
         "torch.Tag.cudagraph_unsafe, where the check runs inside the graph")
     def _refresh_eagerly(self, root: torch.nn.Module) -> None:
-        for index, (source, copy) in enumerate(self.pairs):
-            self.refresh_one(index, _tensor_at(root, source), _tensor_at(root, copy))
+        self._refresh_all(root)
 
     def refresh_one(self, index: int, original: torch.Tensor, low: torch.Tensor) -> None:
         """The copy of pair ``index`` (``low``) written from ``original`` where that changed
@@ -1131,9 +1130,9 @@ class ConvertedModule(torch.fx.GraphModule):
                           "self.training fixed at trace time): it keeps computing as in eval "
                           "mode. To train, convert with mpgraph.convert(model, ..., "
                           "mode='train')", UserWarning, stacklevel=2)
-        elif mode and not self.training and self._low_running_stats():
+        elif mode and not self.training and (low := self._low_running_stats()):
             warnings.warn(f"{name}.train(): this inference conversion stores batch norm's "
-                          f"running statistics ({', '.join(self._low_running_stats()[:3])}) in "
+                          f"running statistics ({', '.join(low[:3])}) in "
                           "low precision, and in training mode batch norm updates them there "
                           "(they drift from float32's). To train, convert with "
                           "mpgraph.convert(model, ..., mode='train')", UserWarning, stacklevel=2)
