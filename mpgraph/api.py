@@ -268,9 +268,10 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
         rate = ""
         if spec.kind == Kind.CPU:
             key = {"float16": "fp16", "bfloat16": "bf16"}[low]
-            rate = (f": measured at their sizes, though this CPU's peak {low} matmul rate is "
-                    f"{spec.peak[key] / spec.peak['fp32']:.2f}x float32's (large matrices; "
-                    f"{spec.source})")
+            ratio = spec.peak[key] / spec.peak["fp32"]
+            # 'though' only where the peak promises a gain that these sizes do not get
+            rate = (f": measured at their sizes{', though' if ratio > 1 else ';'} this CPU's peak "
+                    f"{low} matmul rate is {ratio:.2f}x float32's (large matrices; {spec.source})")
         why.append(f"{len(slower)} are not faster in {low} there{rate}")
     if casts:
         why.append(f"{len(casts)} are too small to pay for their casts")
