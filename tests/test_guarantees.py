@@ -213,6 +213,33 @@ def test_degenerate_calibration_warns_and_the_guard_names_the_node_that_overflow
         assert not torch.isfinite(fast(real)).any()
 
 
+def test_the_guard_names_an_inserted_cast_that_overflows_in_a_copy_too():
+    """Where the first inf is mpgraph's own cast of an input larger than fp16's range, float32
+    has no inf at all: the guard's reference must not run that cast (it once did, saw the same
+    inf there, and returned the outputs as 'float32's own answer')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).eval()
+    batches = [torch.randn(16, 64) for _ in range(4)]
+    fast = mpgraph.guard(mpgraph.convert(model, batches[0], calibration=batches, dtype="fp16",
+                                         target=GPU, strategy="rules"))
+    x = torch.randn(16, 64) * 1e5  # beyond 65504: the input's own cast goes inf
+    with torch.no_grad():
+        assert torch.isfinite(model(x)).all()
+        twin = copy.deepcopy(fast)  # the copy is guarded too, on its own
+        for module in (fast, twin):
+            with pytest.raises(mpgraph.NonFiniteError, match=r"first node that went non-finite "
+                               r"is input_1_to_f16 \(to\), \d+ of 1024 values, mpgraph's cast of "
+                               r"input_1 to float16 for _0; calibration saw absmax 3\.\d+ at "
+                               r"input_1 on 4 batches\..* keep it in float32 "
+                               r"\(overrides=\{'_0': 'fp32'\}\)") as caught:
+                module(x)
+            assert caught.value.node == "input_1_to_f16"
+        mpgraph.guard(twin, enabled=False)
+        assert not torch.isfinite(twin(x)).all()
+        with pytest.raises(mpgraph.NonFiniteError):
+            fast(x)
+
+
 def test_one_batch_warns_for_fp16_and_real_batches_do_not_warn():
     torch.manual_seed(0)
     model = Attention().eval()

@@ -1085,6 +1085,7 @@ class ConvertedModule(torch.fx.GraphModule):
         if "fused_weights" in new.__dict__:
             new.fused_weights.adopt(new, self)
         _keep_non_persistent(new, self)
+        _keep_call_hooks(new, self)
         return new
 
     @property
@@ -1338,3 +1339,29 @@ def _lookup(root: torch.nn.Module, target: str):
 
 
 _register_refresh_op()
+
+
+# the hooks a module's call runs: GraphModule's deepcopy makes a fresh module without them
+_CALL_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks")
+
+
+def _keep_call_hooks(new: torch.nn.Module, old: torch.nn.Module) -> None:
+    """The copy runs the hooks the original runs, as nn.Module's deepcopy keeps them: a copy of
+    a guarded module (``mpgraph.guard``) that silently returned inf where the original raises
+    would be the guard's promise broken. The guard is registered on the copy afresh, so that
+    turning it off there leaves the original's on."""
+    from mpgraph.tools.guard import _HANDLE, guard
+
+    for attr in _CALL_HOOKS:
+        if attr in old.__dict__:
+            setattr(new, attr, type(old.__dict__[attr])(old.__dict__[attr]))
+    if getattr(old, "_is_full_backward_hook", None) is not None:
+        new._is_full_backward_hook = old._is_full_backward_hook
+    handle = old.__dict__.get(_HANDLE)
+    new.__dict__.pop(_HANDLE, None)
+    if handle is not None:
+        for attr in ("_forward_hooks", "_forward_hooks_with_kwargs"):
+            getattr(new, attr).pop(handle.id, None)
+        guard(new)

@@ -18,7 +18,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.ir.graph import RecordingInterpreter, flat_inputs, fresh, seeded, state_kept
-from mpgraph.ir.meta import PRECISION, TENSOR, planned_dtype
+from mpgraph.ir.meta import PRECISION, TENSOR, is_inserted_cast, planned_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
 _CHECKS = {getattr(torch.ops.aten, name, None) for name in
@@ -71,6 +71,11 @@ class SimulatingInterpreter(RecordingInterpreter):
                     value = value.float() if value.dtype in _LOW else value.clone()
                 self.copies[n.target] = value  # (a submodule of torch.cond: as it is)
             result = self.copies[n.target]
+        elif not self.rounding and is_inserted_cast(n):
+            # float32's own value: the cast itself would overflow a value beyond fp16's range
+            # to inf here, as the converted run does, and hide it from the guard
+            result = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                                     _up(self.env[n.args[0]]))
         else:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             low = planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION))

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import MpgraphError
 from mpgraph.ir.graph import run_recording, target_name
+from mpgraph.ir.meta import PRECISION, is_inserted_cast
 from mpgraph.ir.simulate import run_simulated
 from mpgraph.numerics import float_leaves
 
@@ -88,15 +89,29 @@ def first_nonfinite(module: torch.fx.GraphModule, args: tuple, kwargs: dict):
 
 def _message(module, node: torch.fx.Node, got: int, numel: int) -> str:
     plan = module.plan
-    record = next((r for r in plan.nodes if r.name == node.name), None)
-    how = f"computed in {record.dtype}: {record.reason}" if record else "a cast mpgraph inserted"
-    seen = (f"calibration saw absmax {record.absmax:.3g} there on "
+    records = {r.name: r for r in plan.nodes}
+    record = records.get(node.name)
+    if record is None and is_inserted_cast(node) and isinstance(node.args[0], torch.fx.Node):
+        # the value was too large for the cast: what calibration saw is the cast value's, and
+        # the way out is to keep its readers in float32 (a cast is not a node of the plan)
+        source = node.args[0]
+        readers = [u.name for u in node.users if u.name in records]
+        dtype = str(node.meta[PRECISION].dtype).replace("torch.", "") \
+            if PRECISION in node.meta else "the low dtype"
+        how = f"mpgraph's cast of {source.name} to {dtype} for {', '.join(readers) or 'its readers'}"
+        record, keep = records.get(source.name), readers or [node.name]
+    else:
+        how = f"computed in {record.dtype}: {record.reason}" if record else "a cast mpgraph inserted"
+        keep = [node.name]
+    seen = (f"calibration saw absmax {record.absmax:.3g} "
+            f"{'there' if record.name == node.name else 'at ' + record.name} on "
             f"{plan.calibration_batches} batch{'es' if plan.calibration_batches != 1 else ''}"
             if record is not None and record.absmax is not None and math.isfinite(record.absmax)
             else "calibration measured no range there")
     where = f", module {record.module}" if record is not None and record.module else ""
+    overrides = ", ".join(f"'{name}': 'fp32'" for name in keep)
     return (f"output is inf/NaN where float32 is finite: the first node that went non-finite is "
             f"{node.name} ({target_name(node)}{where}), {got} of {numel} values, {how}; {seen}. "
             "These inputs are larger than the calibration data: convert with calibration=[real "
-            "batches, the largest you expect], keep the node in float32 "
-            f"(overrides={{'{node.name}': 'fp32'}}), or use bfloat16 (float32's range)")
+            f"batches, the largest you expect], keep {'it' if len(keep) == 1 else 'them'} in "
+            f"float32 (overrides={{{overrides}}}), or use bfloat16 (float32's range)")
