@@ -25,7 +25,7 @@ from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
 from mpgraph.numerics import float_leaves
 from mpgraph.ir.graph import EXPORT_GUARD, as_call, fresh, seeded, state_kept, target_name
 from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, TrainingFlag,
-                                WeightCopies, planned_layout, refuse_hooks)
+                                WeightCopies, planned_layout, refuse_hooks, weight_copy_paths)
 from mpgraph.ir.meta import (CONSTANT_INPUTS, FUSED, OP_CLASS, PRECISION, REFERENCE, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
@@ -688,9 +688,10 @@ def _restore_buffers(gm: torch.nn.Module, model: torch.nn.Module) -> None:
     """Undo what conversion's own runs wrote into buffers (a model in training mode updates its
     batch-norm statistics on every run): the converted module starts from the model's state."""
     original = dict(model.named_buffers())
+    derived = weight_copy_paths(model)  # (a converted model's low copies: as its call has them)
     with torch.no_grad():
         for name, buf in gm.named_buffers():
-            src = original.get(name)
+            src = original.get(name) if name not in derived else None
             if src is None or src.shape != buf.shape or is_abstract(src) or is_abstract(buf):
                 continue
             if not torch.equal(src.to(buf.dtype), buf):

@@ -385,3 +385,34 @@ def test_putting_the_user_s_own_layer_back_leaves_that_layer_as_it_was():
     with torch.no_grad():
         assert relative_l2(fast(x), model(x)) < 5e-3
         model(x)  # (the user's model still runs, in float32)
+
+
+# -- weights written, then traced before any call (probe 42a) ------------------------------
+
+def test_an_export_or_a_conversion_right_after_new_weights_computes_with_them(tmp_path):
+    """The low copy of a weight read in two precisions is refreshed on the next call: an ONNX
+    export straight after ``load_state_dict`` traced the stale copy (its validation failed at
+    1.41 on GPT-2's tied head), and the run that validation made put the stale copy back while
+    recording it as refreshed, so every later call used the old weights; ``convert(fast)``
+    restored the stale copy from the module as its 'original' buffer. Both now see the new
+    weights."""
+    pytest.importorskip("onnxruntime")
+    model, fast = _shared()
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        new.fc.weight.neg_()
+    x = _x(4, 16, seed=1)
+    fast.load_state_dict(new.state_dict())
+    path = tmp_path / "new.onnx"
+    mpgraph.export_onnx(fast, x, path)  # (validates the file against the module: raised)
+    with torch.no_grad():
+        want = new(x)
+        onnx_out = mpgraph.ort_session(path, device="cpu").run(None, {"x": x.numpy()})[0]
+        assert relative_l2(torch.from_numpy(onnx_out).float(), want) < 2e-3
+        assert relative_l2(fast(x), want) < 2e-3  # (was the old fc weight's answer, 0.9)
+        again_new = copy.deepcopy(model)
+        again_new.fc.weight.mul_(0.5)
+        fast.load_state_dict(again_new.state_dict())
+        again = mpgraph.convert(fast, x, target=GPU, strategy="rules")
+        assert relative_l2(again(x), again_new(x)) < 2e-3
+        assert relative_l2(fast(x), again_new(x)) < 2e-3

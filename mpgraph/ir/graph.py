@@ -281,6 +281,11 @@ def state_kept(module: torch.nn.Module):
     writes (``written_parameters``), are put back afterwards: every run conversion makes starts
     from the model's state, as the reference run did, and leaves it so."""
     stacks = {id(fetch_attr(module, t)) for t, _ in getattr(module, "meta", {}).get(FUSED, ())}
+    # (a converted module's low copies of its weights: what a call refreshed them to stays, as
+    # their record of it does; put back, they would be stale and never refreshed again)
+    from mpgraph.ir.modules import weight_copy_paths
+
+    stacks |= {id(fetch_attr(module, path)) for path in weight_copy_paths(module)}
     saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)
              if id(b) not in stacks]  # (FuseSiblingGemv's stacked weights: never written)
     try:  # (kernels that update running statistics do not bump _version)

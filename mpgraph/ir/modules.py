@@ -620,6 +620,25 @@ class FusedWeights:
                                         for p in (target, *(s[0] for s in spans))])
 
 
+def weight_copy_paths(module: torch.nn.Module) -> set:
+    """The paths in ``module`` of every low weight copy its converted modules keep
+    (``WeightCopies``): derived state, in step with its original on the next call, which a
+    restore of the module's buffers must not put back as it was."""
+    return {f"{prefix}{'.' if prefix else ''}{copy}" for prefix, m in module.named_modules()
+            if "weight_copies" in m.__dict__ for _, copy in m.weight_copies.pairs}
+
+
+def refresh_weights(module: torch.nn.Module) -> None:
+    """Every converted module in ``module`` (itself included) with its low weight copies and
+    stacked weights in step with their originals, now, eagerly: before a trace reads them (an
+    export, a capture), which would otherwise see the copies as the last call left them."""
+    for m in module.modules():
+        copies = m.__dict__.get("weight_copies")
+        if copies is not None:
+            copies._refresh_all(m)
+        refresh_fused(m)
+
+
 def refresh_fused(module: torch.nn.Module) -> None:
     """``module``'s stacked GEMV weights (FuseSiblingGemv) in step with their members, if it
     has any: before a call, after a load, a device move, and before an export."""
@@ -1086,6 +1105,7 @@ class ConvertedModule(torch.fx.GraphModule):
             new.fused_weights.adopt(new, self)
         _keep_non_persistent(new, self)
         _keep_call_hooks(new, self)
+        refresh_weights(new)  # (a copy is traced before it is called: convert(fast), exports)
         return new
 
     @property

@@ -29,7 +29,7 @@ from mpgraph.ir.graph import as_call, fresh, state_kept, target_name
 from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
 from mpgraph.ir.meta import STATIC_SHAPES, dtype_name
-from mpgraph.ir.modules import pytree_copies_quiet, refresh_fused
+from mpgraph.ir.modules import pytree_copies_quiet, refresh_weights
 from mpgraph.plans.plan import Plan
 from mpgraph.tools.onnx_check import OrtRunError
 
@@ -431,7 +431,7 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                               "with dynamic=True (the default)")
         log.info("exporting the example's shapes: the module was converted with dynamic=False")
         dynamic_shapes = None
-    refresh_fused(converted)  # stacked GEMV weights in step with members replaced since
+    refresh_weights(converted)  # low copies and stacked weights in step with what was written since
     if converted.plan.range_nodes:
         raise ExportError(f"this plan mixes {dtype_name(converted.plan.dtype)} with "
                           f"{converted.plan.range_nodes[0].dtype} ({len(converted.plan.range_nodes)} "
