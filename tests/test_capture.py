@@ -3,9 +3,11 @@ import inspect
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import mpgraph
 from mpgraph.ir.meta import CAPTURE, TENSOR, TensorInfo
+from mpgraph.numerics import relative_l2
 
 from conftest import GPU, MLP
 
@@ -104,6 +106,36 @@ def test_capture_error_for_inputs_the_model_itself_cannot_take_says_so():
     with pytest.raises(mpgraph.CaptureError) as info:
         mpgraph.convert(Branchy(), (torch.randn(3),))
     assert "the model itself" not in str(info.value)
+
+
+class SlicedLabels(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(100, 32), nn.Linear(32, 100)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))
+        return F.cross_entropy(logits.view(-1, 100), labels.view(-1), ignore_index=-100)
+
+
+def test_a_non_contiguous_example_the_model_cannot_view_is_the_models_error():
+    """Conversion ran the model on clones of the example, and a clone of a column slice is
+    contiguous: a ``labels.view(-1)`` that raises on the caller's tensor ran everywhere but in
+    the final check, a PassError from CheckConversion with torch's tlparse text. Copies keep
+    the example's strides now; the same model takes a contiguous label tensor."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (3, 16))
+    labels = torch.randint(0, 100, (3, 24))[:, :16]
+    with pytest.raises(mpgraph.CaptureError) as info:
+        mpgraph.convert(SlicedLabels().eval(), (ids, labels), target=GPU)
+    text = str(info.value)
+    assert "the model itself: RuntimeError: view size is not compatible with input tensor's " \
+           "size and stride" in text
+    assert info.value.fixes == [mpgraph.errors.EAGER_FIX]
+    model = SlicedLabels().eval()
+    fast = mpgraph.convert(model, (ids, labels.contiguous()), target=GPU, strategy="rules")
+    with torch.no_grad():
+        assert relative_l2(fast(ids, labels.contiguous()), model(ids, labels.contiguous())) < 2e-3
 
 
 class Branchy(nn.Module):

@@ -245,7 +245,19 @@ RUN_SEED = 0  # every run conversion makes draws its random numbers from this se
 def fresh(value):
     """Tensors in a nest cloned: a model that writes into its inputs (``x.mul_(2)``) writes into
     the copy, so the caller's example tensors and the next run's inputs stay as they were."""
-    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
+    return pytree.tree_map(lambda v: _copy_as_is(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def _copy_as_is(t: torch.Tensor) -> torch.Tensor:
+    """A copy with the tensor's own strides, not only its values: ``clone`` makes a column
+    slice (``labels[:, :16]``) contiguous, and a model whose ``labels.view(-1)`` raises on the
+    caller's tensor then ran on every copy conversion made, and failed only in the check."""
+    if t.layout != torch.strided or t.is_contiguous() or t.requires_grad or t.is_meta \
+            or type(t) not in (torch.Tensor, torch.nn.Parameter) \
+            or torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.Python):
+        return t.clone()  # (dense tensors keep their strides through clone as it is)
+    copy = torch.empty(0, dtype=t.dtype, device=t.device)
+    return copy.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
 @contextlib.contextmanager
