@@ -23,9 +23,10 @@ from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, st
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
 from mpgraph.numerics import float_leaves
-from mpgraph.ir.graph import EXPORT_GUARD, as_call, fresh, seeded, state_kept, target_name
+from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, seeded, state_kept, target_name,
+                              weight_copy_paths)
 from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, TrainingFlag,
-                                WeightCopies, planned_layout, refuse_hooks, weight_copy_paths)
+                                WeightCopies, planned_layout, refuse_hooks)
 from mpgraph.ir.meta import (CONSTANT_INPUTS, FUSED, OP_CLASS, PRECISION, REFERENCE, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan

@@ -287,6 +287,14 @@ def written_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
             and m.max_norm is not None and isinstance(m.weight, torch.Tensor)]
 
 
+def weight_copy_paths(module: torch.nn.Module) -> set:
+    """The paths in ``module`` of every low weight copy its converted modules keep
+    (``WeightCopies``): derived state, in step with its original on the next call, which a
+    restore of the module's buffers must not put back as it was."""
+    return {f"{prefix}{'.' if prefix else ''}{copy}" for prefix, m in module.named_modules()
+            if "weight_copies" in m.__dict__ for _, copy in m.weight_copies.pairs}
+
+
 @contextlib.contextmanager
 def state_kept(module: torch.nn.Module):
     """Buffers the run writes into (running statistics, counters), and parameters a forward
@@ -295,8 +303,6 @@ def state_kept(module: torch.nn.Module):
     stacks = {id(fetch_attr(module, t)) for t, _ in getattr(module, "meta", {}).get(FUSED, ())}
     # (a converted module's low copies of its weights: what a call refreshed them to stays, as
     # their record of it does; put back, they would be stale and never refreshed again)
-    from mpgraph.ir.modules import weight_copy_paths
-
     stacks |= {id(fetch_attr(module, path)) for path in weight_copy_paths(module)}
     saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)
              if id(b) not in stacks]  # (FuseSiblingGemv's stacked weights: never written)

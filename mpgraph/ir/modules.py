@@ -620,14 +620,6 @@ class FusedWeights:
                                         for p in (target, *(s[0] for s in spans))])
 
 
-def weight_copy_paths(module: torch.nn.Module) -> set:
-    """The paths in ``module`` of every low weight copy its converted modules keep
-    (``WeightCopies``): derived state, in step with its original on the next call, which a
-    restore of the module's buffers must not put back as it was."""
-    return {f"{prefix}{'.' if prefix else ''}{copy}" for prefix, m in module.named_modules()
-            if "weight_copies" in m.__dict__ for _, copy in m.weight_copies.pairs}
-
-
 def refresh_weights(module: torch.nn.Module) -> None:
     """Every converted module in ``module`` (itself included) with its low weight copies and
     stacked weights in step with their originals, now, eagerly: before a trace reads them (an
@@ -1370,18 +1362,10 @@ _CALL_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
 def _keep_call_hooks(new: torch.nn.Module, old: torch.nn.Module) -> None:
     """The copy runs the hooks the original runs, as nn.Module's deepcopy keeps them: a copy of
     a guarded module (``mpgraph.guard``) that silently returned inf where the original raises
-    would be the guard's promise broken. The guard is registered on the copy afresh, so that
-    turning it off there leaves the original's on."""
-    from mpgraph.tools.guard import _HANDLE, guard
-
+    would be the guard's promise broken. Each dict is the copy's own: a hook removed from one
+    stays in the other."""
     for attr in _CALL_HOOKS:
         if attr in old.__dict__:
             setattr(new, attr, type(old.__dict__[attr])(old.__dict__[attr]))
-    if getattr(old, "_is_full_backward_hook", None) is not None:
+    if old.__dict__.get("_is_full_backward_hook") is not None:
         new._is_full_backward_hook = old._is_full_backward_hook
-    handle = old.__dict__.get(_HANDLE)
-    new.__dict__.pop(_HANDLE, None)
-    if handle is not None:
-        for attr in ("_forward_hooks", "_forward_hooks_with_kwargs"):
-            getattr(new, attr).pop(handle.id, None)
-        guard(new)

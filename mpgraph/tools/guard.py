@@ -25,9 +25,6 @@ from mpgraph.ir.meta import PRECISION, is_inserted_cast
 from mpgraph.ir.simulate import run_simulated
 from mpgraph.numerics import float_leaves
 
-_HANDLE = "_mpgraph_guard"
-
-
 class NonFiniteError(MpgraphError, FloatingPointError):
     """A guarded module's output went inf/NaN where float32's would not (``mpgraph.guard``)."""
 
@@ -40,11 +37,14 @@ def guard(module: torch.fx.GraphModule, enabled: bool = True) -> torch.fx.GraphM
     """Turn the run-time guard on (or off, ``enabled=False``) for a converted module; returns it."""
     if not isinstance(module, torch.fx.GraphModule) or getattr(module, "plan", None) is None:
         raise TypeError(f"guard expects a module mpgraph.convert returned, got {type(module).__name__}")
-    handle = module.__dict__.pop(_HANDLE, None)
-    if handle is not None:
-        handle.remove()
+    # found by its function, not by a handle: a deep copy runs the hooks of its original (the
+    # guard included), in dicts of its own, where turning it off leaves the original's on
+    for key in [k for k, hook in module._forward_hooks.items() if hook is _check]:
+        for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
+                      module._forward_hooks_always_called):
+            hooks.pop(key, None)
     if enabled:
-        module.__dict__[_HANDLE] = module.register_forward_hook(_check, with_kwargs=True)
+        module.register_forward_hook(_check, with_kwargs=True)
     return module
 
 
