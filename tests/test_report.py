@@ -105,6 +105,28 @@ def test_an_edited_plan_is_applied(tmp_path):
     # its reason says the edit, not the bf16 decision's reason alone as if it were float32's
     assert edited.plan.node("blocks_1_0").reason.startswith(
         "saved plan: edited to float32 (decided bfloat16: matrix multiply")
+    # the loaded file's figures are the plan's before the edit, and its summary says so, once
+    # saved again too (probe 42a: it printed the old casts and check as the edited plan's)
+    loaded = mpgraph.Plan.from_dict(data)
+    assert loaded.edited == {"blocks_1_0": "bfloat16"} and not edited.plan.edited
+    first = ("edited by hand: blocks_1_0 bfloat16 -> float32; the casts, weights, estimate and "
+             "check below are the plan's before the edit")
+    assert loaded.summary().startswith(first) and "edited by hand" not in edited.plan.summary()
+    assert mpgraph.Plan.from_dict(loaded.to_dict()).summary().startswith(first)
+    # a weight's dtype follows its readers: an edit of it is said, not silently dropped
+    weights = gm.plan.to_dict()
+    weights["weights"][0]["dtype"] = "float32"
+    with pytest.warns(UserWarning, match=rf"weight {re.escape(weights['weights'][0]['name'])}'s "
+                      r"dtype was edited to float32, which changes nothing: a weight is stored in "
+                      r"the dtype of the nodes that read it \(bfloat16 here\)"):
+        assert mpgraph.Plan.from_dict(weights).weights[0].dtype == torch.bfloat16
+    # the plan's dtype edited alone contradicts its nodes: the error names both and the way out
+    other = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan.to_dict()
+    other["dtype"] = "bfloat16"
+    with pytest.raises(ValueError, match=r"not a valid plan: dtype is 'bfloat16' but node \w+ is "
+                       r"'float16' .* edit the nodes' \"dtype\" too, or convert the model with "
+                       r"dtype='bfloat16' instead of this plan"):
+        mpgraph.Plan.from_dict(other)
 
 
 def test_an_edited_plan_pins_a_node_computed_from_parameters_only():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -88,6 +89,9 @@ class Plan:
     # how the low dtype was chosen when none was named: {"candidates": [...], "estimates_s":
     # {dtype: the cost-optimal plan's estimated seconds}}; None where the dtype was named
     dtype_choice: Optional[dict] = None
+    # nodes whose "dtype" a hand edit of the saved file changed: {name: the dtype it was decided
+    # in}. The casts, weights, estimate and check above are those of the plan before the edit
+    edited: dict = field(default_factory=dict)
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
@@ -175,11 +179,15 @@ class Plan:
             raise ValueError(f"{source} is not an mpgraph plan (format {PLAN_FORMAT!r} expected)")
         _validate(data, source)
 
+        edited = {}
+
         def node(d):
             d = dict(d)
             decided = d.pop("decided", d.get("dtype"))
             if d.get("dtype") != decided:  # edited by hand: its reason was for the other dtype
-                d["reason"] = f"edited to {d.get('dtype')} (decided {decided}: {d.get('reason')})"
+                edited[d["name"]] = decided
+                if not d.get("reason", "").startswith("edited to "):
+                    d["reason"] = f"edited to {d.get('dtype')} (decided {decided}: {d.get('reason')})"
             for key in ("safety", "inputs"):
                 d[key] = tuple(d.get(key) or ())
             d["shape"] = tuple(d["shape"]) if d.get("shape") is not None else None
@@ -193,14 +201,14 @@ class Plan:
                    estimate=dict(data.get("estimate") or {}),
                    nodes=[node(d) for d in data["nodes"]],
                    casts=[CastRecord(**{**c, "consumers": tuple(c["consumers"])}) for c in data["casts"]],
-                   weights=[WeightRecord(**{**w, "dtype": getattr(torch, w["dtype"])})
-                            for w in data["weights"]],
+                   weights=[_weight(w, source) for w in data["weights"]],
                    model_casts=[CastRecord(**{**c, "consumers": tuple(c["consumers"])})
                                 for c in data.get("model_casts", [])],
                    order=list(data.get("order", [])),
                    calibration_batches=data.get("calibration_batches", 0),
                    tolerance=data.get("tolerance"), mode=data.get("mode", "inference"),
-                   check=data.get("check"), dtype_choice=data.get("dtype_choice"))
+                   check=data.get("check"), dtype_choice=data.get("dtype_choice"),
+                   edited=edited)
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -251,6 +259,13 @@ class Plan:
         low = dtype_name(self.dtype)
         stored = sum(w.numel for w in self.weights)
         text = "".join(f"warning: {w}\n" for w in (self.warning, self.calibration_warning) if w)
+        if self.edited:
+            shown = ", ".join(f"{n} {d} -> {self.node(n).dtype}" for n, d in
+                              list(self.edited.items())[:3])
+            more = f" and {len(self.edited) - 3} more" if len(self.edited) > 3 else ""
+            text += (f"edited by hand: {shown}{more}; the casts, weights, estimate and check "
+                     "below are the plan's before the edit (convert(model, inputs, plan=this) "
+                     "makes and checks the edited plan)\n")
         kinds = sorted({dtype_name(w.dtype) for w in self.weights}) or [low]
         all_fp32 = bool(self.compute_nodes) and not (self.low_nodes or self.casts or self.weights)
         text += (f"kept all {len(self.compute_nodes)} nodes in float32 (no casts, no weight stored "
@@ -334,10 +349,13 @@ class Plan:
             "dtype_choice": self.dtype_choice,
             "tolerance": _jsonable(self.tolerance),
             # "decided": the dtype its reason is for (a hand edit of "dtype" leaves it)
-            "nodes": [_jsonable({**asdict(r), "decided": r.dtype}) for r in self.nodes],
+            "nodes": [_jsonable({**asdict(r), "decided": self.edited.get(r.name, r.dtype)})
+                      for r in self.nodes],
             "casts": [_jsonable(asdict(c)) for c in self.casts],
             "model_casts": [_jsonable(asdict(c)) for c in self.model_casts],
-            "weights": [{**asdict(w), "dtype": dtype_name(w.dtype)} for w in self.weights],
+            # (a weight is stored in its readers' dtype: "decided" tells an edit of it apart)
+            "weights": [{**asdict(w), "dtype": dtype_name(w.dtype), "decided": dtype_name(w.dtype)}
+                        for w in self.weights],
             "order": list(self.order),
         }
 
@@ -386,6 +404,28 @@ def _validate(data: dict, source: str) -> None:
     for w in data["weights"]:
         if w.get("dtype") not in LOW_DTYPES + ("float32",):
             fail(f"weight {w.get('name')!r}: dtype {w.get('dtype')!r} is not a float dtype")
+    # a plan's low nodes are in its dtype, or bfloat16 beside float16 (dtype="auto"'s range nodes)
+    allowed = {data["dtype"], "float32", None} | ({"bfloat16"} if data["dtype"] == "float16" else set())
+    other = next((d for d in data["nodes"] if d["dtype"] not in allowed), None)
+    if other is not None:
+        fail(f"dtype is {data['dtype']!r} but node {other.get('name')} is {other['dtype']!r} "
+             f"(a plan's low nodes are in its dtype; a float16 plan may hold bfloat16 nodes "
+             f"beside it): edit the nodes' \"dtype\" too, or convert the model with "
+             f"dtype={data['dtype']!r} instead of this plan")
+
+
+def _weight(w: dict, source: str) -> WeightRecord:
+    """A weight record; an edit of its dtype is said and ignored: a weight is stored in the
+    dtype of the nodes that read it, so the nodes are what to edit."""
+    w = dict(w)
+    decided = w.pop("decided", w["dtype"])
+    if decided != w["dtype"]:
+        warnings.warn(f"{source}: weight {w.get('name')}'s dtype was edited to {w['dtype']}, which "
+                      f"changes nothing: a weight is stored in the dtype of the nodes that read it "
+                      f"({decided} here); edit the \"dtype\" of those nodes instead", UserWarning,
+                      stacklevel=4)
+        w["dtype"] = decided
+    return WeightRecord(**{**w, "dtype": getattr(torch, w["dtype"])})
 
 
 def _jsonable(value):
