@@ -166,3 +166,73 @@ def test_onnx_outputs_keep_their_names_axes_are_dynamic_and_dtype_is_the_plans(b
                                  example_kwargs={"attention_mask": mask})
     shapes = [i.shape for i in mpgraph.ort_session(static.path, device="cpu").get_inputs()]
     assert shapes == [list(ids.shape), list(mask.shape)]
+
+
+# -- what a symbolic trace loses without a word (probe 43a) --------------------------------
+
+class IsTensorMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        if isinstance(mask, torch.Tensor):  # (callers may pass None)
+            h = h * mask[..., None]
+        return h
+
+
+class AugmentedInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, state):
+        state += self.fc(x)  # the caller's state tensor, written as the model writes it
+        return state * 2
+
+
+class PlainTensorState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.mem = nn.Linear(D, D), torch.zeros(D)  # not a registered buffer
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.mem.mul_(0.5).add_(h.mean((0, 1)))
+        return h + self.mem
+
+
+@pytest.mark.parametrize("target", [None, GPU])
+def test_forwards_a_symbolic_trace_gets_wrong_on_the_example_take_the_export_route(target):
+    """Each converted to exactly what the model computes, over several calls on other inputs:
+    fx took the branch a proxy takes (no tensor) and the all-ones example mask hid it (0.65 off
+    on a padded batch); it traced ``state += y`` as ``state = state + y`` (the caller's tensor
+    unwritten: 0.39-0.47 off from the second chunk on); it ran ``self.mem.mul_(0.5)`` on a plain
+    tensor attribute at trace time and recorded only the add (0.13 off on the second call),
+    and conversion's own runs advanced that tensor before the first call."""
+    torch.manual_seed(0)
+    kw = dict(target=target, dtype="fp16", strategy="rules") if target else {}
+    x = torch.randn(2, 8, D)
+    model = IsTensorMask().eval()
+    fast = mpgraph.convert(model, (x, torch.ones(2, 8)), **kw)
+    assert fast.plan.capture == "torch.export"
+    mask = torch.ones(2, 8)
+    mask[1, 4:] = 0
+    with torch.no_grad():
+        assert rel_err(fast(x, mask), model(x, mask)) < 2e-3
+    model = AugmentedInput().eval()
+    fast = mpgraph.convert(model, (x, torch.zeros(2, 8, D)), **kw)
+    mine, theirs = torch.zeros(2, 8, D), torch.zeros(2, 8, D)
+    for chunk in range(3):
+        x = torch.randn(2, 8, D)
+        with torch.no_grad():
+            assert rel_err(fast(x, mine), model(x, theirs)) < 2e-3
+        assert rel_err(mine, theirs) < 2e-3
+    model = PlainTensorState().eval()
+    fast = mpgraph.convert(model, (torch.randn(4, 8, D),), **kw)
+    assert torch.equal(model.mem, torch.zeros(D))  # (the model's own: never written)
+    for call in range(3):
+        x = torch.randn(2, 5, D)
+        with torch.no_grad():
+            assert rel_err(fast(x), model(x)) < 2e-3, call

@@ -162,7 +162,12 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     finally:
         if watch is not None:
             watch.remove()
-    unlifted = ep.module()
+    with warnings.catch_warnings():
+        # (a plain tensor attribute the forward adds a computed value into, self.mem.add_(h),
+        # requires grad in capture's copy: torch.export takes it as a constant, detached, and
+        # tells the user to make it a parameter, which it is not)
+        warnings.filterwarnings("ignore", message=r"A model attribute `.*` requires gradient")
+        unlifted = ep.module()
     guards = getattr(unlifted, EXPORT_GUARD, None)
     if guards is not None and InputGuard.of(guards) is not None:  # one that pickles
         setattr(unlifted, EXPORT_GUARD, InputGuard.of(guards))
@@ -496,10 +501,26 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
         return None  # no values to compare (a model on the meta device)
     try:
         with torch.no_grad(), seeded(), state_kept(model):
-            want = model(*fresh(args), **fresh(kwargs))
+            ran_args, ran_kwargs = fresh(args), fresh(kwargs)
+            want = model(*ran_args, **ran_kwargs)
             want_buffers = {n: b.clone() for n, b in model.named_buffers()}
     except Exception as e:  # noqa: BLE001 - the export route may do better
         return "running it failed: " + _brief(e)
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    given, ran = flat_inputs(gm, args, kwargs), flat_inputs(gm, ran_args, ran_kwargs)
+    if len(given) == len(places) == len(ran):
+        written = mutated_nodes(gm.graph, gm)
+        for place, before, after in zip(places, given, ran):
+            if isinstance(before, torch.Tensor) and place not in written \
+                    and not _same(before, after):
+                return (f"the forward writes its input {place.name} in place and the graph does "
+                        f"not (fx traces an augmented assignment on an argument, x += y, as "
+                        f"x = x + y)")
+        ignored = _read_but_ignored(model, args, kwargs, places, given, want)
+        if ignored:
+            return (f"the graph ignores input {ignored}, which the model's output depends on (a "
+                    f"branch on isinstance(x, torch.Tensor) or torch.is_tensor(x)? fx's proxies "
+                    f"are not tensors, so the trace took the other branch)")
     seen = gm.meta[OBSERVED]
     got = gm.graph.process_outputs(seen.output)  # as gm(...) returns it
     # a buffer the graph does not hold (fx dropped what read it) is as the model had it before
@@ -516,6 +537,38 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
         if not _same(w, got_buffers[name]):
             return f"buffer {name} is not updated as the model updates it"
     return None
+
+
+def _read_but_ignored(model: torch.nn.Module, args: tuple, kwargs: dict, places: list,
+                      given: list, want) -> Optional[str]:
+    """The name of a tensor input the traced graph never reads whose value changes what the
+    model returns (one eager run with other values in it, for each such input), or None: an
+    all-ones mask, a unit scale or a zero bias in the example hides a branch fx dropped."""
+    for place, value in zip(places, given):
+        if place.users or not isinstance(value, torch.Tensor) or not value.numel() \
+                or is_abstract(value):
+            continue
+        other = _other_values(value)
+        changed = pytree.tree_map(lambda v: other if v is value else v, (args, kwargs))
+        try:
+            with torch.no_grad(), seeded(), state_kept(model):
+                got = model(*fresh(changed[0]), **fresh(changed[1]))
+        except Exception:  # noqa: BLE001 - other values it cannot take prove nothing
+            continue
+        if not _same_leaves(got, want):
+            return place.name
+    return None
+
+
+def _other_values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor like ``t`` with other values: noise added to floats, bools negated, integers
+    0 where they were not and 1 where they were (valid indices, a mask turned over)."""
+    if t.is_floating_point() or t.is_complex():
+        noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0))
+        return t + noise.to(device=t.device, dtype=t.dtype)
+    if t.dtype == torch.bool:
+        return ~t
+    return (t == 0).to(t.dtype)
 
 
 def _narrowed(args: tuple, kwargs: dict, dim: int):
@@ -735,7 +788,14 @@ def _versions(model: torch.nn.Module) -> dict:
             return t._version
         return t._version, float(t.detach().sum(dtype=torch.complex128 if t.is_complex()
                                                    else torch.float64).abs())
-    return {name: stamp(t) for name, t in (*model.named_parameters(), *model.named_buffers())}
+    # (and the tensors kept as plain attributes, ``self.mem = torch.zeros(d)``: fx reads those
+    # as constants, runs a write into one, ``self.mem.mul_(0.5)``, at trace time, and records
+    # none of it)
+    plain = [(f"{path}{'.' if path else ''}{k}", t) for path, m in model.named_modules()
+             for k, t in vars(m).items()
+             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+    return {name: stamp(t) for name, t in (*model.named_parameters(), *model.named_buffers(),
+                                           *plain)}
 
 
 def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:

@@ -304,7 +304,11 @@ def state_kept(module: torch.nn.Module):
     # (a converted module's low copies of its weights: what a call refreshed them to stays, as
     # their record of it does; put back, they would be stale and never refreshed again)
     stacks |= {id(fetch_attr(module, path)) for path in weight_copy_paths(module)}
-    saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)
+    # a tensor kept as a plain attribute (``self.mem = torch.zeros(d)``, no register_buffer)
+    # that the forward updates in place is state as a buffer is: conversion's runs advanced it
+    plain = [t for m in module.modules() for k, t in vars(m).items()
+             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+    saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module) + plain
              if id(b) not in stacks]  # (FuseSiblingGemv's stacked weights: never written)
     try:  # (kernels that update running statistics do not bump _version)
         yield
