@@ -141,7 +141,8 @@ class StoreWeights(Pass):
                 records.append(WeightRecord(node.target, node.target, self.low, original.numel(),
                                             False))
                 done.add(node.target)
-            node.meta[TENSOR] = TensorInfo(node.meta[TENSOR].shape, self.low)
+            # (its TENSOR stays the captured float32: a float32 reader of the cache, a
+            # cache.sum(0) after the write, then gets a cast of its own, just before it)
         return len(done)
 
     def _modules(self, gm, records) -> int:

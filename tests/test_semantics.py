@@ -236,3 +236,33 @@ def test_forwards_a_symbolic_trace_gets_wrong_on_the_example_take_the_export_rou
         x = torch.randn(2, 5, D)
         with torch.no_grad():
             assert rel_err(fast(x), model(x)) < 2e-3, call
+
+
+class IndexCopyCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.register_buffer("cache", torch.zeros(16, D))
+
+    def forward(self, x, pos):
+        h = self.fc(x)
+        self.cache.index_copy_(0, pos, h[:pos.numel()])
+        return self.cache.sum(0) + h
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_cache_written_low_in_place_and_read_by_a_float32_reduction_converts(dtype):
+    """The cache is stored low (it is written from a low value); its sum stays float32. The sum
+    read the low buffer uncast, and the check raised 'the converted graph does not match its
+    plan: sum_1 produced float16, plan says float32', naming nothing the user could change."""
+    torch.manual_seed(0)
+    model = IndexCopyCache().eval()
+    fast = mpgraph.convert(model, (torch.randn(4, D), torch.tensor([0, 1])), target=GPU,
+                           dtype=dtype, strategy="rules")
+    assert fast.cache.dtype == mpgraph.resolve_dtype(dtype)
+    theirs = copy.deepcopy(model)
+    for step in range(3):
+        x, pos = torch.randn(4, D), torch.tensor([2 * step + 2, 2 * step + 3])
+        with torch.no_grad():
+            assert rel_err(fast(x, pos), theirs(x, pos)) < TOL[mpgraph.resolve_dtype(dtype)]
+        assert rel_err(fast.cache.float(), theirs.cache) < TOL[mpgraph.resolve_dtype(dtype)]
