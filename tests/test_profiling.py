@@ -316,3 +316,24 @@ def test_cli_profile_without_ncu_prints_the_command(tmp_path, capsys):
     assert "measured us" in capsys.readouterr().out
     assert cli(["profile", "--ncu-csv", os.path.join(FIXTURES, "ncu_2024_raw.csv")]) == 0
     assert "linear_1" in capsys.readouterr().out
+
+
+def test_a_node_without_a_float_value_is_predicted_at_its_float32_time():
+    """An integer node (ids + 1) runs as captured: its prediction is its float32 time. It was
+    its low-dtype time, inf where this CPU emulates the low dtype (the column's sum was inf)."""
+    torch.manual_seed(0)
+
+    class Pick(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(32, 32)
+
+        def forward(self, x, ids):
+            return self.fc(x)[ids + 1]
+
+    inputs = (torch.randn(8, 32), torch.tensor([0, 2]))
+    fast = mpgraph.convert(Pick().eval(), inputs)
+    record = fast.plan.node("add")
+    assert record.dtype is None and record.t_fp32 is not None
+    seen = {n.name: n for n in mpgraph.profile(fast, inputs, iters=2, warmup=1).nodes}
+    assert seen["add"].predicted_s == record.t_fp32

@@ -1,7 +1,9 @@
 """Reports, saved plans, overrides, diffs and `mpgraph inspect`."""
+import dataclasses
 import html
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -482,3 +484,21 @@ def test_a_plan_the_overrides_keep_float32_says_so_not_that_nothing_is_faster():
     plan = mpgraph.convert(model, x, target=GPU, overrides={"*": "fp32"}).plan
     assert "kept float32: the overrides keep every matmul/conv in float32 ('*')" in plan.summary()
     assert "no node is faster" not in plan.summary()
+
+
+def test_a_plan_whose_low_dtype_was_never_timed_says_so_in_strict_json(tmp_path):
+    """A low dtype this CPU emulates is not timed (inf seconds): the summary printed 'estimated
+    0.00x float32 speed' and the JSON report held the token Infinity, which strict readers
+    (JavaScript's JSON.parse) refuse (probe 43b)."""
+    model, x = _blocks()
+    gm = mpgraph.convert(model, x, dtype="bf16", target=GPU, strategy="rules")
+    record = gm.plan.nodes[1]
+    plan = dataclasses.replace(
+        gm.plan, estimate={**gm.plan.estimate, "plan_s": math.inf},
+        nodes=[dataclasses.replace(r, t_low=math.inf) if r is record else r for r in gm.plan.nodes])
+    text = plan.summary()
+    assert "0.00x" not in text and "no speed estimate: bfloat16 is emulated on this" in text
+    assert mpgraph.report(plan).splitlines()[-1].startswith("estimated speed-up: not estimated")
+    data = json.loads(mpgraph.report(plan, "json"), parse_constant=lambda c: pytest.fail(c))
+    assert data["estimate"]["plan_s"] is None and data["nodes"][1]["t_low"] is None
+    assert "no speed estimate" in mpgraph.Plan.from_dict(data).summary()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -105,7 +106,7 @@ class Plan:
                    weights=list(gm.meta.get(WEIGHTS, [])), target=target, strategy=strategy,
                    kept_fp32=kept_fp32, estimate=dict(gm.meta.get(ESTIMATE, {})),
                    check=dict(gm.meta[CHECK]) if gm.meta.get(CHECK) else None, mode=mode,
-                   tolerance=tolerance, dtype_choice=_jsonable(dtype_choice))
+                   tolerance=tolerance, dtype_choice=jsonable(dtype_choice))
         plan.order = [n.name for n in gm.graph.nodes]
         for node in gm.graph.nodes:
             decision = node.meta.get(PRECISION)
@@ -300,7 +301,12 @@ class Plan:
             t = self.tolerance
             text += (f"; tolerance {t['tolerance']:g}: error {t['error']:.3g} with "
                      f"{len(t['pinned'])} nodes pinned to float32")
-        if self.estimate.get("plan_s") and not all_fp32:  # (all float32: 1.00x, said above)
+        plan_s = self.estimate.get("plan_s", 0)
+        if "plan_s" in self.estimate and not all_fp32 and (plan_s is None or math.isinf(plan_s)):
+            # (a low dtype this CPU emulates, forced with strategy="rules": never timed)
+            text += (f"; no speed estimate: {low} is emulated on this {self.target} and was not "
+                     "timed (slower than float32 here; without dtype= the plan keeps float32)")
+        elif self.estimate.get("plan_s") and not all_fp32:  # (all float32: 1.00x, said above)
             source = self.estimate.get("source")
             what = " of the forward, priced without autograd (the backward is not)" \
                 if self.mode == "train" else ""
@@ -342,17 +348,17 @@ class Plan:
             "dtype": dtype_name(self.dtype), "capture": self.capture,
             "keep_io_types": self.keep_io_types, "target": self.target, "strategy": self.strategy,
             "kept_fp32": self.kept_fp32, "warning": self.warning,
-            "calibration_warning": self.calibration_warning, "estimate": self.estimate,
+            "calibration_warning": self.calibration_warning, "estimate": jsonable(self.estimate),
             "summary": self.summary(),
             "mode": self.mode,
-            "calibration_batches": self.calibration_batches, "check": self.check,
-            "dtype_choice": self.dtype_choice,
-            "tolerance": _jsonable(self.tolerance),
+            "calibration_batches": self.calibration_batches, "check": jsonable(self.check),
+            "dtype_choice": jsonable(self.dtype_choice),
+            "tolerance": jsonable(self.tolerance),
             # "decided": the dtype its reason is for (a hand edit of "dtype" leaves it)
-            "nodes": [_jsonable({**asdict(r), "decided": self.edited.get(r.name, r.dtype)})
+            "nodes": [jsonable({**asdict(r), "decided": self.edited.get(r.name, r.dtype)})
                       for r in self.nodes],
-            "casts": [_jsonable(asdict(c)) for c in self.casts],
-            "model_casts": [_jsonable(asdict(c)) for c in self.model_casts],
+            "casts": [jsonable(asdict(c)) for c in self.casts],
+            "model_casts": [jsonable(asdict(c)) for c in self.model_casts],
             # (a weight is stored in its readers' dtype: "decided" tells an edit of it apart)
             "weights": [{**asdict(w), "dtype": dtype_name(w.dtype), "decided": dtype_name(w.dtype)}
                         for w in self.weights],
@@ -428,12 +434,16 @@ def _weight(w: dict, source: str) -> WeightRecord:
     return WeightRecord(**{**w, "dtype": getattr(torch, w["dtype"])})
 
 
-def _jsonable(value):
-    """Tuples to lists (recursively), so a saved and loaded plan compares equal to its dict."""
+def jsonable(value):
+    """Tuples to lists (recursively), so a saved and loaded plan compares equal to its dict; a
+    non-finite number (a time never measured: inf) as null, which strict JSON readers take
+    (``Infinity`` is no JSON: JavaScript's JSON.parse refused the file)."""
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     return value
 
 

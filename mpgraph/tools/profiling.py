@@ -308,7 +308,8 @@ def attribute(events, plan: Plan, gm, iters: int, device: str, cuda: bool) -> Pr
             record = plan.node(node.name)
         except KeyError:
             continue
-        predicted = record.t_fp32 if record.dtype == "float32" else record.t_low
+        # (a node with no float value, dtype None, runs as captured: its float32 time)
+        predicted = record.t_low if record.dtype in ("float16", "bfloat16") else record.t_fp32
         matmul = record.op_class == "tensor_core"
         if not observed or (cuda and matmul and not names):
             result.unobserved.append(NodeProfile(record.name, record.op_class, record.dtype, None,

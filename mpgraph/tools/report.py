@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 import re
 from collections import OrderedDict
@@ -20,7 +21,7 @@ from typing import Optional, Union
 import torch
 
 from mpgraph.ir.meta import SHORT_DTYPE_NAMES, dtype_name
-from mpgraph.plans.plan import CastRecord, NodeRecord, Plan
+from mpgraph.plans.plan import CastRecord, NodeRecord, Plan, jsonable
 
 FORMATS = ("text", "json", "html", "dot")
 COLOURS = {"float32": "#6c8ebf", "float16": "#82b366", "bfloat16": "#d79b00", None: "#bbbbbb"}
@@ -91,7 +92,7 @@ def totals(plan: Plan) -> dict:
     out = {"nodes": len(compute), "low_nodes": len([r for r in compute if r.dtype == low]),
            "other_low_nodes": len(plan.range_nodes), "flops": flops, "low_flops": low_flops,
            "casts": len(plan.casts), "cast_bytes": sum(cast_bytes(c) for c in plan.casts)}
-    if plan.estimate.get("plan_s"):
+    if plan.estimate.get("plan_s") and math.isfinite(plan.estimate["plan_s"]):
         out["speedup"] = plan.estimate["fp32_s"] / plan.estimate["plan_s"]
     return out
 
@@ -164,7 +165,8 @@ def text_report(plan: Plan, measured: Optional[dict] = None) -> str:
               f"({t['low_flops'] / t['flops']:.1%})" if t["flops"] else "FLOPs per run: unknown",
               f"casts: {t['casts']}, {_size(t['cast_bytes'])}B moved per run",
               f"estimated speed-up on {plan.target}: {t['speedup']:.2f}x" if "speedup" in t
-              else "estimated speed-up: not estimated (rules strategy)"]
+              else "estimated speed-up: not estimated (a low dtype this CPU emulates is never "
+                   "timed)" if "plan_s" in plan.estimate else "estimated speed-up: not estimated"]
     return "\n".join(lines) + "\n"
 
 
@@ -175,7 +177,7 @@ def json_report(plan: Plan, measured: Optional[dict] = None) -> str:
         data["profile"] = [{"node": n.name, "measured_s": n.time_s, "predicted_s": n.predicted_s,
                             "kernels": list(n.kernels), "tensor_core": n.tensor_core,
                             "finding": n.finding} for n in measured.values()]
-    return json.dumps(data, indent=1)
+    return json.dumps(jsonable(data), indent=1, allow_nan=False)
 
 
 # -- dot --------------------------------------------------------------------------------------
