@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
@@ -270,8 +271,13 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
         if spec.kind == Kind.CPU:
             key = {"float16": "fp16", "bfloat16": "bf16"}[low]
             ratio = spec.peak[key] / spec.peak["fp32"]
-            # 'though' only where the peak promises a gain that these sizes do not get
-            rate = (f": measured at their sizes{', though' if ratio > 1 else ';'} this CPU's peak "
+            # 'though' only where the peak promises a gain that these sizes do not get; a dtype
+            # this CPU emulates is not timed at their sizes (inf): its peak is the evidence
+            said = ("estimated by the roofline at their sizes"
+                    if not str(plan.estimate.get("source", "")).startswith("measured") else
+                    "measured at their sizes" if any(math.isfinite(r.t_low) for r in slower)
+                    else f"this CPU emulates {low}, not timed")
+            rate = (f": {said}{', though' if ratio > 1 else ';'} this CPU's peak "
                     f"{low} matmul rate is {ratio:.2f}x float32's (large matrices; {spec.source})")
         why.append(f"{len(slower)} are not faster in {low} there{rate}")
     if casts:

@@ -77,6 +77,25 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
 _CHUNK = 1 << 22  # values per chunk of tensor_stats: 16 MB of float32
 
 
+def _seen_before(earlier: dict, batch) -> bool:
+    """Whether ``batch`` holds the values of one already in ``earlier`` (and records it if
+    not): ``calibration=[x] * 4`` is one batch's ranges, and its plan must say one batch. A
+    fingerprint (shapes, dtypes, sums) narrows the exact comparison to likely repeats."""
+    leaves = pytree.tree_leaves(batch)
+    try:
+        key = tuple((tuple(t.shape), t.dtype, float(t.sum(dtype=torch.float64)))
+                    if isinstance(t, torch.Tensor) and not is_abstract(t) else repr(t)
+                    for t in leaves)
+    except Exception:  # noqa: BLE001 - (a leaf without a sum: never a repeat)
+        return False
+    for other in earlier.get(key, ()):
+        if all(a is b or (isinstance(a, torch.Tensor) and torch.equal(a, b)) or
+               (not isinstance(a, torch.Tensor) and a == b) for a, b in zip(leaves, other)):
+            return True
+    earlier.setdefault(key, []).append(leaves)
+    return False
+
+
 def _nan_inputs(names: list[str], inputs: list) -> list[tuple[str, int, int]]:
     """(name, NaN count, size) of each float input holding NaN."""
     found = []
@@ -254,8 +273,12 @@ class Calibrate(Pass):
         count = 0
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         constant: Optional[set] = None  # (input, its one value) in every batch so far
+        earlier: dict = {}  # fingerprint -> the batches with it (a batch given twice counts once)
         for i, batch in enumerate(_progress(self.batches, self.progress)):
             args, kwargs = as_call(batch)
+            if _seen_before(earlier, (args, kwargs)):
+                log.info("calibration batch %d repeats an earlier one: not counted again", i)
+                continue
             self._check_fits(gm, i, args, kwargs)
             nan_in = _nan_inputs(names, flat_inputs(gm, args, kwargs))
             computed_bad: list = []  # computed nodes with inf/NaN in this batch

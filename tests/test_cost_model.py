@@ -1,4 +1,6 @@
 """Device specs, the roofline estimate, the cost-optimal decision and the Tensor Core lint."""
+import dataclasses
+import math
 import re
 import warnings
 
@@ -110,14 +112,25 @@ def test_explicit_dtype_that_converts_little_says_why_once_with_the_way_out():
     text = str(ours[0].message)
     assert text.startswith("dtype=float16 converted 0 of 2 matmul/conv nodes (0% of their FLOPs) "
                            "for AVX2-only CPU")
-    assert ("2 are not faster in float16 there: measured at their sizes; this CPU's peak "
-            "float16 matmul rate is 0.01x float32's (large matrices") in text
+    assert ("2 are not faster in float16 there: estimated by the roofline at their sizes; this "
+            "CPU's peak float16 matmul rate is 0.01x float32's (large matrices") in text
+    # priced by this CPU's own timings, or not timed at all where it emulates the dtype (inf):
+    # the sentence says which (it said 'measured' of both, and of the roofline's figures)
+    measured = dataclasses.replace(gm.plan, estimate={**gm.plan.estimate,
+                                                      "source": "measured on this CPU, op by op"})
+    assert "not faster in float16 there: measured at their sizes; this CPU's peak" \
+        in little_converted(measured, SLOW_CPU)
+    emulated = dataclasses.replace(measured, nodes=[
+        dataclasses.replace(r, t_low=math.inf) if r.op_class == "tensor_core" else r
+        for r in measured.nodes])
+    assert "not faster in float16 there: this CPU emulates float16, not timed; this CPU's peak" \
+        in little_converted(emulated, SLOW_CPU)
     # 'though' contrasts a peak that promises a gain with sizes that did not get it (an AMX CPU's
     # small matmuls); above, where the low peak is the slower one, the sentence is no contrast
     amx = DeviceSpec("AMX CPU", "cpu", {"fp32": 390e9, "bf16": 1600e9, "fp16": 1560e9}, 20e9, 2,
                      2e-6, tile=1, source="measured on this CPU, flags amx_fp16")
     assert ("2 are not faster in float16 there: measured at their sizes, though this CPU's peak "
-            "float16 matmul rate is 4.00x float32's (large matrices") in little_converted(gm.plan, amx)
+            "float16 matmul rate is 4.00x float32's (large matrices") in little_converted(measured, amx)
     assert "target='h100'" in text and "strategy='rules'" in text
     assert gm.plan.warning == text and gm.plan.low_nodes == []
     assert gm.plan.summary().splitlines()[0] == f"warning: {text}"

@@ -253,6 +253,11 @@ def test_one_batch_warns_for_fp16_and_real_batches_do_not_warn():
         mpgraph.convert(model, batches[0], dtype="bf16", target=GPU, strategy="rules")
     assert fast.plan.calibration_warning is None
     assert fast.plan.node("matmul").dtype == "float32"  # the scores overflow fp16 at x300
+    # one batch given four times is one batch's ranges: it warns as one batch (probe 43b)
+    with pytest.warns(UserWarning, match="the float16 plan was calibrated on one batch"):
+        again = mpgraph.convert(model, batches[0], dtype="fp16", target=GPU, strategy="rules",
+                                calibration=[batches[1]] * 3 + [batches[1].clone()])
+    assert again.plan.calibration_batches == 1
     with torch.no_grad():
         assert relative_l2(fast(batches[2]), model(batches[2])) < 4e-3
 
