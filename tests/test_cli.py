@@ -41,8 +41,9 @@ def test_demo_on_a_cpu_where_low_precision_is_slower_plans_for_a_gpu(monkeypatch
     assert "no node is faster in float16 or bfloat16 than in float32 on AVX2-only CPU" \
         in r.dtype_reason
     assert r.speedup is None and r.fp32_ms is None and r.estimated > 1
-    # (the input cast writes NHWC itself: no layout node)
-    assert "converted 12/16 nodes to float16" in r.summary and r.rel_err < 4e-3
+    # the model's 15 nodes: the layout copy ChannelsLast adds before the 8th conv computes
+    # nothing of the model's, and is not counted (it made 12/16, and counts changed with batch)
+    assert "converted 11/15 nodes to float16" in r.summary and r.rel_err < 4e-3
 
 
 def test_console_script_reports_bad_dtype():

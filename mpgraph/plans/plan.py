@@ -244,8 +244,11 @@ class Plan:
 
     @property
     def compute_nodes(self) -> list[NodeRecord]:
-        """Call nodes that touch float32 values: the ones a precision was chosen for."""
-        return [r for r in self.nodes if r.op.startswith("call_") and r.dtype is not None]
+        """Call nodes that touch float32 values: the ones a precision was chosen for (not the
+        layout copies and clamps mpgraph adds, which compute nothing of the model's: counted,
+        a CNN's node count changed with its batch size)."""
+        return [r for r in self.nodes if r.op.startswith("call_") and r.dtype is not None
+                and r.inserted_by not in _BOOKKEEPING]
 
     @property
     def low_nodes(self) -> list[NodeRecord]:
@@ -366,6 +369,8 @@ class Plan:
         }
 
 
+# passes whose nodes carry a value as it is (a layout, a clamp to the low dtype's range)
+_BOOKKEEPING = ("ChannelsLast", "InsertCasts (saturate)")
 PLAN_FORMAT = "mpgraph-plan-1"
 LOW_DTYPES = ("float16", "bfloat16")
 NODE_DTYPES = (None, "float32") + LOW_DTYPES
