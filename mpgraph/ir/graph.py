@@ -256,7 +256,9 @@ def _copy_as_is(t: torch.Tensor) -> torch.Tensor:
             or type(t) not in (torch.Tensor, torch.nn.Parameter) \
             or torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.Python):
         return t.clone()  # (dense tensors keep their strides through clone as it is)
-    copy = torch.empty(0, dtype=t.dtype, device=t.device)
+    if all(s != 0 for s in t.stride()):  # (a slice of a large tensor: its own span only)
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    copy = torch.empty(0, dtype=t.dtype, device=t.device)  # an expanded view: its storage
     return copy.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
