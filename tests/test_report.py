@@ -20,6 +20,7 @@ from conftest import GPU, ConvBnReluPool, small_bert
 import mpgraph
 from mpgraph.cli import main as cli
 from mpgraph.numerics import relative_l2
+from mpgraph.cost.specs import DeviceSpec
 from mpgraph.tools.report import CAST_COLOUR, group_of
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
@@ -502,3 +503,14 @@ def test_a_plan_whose_low_dtype_was_never_timed_says_so_in_strict_json(tmp_path)
     data = json.loads(mpgraph.report(plan, "json"), parse_constant=lambda c: pytest.fail(c))
     assert data["estimate"]["plan_s"] is None and data["nodes"][1]["t_low"] is None
     assert "no speed estimate" in mpgraph.Plan.from_dict(data).summary()
+
+
+def test_a_plan_that_converted_nothing_is_headed_float32():
+    """'mpgraph plan: bfloat16 on CPU ...' headed an all-float32 plan (probe 43b)."""
+    model, x = _blocks()
+    slow = DeviceSpec("old CPU", "cpu", {"fp32": 100e9, "bf16": 1e9, "fp16": 1e9},
+                              20e9, 4, 1e-6)
+    gm = mpgraph.convert(model, x, target=slow)
+    assert not gm.plan.low_nodes
+    assert mpgraph.report(gm).startswith("mpgraph plan: float32 on old CPU")
+    assert "<h1>mpgraph plan: float32 on old CPU</h1>" in mpgraph.report(gm, "html")
