@@ -92,6 +92,13 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     """
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(convert, locals())
+    if isinstance(model, torch.fx.GraphModule) and isinstance(model.__dict__.get("plan"), Plan):
+        raise TypeError(
+            "this module is what mpgraph.convert returned: its graph holds its casts and low "
+            "weights, and converting it again would check it against itself, not float32. "
+            "Convert the original model instead: mpgraph.convert(model, inputs, plan=fast.plan) "
+            "makes the same plan (another target= or dtype= a new one), and "
+            "load_state_dict(fast.state_dict()) brings the weights it holds")
     opts, args, kwargs, abstract = Options.resolve(
         model, example_inputs, example_kwargs, dtype=dtype, keep_io_types=keep_io_types,
         target=target, strategy=strategy, op_table=op_table, overrides=overrides, check=check,
