@@ -81,11 +81,11 @@ def _seen_before(earlier: dict, batch) -> bool:
     """Whether ``batch`` holds the values of one already in ``earlier`` (and records it if
     not): ``calibration=[x] * 4`` is one batch's ranges, and its plan must say one batch. A
     fingerprint (shapes, dtypes, sums) narrows the exact comparison to likely repeats."""
-    leaves = pytree.tree_leaves(batch)
+    leaves, spec = pytree.tree_flatten(batch)  # (the spec: which keyword each value is)
     try:
-        key = tuple((tuple(t.shape), t.dtype, float(t.sum(dtype=torch.float64)))
-                    if isinstance(t, torch.Tensor) and not is_abstract(t) else repr(t)
-                    for t in leaves)
+        key = (str(spec), *((tuple(t.shape), t.dtype, float(t.sum(dtype=torch.float64)))
+                            if isinstance(t, torch.Tensor) and not is_abstract(t) else repr(t)
+                            for t in leaves))
     except Exception:  # noqa: BLE001 - (a leaf without a sum: never a repeat)
         return False
     for other in earlier.get(key, ()):

@@ -240,6 +240,15 @@ def test_the_guard_names_an_inserted_cast_that_overflows_in_a_copy_too():
             fast(x)
 
 
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fa, self.fb = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, a, b):
+        return self.fa(a) + self.fb(b)
+
+
 def test_one_batch_warns_for_fp16_and_real_batches_do_not_warn():
     torch.manual_seed(0)
     model = Attention().eval()
@@ -258,6 +267,16 @@ def test_one_batch_warns_for_fp16_and_real_batches_do_not_warn():
         again = mpgraph.convert(model, batches[0], dtype="fp16", target=GPU, strategy="rules",
                                 calibration=[batches[1]] * 3 + [batches[1].clone()])
     assert again.plan.calibration_batches == 1
+    # the same tensors under other keywords are another batch (probe 44: counted as a repeat,
+    # input a's range was the small tensor's, and fp16 overflowed on the large one)
+    two = TwoInputs().eval()
+    small, large = torch.randn(4, 16), torch.randn(4, 16) * 1e5
+    keyed = mpgraph.convert(two, example_inputs={"a": small, "b": large}, dtype="fp16",
+                            target=GPU, strategy="rules",
+                            calibration=[{"a": small, "b": large}, {"b": small, "a": large}])
+    assert keyed.plan.calibration_batches == 2
+    with torch.no_grad():
+        assert torch.isfinite(keyed(a=large, b=small)).all()
     with torch.no_grad():
         assert relative_l2(fast(batches[2]), model(batches[2])) < 4e-3
 

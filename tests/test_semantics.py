@@ -266,3 +266,47 @@ def test_a_cache_written_low_in_place_and_read_by_a_float32_reduction_converts(d
         with torch.no_grad():
             assert rel_err(fast(x, pos), theirs(x, pos)) < TOL[mpgraph.resolve_dtype(dtype)]
         assert rel_err(fast.cache.float(), theirs.cache) < TOL[mpgraph.resolve_dtype(dtype)]
+
+
+class ShapeThenIsTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, mask):
+        b = mask.shape[0]  # (a read of its shape, not of its values)
+        if torch.is_tensor(mask):
+            x = x * mask.unsqueeze(-1)
+        return self.fc(x).reshape(b, -1)
+
+
+class RefusesAnEmptyMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, mask):
+        if isinstance(mask, torch.Tensor):
+            if mask.sum() == 0:
+                raise ValueError("mask must select at least one token")
+            x = x * mask.unsqueeze(-1)
+        return self.fc(x)
+
+
+def test_an_input_read_only_for_its_shape_or_refusing_other_values_is_still_tested():
+    """probe 44: a mask whose shape the graph reads counted as read, and a model that raised
+    on the all-zeros mask tried in place of the example's all-ones one counted as ignoring it:
+    both kept fx's trace, which dropped the mask (1.28 off on a real mask)."""
+    torch.manual_seed(0)
+    x, ones = torch.randn(4, 8, D), torch.ones(4, 8)
+    mask = (torch.rand(4, 8) > 0.5).float()
+    mask[:, 0] = 1
+    for model in (ShapeThenIsTensor().eval(), RefusesAnEmptyMask().eval()):
+        try:
+            fast = mpgraph.convert(model, (x, ones))
+        except mpgraph.CaptureError as e:  # (torch.export cannot branch on mask.sum()): said
+            assert "the graph ignores input mask" in str(e)
+            continue
+        assert fast.plan.capture == "torch.export"
+        with torch.no_grad():
+            assert rel_err(fast(x, mask), model(x, mask)) < 1e-5

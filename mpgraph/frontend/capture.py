@@ -518,9 +518,8 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
                         f"x = x + y)")
         ignored = _read_but_ignored(model, args, kwargs, places, given, want)
         if ignored:
-            return (f"the graph ignores input {ignored}, which the model's output depends on (a "
-                    f"branch on isinstance(x, torch.Tensor) or torch.is_tensor(x)? fx's proxies "
-                    f"are not tensors, so the trace took the other branch)")
+            return (f"{ignored} (a branch on isinstance(x, torch.Tensor) or torch.is_tensor(x)? "
+                    f"fx's proxies are not tensors, so the trace took the other branch)")
     seen = gm.meta[OBSERVED]
     got = gm.graph.process_outputs(seen.output)  # as gm(...) returns it
     # a buffer the graph does not hold (fx dropped what read it) is as the model had it before
@@ -541,34 +540,61 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
 
 def _read_but_ignored(model: torch.nn.Module, args: tuple, kwargs: dict, places: list,
                       given: list, want) -> Optional[str]:
-    """The name of a tensor input the traced graph never reads whose value changes what the
-    model returns (one eager run with other values in it, for each such input), or None: an
-    all-ones mask, a unit scale or a zero bias in the example hides a branch fx dropped."""
+    """Why a tensor input whose values the traced graph never reads (at most its shape or
+    dtype) is one the model's output depends on, or None: an all-ones mask, a unit scale or a
+    zero bias in the example hides a branch fx dropped. One eager run with other values in it
+    (another with one element changed where the model refuses those), for each such input."""
     for place, value in zip(places, given):
-        if place.users or not isinstance(value, torch.Tensor) or not value.numel() \
-                or is_abstract(value):
+        if not isinstance(value, torch.Tensor) or not value.numel() or is_abstract(value) \
+                or any(not _reads_metadata(user) for user in place.users):
             continue
-        other = _other_values(value)
-        changed = pytree.tree_map(lambda v: other if v is value else v, (args, kwargs))
-        try:
-            with torch.no_grad(), seeded(), state_kept(model):
-                got = model(*fresh(changed[0]), **fresh(changed[1]))
-        except Exception:  # noqa: BLE001 - other values it cannot take prove nothing
-            continue
-        if not _same_leaves(got, want):
-            return place.name
+        refused = False
+        for other in (_other_values(value), _other_values(value, first_only=True)):
+            changed = pytree.tree_map(lambda v: other if v is value else v, (args, kwargs))
+            try:
+                with torch.no_grad(), seeded(), state_kept(model):
+                    got = model(*fresh(changed[0]), **fresh(changed[1]))
+            except Exception:  # noqa: BLE001 - values it refuses: try fewer changed
+                refused = True
+                continue
+            if not _same_leaves(got, want):
+                return (f"the graph ignores input {place.name}, which the model's output depends "
+                        f"on")
+            refused = False
+            break
+        if refused:  # (nothing shows the model ignores it as the graph does)
+            return (f"the graph ignores input {place.name}, and the model refused other values "
+                    f"of it, so it could not be shown to ignore it too")
     return None
 
 
-def _other_values(t: torch.Tensor) -> torch.Tensor:
+# what reads a tensor's shape, dtype or device, not its values
+_METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
+_METADATA_METHODS = frozenset({"size", "dim", "numel", "get_device", "ndimension", "nelement"})
+
+
+def _reads_metadata(node: torch.fx.Node) -> bool:
+    if node.op == "call_function" and node.target is getattr and len(node.args) > 1:
+        return node.args[1] in _METADATA_ATTRIBUTES
+    return node.op == "call_method" and node.target in _METADATA_METHODS
+
+
+def _other_values(t: torch.Tensor, first_only: bool = False) -> torch.Tensor:
     """A tensor like ``t`` with other values: noise added to floats, bools negated, integers
-    0 where they were not and 1 where they were (valid indices, a mask turned over)."""
+    0 where they were not and 1 where they were (valid indices, a mask turned over); with
+    ``first_only``, only its first element changed."""
     if t.is_floating_point() or t.is_complex():
         noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0))
-        return t + noise.to(device=t.device, dtype=t.dtype)
-    if t.dtype == torch.bool:
-        return ~t
-    return (t == 0).to(t.dtype)
+        other = t + noise.to(device=t.device, dtype=t.dtype)
+    elif t.dtype == torch.bool:
+        other = ~t
+    else:
+        other = (t == 0).to(t.dtype)
+    if first_only:
+        mixed = t.clone()
+        mixed.view(-1)[:1] = other.reshape(-1)[:1]
+        return mixed
+    return other
 
 
 def _narrowed(args: tuple, kwargs: dict, dim: int):
