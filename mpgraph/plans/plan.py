@@ -287,7 +287,8 @@ class Plan:
                      f"{low} overflows")
         if self.safety_nodes:
             text += (f"; {len(self.safety_nodes)} float32 nodes with numeric-safety findings "
-                     f"(calibrated on {self.calibration_batches} batches)")
+                     f"(calibrated on {self.calibration_batches} batch"
+                     f"{'es' if self.calibration_batches != 1 else ''})")
         if self.check and self.check.get("error") is None:
             text += "; dtypes checked, " + self.check.get("skipped", "values not checked")
         elif self.check and self.check.get("bound") is None:  # (no node low)
