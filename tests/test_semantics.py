@@ -310,3 +310,26 @@ def test_an_input_read_only_for_its_shape_or_refusing_other_values_is_still_test
         assert fast.plan.capture == "torch.export"
         with torch.no_grad():
             assert rel_err(fast(x, mask), model(x, mask)) < 1e-5
+
+
+class ScaledIfTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x, scale):
+        if isinstance(scale, torch.Tensor):
+            x = x * scale
+        return self.fc(x)
+
+
+def test_an_ignored_transposed_input_is_tested_too():
+    """The one-element change of an input read its first element through view(-1), which a
+    transposed example cannot take: capture failed with a RuntimeError from inside it."""
+    torch.manual_seed(0)
+    model, x = ScaledIfTensor().eval(), torch.randn(D, 4).t()
+    fast = mpgraph.convert(model, (x, torch.ones(D, 4).t()))
+    assert fast.plan.capture == "torch.export"
+    with torch.no_grad():
+        scale = torch.rand(D, 4).t()
+        assert rel_err(fast(x, scale), model(x, scale)) < 1e-5
