@@ -586,7 +586,7 @@ def _reads_metadata(node: torch.fx.Node) -> bool:
 def _other_values(t: torch.Tensor, first_only: bool = False) -> torch.Tensor:
     """A tensor like ``t`` with other values: noise added to floats, bools negated, integers
     0 where they were not and 1 where they were (valid indices, a mask turned over); with
-    ``first_only``, only its first element changed."""
+    ``first_only``, only its first element changed (a float doubled, or 1 where it was 0)."""
     if t.is_floating_point() or t.is_complex():
         noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0))
         other = t + noise.to(device=t.device, dtype=t.dtype)
@@ -596,7 +596,10 @@ def _other_values(t: torch.Tensor, first_only: bool = False) -> torch.Tensor:
         other = (t == 0).to(t.dtype)
     if first_only:
         mixed, first = t.clone(), (0,) * t.dim()  # (any strides: a transposed input too)
-        mixed[first] = other[first]
+        if t.is_floating_point() or t.is_complex():  # (its sign kept: a scale stays positive)
+            mixed[first] = t[first] * 2 if bool(t[first] != 0) else 1
+        else:
+            mixed[first] = other[first]
         return mixed
     return other
 
