@@ -77,22 +77,23 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
 _CHUNK = 1 << 22  # values per chunk of tensor_stats: 16 MB of float32
 
 
-def _seen_before(earlier: dict, batch) -> bool:
+def _seen_before(earlier: set, batch) -> bool:
     """Whether ``batch`` holds the values of one already in ``earlier`` (and records it if
     not): ``calibration=[x] * 4`` is one batch's ranges, and its plan must say one batch. A
-    fingerprint (shapes, dtypes, sums) narrows the exact comparison to likely repeats."""
-    leaves, spec = pytree.tree_flatten(batch)  # (the spec: which keyword each value is)
+    fingerprint only (which keyword each value is; shapes, dtypes, the sum and the sum of
+    squares of each tensor), so that batches streamed from a loader are not all kept alive."""
+    leaves, spec = pytree.tree_flatten(batch)
     try:
-        key = (str(spec), *((tuple(t.shape), t.dtype, float(t.sum(dtype=torch.float64)))
+        key = (str(spec), *((tuple(t.shape), t.dtype, str(t.device),
+                             float(t.sum(dtype=torch.float64)),
+                             float(t.double().square().sum()) if t.is_floating_point() else 0.0)
                             if isinstance(t, torch.Tensor) and not is_abstract(t) else repr(t)
                             for t in leaves))
     except Exception:  # noqa: BLE001 - (a leaf without a sum: never a repeat)
         return False
-    for other in earlier.get(key, ()):
-        if all(a is b or (isinstance(a, torch.Tensor) and torch.equal(a, b)) or
-               (not isinstance(a, torch.Tensor) and a == b) for a, b in zip(leaves, other)):
-            return True
-    earlier.setdefault(key, []).append(leaves)
+    if key in earlier:
+        return True
+    earlier.add(key)
     return False
 
 
@@ -273,7 +274,7 @@ class Calibrate(Pass):
         count = 0
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         constant: Optional[set] = None  # (input, its one value) in every batch so far
-        earlier: dict = {}  # fingerprint -> the batches with it (a batch given twice counts once)
+        earlier: set = set()  # the batches' fingerprints (a batch given twice counts once)
         for i, batch in enumerate(_progress(self.batches, self.progress)):
             args, kwargs = as_call(batch)
             if _seen_before(earlier, (args, kwargs)):

@@ -824,11 +824,26 @@ def _versions(model: torch.nn.Module) -> dict:
     # (and the tensors kept as plain attributes, ``self.mem = torch.zeros(d)``: fx reads those
     # as constants, runs a write into one, ``self.mem.mul_(0.5)``, at trace time, and records
     # none of it)
-    plain = [(f"{path}{'.' if path else ''}{k}", t) for path, m in model.named_modules()
-             for k, t in vars(m).items()
-             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
-    return {name: stamp(t) for name, t in (*model.named_parameters(), *model.named_buffers(),
-                                           *plain)}
+    # keyed by the tensor, not the name: one the forward replaces (self.last = h.detach())
+    # was not written, and what a trace sets there is no tensor
+    plain = {("plain", id(t)): (t, stamp(t)) for m in model.modules() for t in vars(m).values()
+             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)}
+    return {**{name: stamp(t) for name, t in (*model.named_parameters(),
+                                              *model.named_buffers())}, **plain}
+
+
+def _wrote_at_trace(before: dict, model: torch.nn.Module) -> bool:
+    """Whether a parameter, buffer or plain tensor attribute recorded in ``before``
+    (``_versions``) was written since; a plain one only if the same tensor is still held."""
+    after = _versions(model)
+    for key, was in before.items():
+        if isinstance(key, tuple):  # (a plain attribute: its tensor and stamp)
+            now = after.get(key)
+            if now is not None and now[0] is was[0] and now[1] != was[1]:
+                return True
+        elif after.get(key) != was:
+            return True
+    return any(not isinstance(key, tuple) and key not in before for key in after)
 
 
 def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:
@@ -1038,7 +1053,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     for name, trace in attempts:
         try:
             gm = trace()
-            if name.startswith(SYMBOLIC) and _versions(work) != versions:
+            if name.startswith(SYMBOLIC) and _wrote_at_trace(versions, work):
                 raise RuntimeError(_WROTE_AT_TRACE)
         except Exception as e:
             failure = e

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import math
 import operator
 from typing import Any, NamedTuple, Optional
@@ -15,6 +16,8 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.ir.meta import FUSED, INSERTED_BY, PACKED, TENSOR, TensorInfo, tensor_infos
 from mpgraph.ir.ops import move_names
+
+log = logging.getLogger(__name__)
 
 # Ops whose output aliases their first input (a view), so mutating the output mutates the input.
 _VIEW_METHODS = move_names(lambda move: move.view)
@@ -308,16 +311,38 @@ def state_kept(module: torch.nn.Module):
     stacks |= {id(fetch_attr(module, path)) for path in weight_copy_paths(module)}
     # a tensor kept as a plain attribute (``self.mem = torch.zeros(d)``, no register_buffer)
     # that the forward updates in place is state as a buffer is: conversion's runs advanced it
-    plain = [t for m in module.modules() for k, t in vars(m).items()
-             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
-    saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module) + plain
-             if id(b) not in stacks]  # (FuseSiblingGemv's stacked weights: never written)
+    # (put back where its version moved; an expanded view cannot be written in place, and a
+    # large one, a table the forward only reads, is not copied on every run)
+    plain = [t for m in module.modules() for t in vars(m).values()
+             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+             and id(t) not in stacks and not _overlapping(t)]
+    small = [(t, t._version, t.clone()) for t in plain if t.numel() <= _PLAIN_COPIED]
+    large = [(t, t._version) for t in plain if t.numel() > _PLAIN_COPIED]
+    saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)
+             if id(b) not in stacks and not _overlapping(b)]  # (FuseSiblingGemv's stacks:
+    # never written; nor is an expanded view, which no in-place op can write)
     try:  # (kernels that update running statistics do not bump _version)
         yield
     finally:
         with torch.no_grad():
             for buf, copy in saved:
                 buf.copy_(copy)
+            for t, version, copy in small:
+                if t._version != version:
+                    t.copy_(copy)
+        for t, version in large:
+            if t._version != version:
+                log.warning("a tensor attribute of %d values (not a registered buffer) was "
+                            "written by a run conversion made and is left so: register it as a "
+                            "buffer (register_buffer) to have it put back", t.numel())
+
+
+_PLAIN_COPIED = 1 << 20  # values of a plain tensor attribute state_kept copies before a run
+
+
+def _overlapping(t: torch.Tensor) -> bool:
+    """An expanded view (stride 0 along a dimension of size > 1): its elements share memory."""
+    return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape))
 
 
 def run_recording(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node,
