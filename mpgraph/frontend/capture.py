@@ -552,21 +552,18 @@ def _read_but_ignored(model: torch.nn.Module, args: tuple, kwargs: dict, places:
         if not isinstance(value, torch.Tensor) or not value.numel() or is_abstract(value) \
                 or any(not _reads_metadata(user) for user in place.users):
             continue
-        refused = False
         for other in (_other_values(value), _other_values(value, first_only=True)):
             changed = pytree.tree_map(lambda v: other if v is value else v, (args, kwargs))
             try:
                 with torch.no_grad(), seeded(), state_kept(model):
                     got = model(*fresh(changed[0]), **fresh(changed[1]))
             except Exception:  # noqa: BLE001 - values it refuses: try fewer changed
-                refused = True
                 continue
             if not _same_leaves(got, want):
                 return (f"the graph ignores input {place.name}, which the model's output depends "
                         f"on")
-            refused = False
             break
-        if refused:  # (nothing shows the model ignores it as the graph does)
+        else:  # (it refused both: nothing shows the model ignores it as the graph does)
             return (f"the graph ignores input {place.name}, and the model refused other values "
                     f"of it, so it could not be shown to ignore it too")
     return None
@@ -587,21 +584,19 @@ def _other_values(t: torch.Tensor, first_only: bool = False) -> torch.Tensor:
     """A tensor like ``t`` with other values: noise added to floats, bools negated, integers
     0 where they were not and 1 where they were (valid indices, a mask turned over); with
     ``first_only``, only its first element changed (a float doubled, or 1 where it was 0)."""
-    if t.is_floating_point() or t.is_complex():
-        noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0))
-        other = t + noise.to(device=t.device, dtype=t.dtype)
-    elif t.dtype == torch.bool:
-        other = ~t
-    else:
-        other = (t == 0).to(t.dtype)
+    floating = t.is_floating_point() or t.is_complex()
     if first_only:
         mixed, first = t.clone(), (0,) * t.dim()  # (any strides: a transposed input too)
-        if t.is_floating_point() or t.is_complex():  # (its sign kept: a scale stays positive)
-            mixed[first] = t[first] * 2 if bool(t[first] != 0) else 1
-        else:
-            mixed[first] = other[first]
+        # (a float doubled, its sign kept: a scale stays positive)
+        mixed[first] = (t[first] * 2 if bool(t[first] != 0) else 1) if floating \
+            else _other_values(t[first])
         return mixed
-    return other
+    if floating:
+        noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0))
+        return t + noise.to(device=t.device, dtype=t.dtype)
+    if t.dtype == torch.bool:
+        return ~t
+    return (t == 0).to(t.dtype)
 
 
 def _narrowed(args: tuple, kwargs: dict, dim: int):
@@ -812,38 +807,33 @@ _WROTE_AT_TRACE = ("the forward wrote a parameter or buffer while fx traced it (
                    "would never make it")
 
 
-def _versions(model: torch.nn.Module) -> dict:
-    """What a write to the model's parameters and buffers changes: each one's version counter
-    and, where it holds values, its sum (a write through ``.data``, ``p.data.clamp_(...)``,
-    bumps no counter); one pass over the weights, for symbolic traces only."""
-    def stamp(t):
-        if t.is_meta or is_abstract(t) or not (t.is_floating_point() or t.is_complex()):
-            return t._version
-        return t._version, float(t.detach().sum(dtype=torch.complex128 if t.is_complex()
-                                                   else torch.float64).abs())
-    # (and the tensors kept as plain attributes, ``self.mem = torch.zeros(d)``: fx reads those
-    # as constants, runs a write into one, ``self.mem.mul_(0.5)``, at trace time, and records
-    # none of it)
-    # keyed by the tensor, not the name: one the forward replaces (self.last = h.detach())
-    # was not written, and what a trace sets there is no tensor
-    plain = {("plain", id(t)): (t, stamp(t)) for m in model.modules() for t in vars(m).values()
-             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)}
-    return {**{name: stamp(t) for name, t in (*model.named_parameters(),
-                                              *model.named_buffers())}, **plain}
+def _stamp(t: torch.Tensor):
+    """A tensor's version counter and, where it holds values, its sum (a write through
+    ``.data``, ``p.data.clamp_(...)``, bumps no counter)."""
+    if t.is_meta or is_abstract(t) or not (t.is_floating_point() or t.is_complex()):
+        return t._version
+    return t._version, float(t.detach().sum(dtype=torch.complex128 if t.is_complex()
+                                               else torch.float64).abs())
 
 
-def _wrote_at_trace(before: dict, model: torch.nn.Module) -> bool:
+def _versions(model: torch.nn.Module) -> tuple[dict, list]:
+    """What a write to the model's parameters and buffers changes, by name, and to the tensors
+    it keeps as plain attributes (``self.mem = torch.zeros(d)``: fx reads those as constants,
+    runs a write into one, ``self.mem.mul_(0.5)``, at trace time, and records none of it), by
+    tensor: one the forward replaces (``self.last = h.detach()``) was not written. One pass
+    over the weights, for symbolic traces only."""
+    named = {name: _stamp(t) for name, t in (*model.named_parameters(), *model.named_buffers())}
+    plain = [(t, _stamp(t)) for m in model.modules() for t in vars(m).values()
+             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+    return named, plain
+
+
+def _wrote_at_trace(before: tuple, model: torch.nn.Module) -> bool:
     """Whether a parameter, buffer or plain tensor attribute recorded in ``before``
     (``_versions``) was written since; a plain one only if the same tensor is still held."""
-    after = _versions(model)
-    for key, was in before.items():
-        if isinstance(key, tuple):  # (a plain attribute: its tensor and stamp)
-            now = after.get(key)
-            if now is not None and now[0] is was[0] and now[1] != was[1]:
-                return True
-        elif after.get(key) != was:
-            return True
-    return any(not isinstance(key, tuple) and key not in before for key in after)
+    named, plain = _versions(model)
+    now = {id(t): stamp for t, stamp in plain}
+    return named != before[0] or any(id(t) in now and now[id(t)] != was for t, was in before[1])
 
 
 def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:

@@ -259,7 +259,7 @@ def _copy_as_is(t: torch.Tensor) -> torch.Tensor:
             or type(t) not in (torch.Tensor, torch.nn.Parameter) \
             or torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.Python):
         return t.clone()  # (dense tensors keep their strides through clone as it is)
-    if all(s != 0 for s in t.stride()):  # (a slice of a large tensor: its own span only)
+    if not overlapping(t):  # (a slice of a large tensor: its own span only)
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
     copy = torch.empty(0, dtype=t.dtype, device=t.device)  # an expanded view: its storage
     return copy.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
@@ -315,11 +315,11 @@ def state_kept(module: torch.nn.Module):
     # large one, a table the forward only reads, is not copied on every run)
     plain = [t for m in module.modules() for t in vars(m).values()
              if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
-             and id(t) not in stacks and not _overlapping(t)]
+             and id(t) not in stacks and not overlapping(t)]
     small = [(t, t._version, t.clone()) for t in plain if t.numel() <= _PLAIN_COPIED]
     large = [(t, t._version) for t in plain if t.numel() > _PLAIN_COPIED]
     saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)
-             if id(b) not in stacks and not _overlapping(b)]  # (FuseSiblingGemv's stacks:
+             if id(b) not in stacks and not overlapping(b)]  # (FuseSiblingGemv's stacks:
     # never written; nor is an expanded view, which no in-place op can write)
     try:  # (kernels that update running statistics do not bump _version)
         yield
@@ -340,7 +340,7 @@ def state_kept(module: torch.nn.Module):
 _PLAIN_COPIED = 1 << 20  # values of a plain tensor attribute state_kept copies before a run
 
 
-def _overlapping(t: torch.Tensor) -> bool:
+def overlapping(t: torch.Tensor) -> bool:
     """An expanded view (stride 0 along a dimension of size > 1): its elements share memory."""
     return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape))
 

@@ -212,13 +212,8 @@ class CallSignature:
             for n, v in given.items() if n in self.fixed and not (n == "use_cache" and v is False)
             and (defaults.get(n, kinds.empty) is kinds.empty or not _same(v, defaults[n]))}
         # the model's own plain Python attributes (a temperature, a flag): traced as constants
-        # (a module convert returned, converted again: its plan and bookkeeping are not read by
-        # its forward, and the new module's own would be warned about as a change)
-        ours = {"meta", *getattr(model, "meta", {}).get("_user_preserved_attributes", ())} \
-            if isinstance(model, torch.fx.GraphModule) else set()
         self.attributes = {k: v for k, v in vars(model).items() if not k.startswith("_")
-                           and k != "training" and k not in ours
-                           and not isinstance(v, (torch.Tensor, torch.nn.Module))}
+                           and k != "training" and not isinstance(v, (torch.Tensor, torch.nn.Module))}
 
     def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Raise TypeError for a call the graph cannot honour; else the (args, kwargs) to call
@@ -1102,7 +1097,8 @@ class ConvertedModule(torch.fx.GraphModule):
             new.fused_weights.adopt(new, self)
         _keep_non_persistent(new, self)
         _keep_call_hooks(new, self)
-        refresh_weights(new)  # (a copy is traced before it is called: convert(fast), exports)
+        refresh_weights(new)  # (a copy may be traced before it is called: a capture of a model
+        # holding it, an export)
         return new
 
     @property

@@ -17,7 +17,8 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.graph import RecordingInterpreter, flat_inputs, fresh, seeded, state_kept
+from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, overlapping, seeded,
+                             state_kept)
 from mpgraph.ir.meta import PRECISION, TENSOR, is_inserted_cast, planned_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -36,8 +37,7 @@ def _round_(value, dtypes):
     view and its base, or an in-place op and what it wrote into, stay one storage."""
     if isinstance(value, torch.Tensor):
         # an expanded view (stride 0) holds its source's values: rounded where the source is
-        overlapping = any(s == 0 and n > 1 for s, n in zip(value.stride(), value.shape))
-        if dtypes in _LOW and value.dtype == torch.float32 and not overlapping:
+        if dtypes in _LOW and value.dtype == torch.float32 and not overlapping(value):
             value.copy_(value.to(dtypes))
         return
     if isinstance(value, (tuple, list)) and isinstance(dtypes, tuple) and len(dtypes) == len(value):
@@ -74,8 +74,7 @@ class SimulatingInterpreter(RecordingInterpreter):
         elif not self.rounding and is_inserted_cast(n):
             # float32's own value: the cast itself would overflow a value beyond fp16's range
             # to inf here, as the converted run does, and hide it from the guard
-            result = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
-                                     _up(self.env[n.args[0]]))
+            result = fresh(_up(self.env[n.args[0]]))
         else:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             low = planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION))

@@ -21,9 +21,10 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import MpgraphError
 from mpgraph.ir.graph import run_recording, target_name
-from mpgraph.ir.meta import PRECISION, is_inserted_cast
+from mpgraph.ir.meta import PRECISION, dtype_name, is_inserted_cast
 from mpgraph.ir.simulate import run_simulated
 from mpgraph.numerics import float_leaves
+
 
 class NonFiniteError(MpgraphError, FloatingPointError):
     """A guarded module's output went inf/NaN where float32's would not (``mpgraph.guard``)."""
@@ -96,8 +97,8 @@ def _message(module, node: torch.fx.Node, got: int, numel: int) -> str:
         # the way out is to keep its readers in float32 (a cast is not a node of the plan)
         source = node.args[0]
         readers = [u.name for u in node.users if u.name in records]
-        dtype = str(node.meta[PRECISION].dtype).replace("torch.", "") \
-            if PRECISION in node.meta else "the low dtype"
+        dtype = dtype_name(node.meta[PRECISION].dtype) if PRECISION in node.meta \
+            else "the low dtype"
         how = f"mpgraph's cast of {source.name} to {dtype} for {', '.join(readers) or 'its readers'}"
         record, keep = records.get(source.name), readers or [node.name]
     else:
