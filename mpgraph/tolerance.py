@@ -124,7 +124,7 @@ def _shares(base, call, conv: dict, low_nodes: list, output) -> Optional[dict[st
                                                                 enable_io_processing=False)
         pairs = [(c.detach().float(), r) for c, r in zip(float_leaves(output),
                                                           float_leaves(reference))
-                 if c.shape == r.shape]
+                 if c.shape == r.shape and r.is_floating_point()]
         errors = [relative_l2(c, r.detach()) for c, r in pairs]
         if not probes or not errors or not all(map(math.isfinite, errors)) or max(errors) == 0:
             return None

@@ -154,7 +154,8 @@ def value_stats(node: torch.fx.Node, value, measured: dict, mutated=frozenset())
     source = same_elements(node, value)
     if source in measured and source not in mutated:
         return measured[source]
-    return [tensor_stats(t) for t in float_leaves(value) if not is_abstract(t)]
+    return [tensor_stats(t) for t in float_leaves(value)
+            if t.is_floating_point() and not is_abstract(t)]
 
 
 @dataclass(frozen=True)

@@ -173,8 +173,7 @@ class CheckConversion(Pass):
         if error <= bound or self.tolerance is not None:
             return
         # (errors count the float outputs; the message, as the other checks, counts every leaf)
-        worst = [i for i, v in enumerate(outputs) if type(v) is float or (
-            isinstance(v, torch.Tensor) and v.is_floating_point())][errors.index(error)]
+        worst = float_leaf_positions(outputs)[errors.index(error)]
         where, names = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs),
                                       bound, worst)
         keep = ", ".join(f"{name!r}: 'fp32'" for name in names[:3]) or "'<node or module>': 'fp32'"

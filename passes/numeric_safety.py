@@ -82,7 +82,9 @@ RANGE_MARGIN = 2.0             # limit = finfo(low).max / margin (see the module
 SMALL_TENSOR = 16              # up to this many values: any underflow counts
 UNDERFLOW_FRACTION = 0.01      # larger tensors: this share of non-zero values flushed to zero
 UNDERFLOW_RULE = "underflow"   # the rule name of underflow findings (see the module docstring)
-PERIODIC = ("sin", "sin_", "cos", "cos_", "tan", "tan_")
+# op -> the place of its angle among its arguments (torch.polar(abs, angle): a complex
+# oscillator's phase)
+PERIODIC = {"sin": 0, "sin_": 0, "cos": 0, "cos_": 0, "tan": 0, "tan_": 0, "polar": 1}
 PERIODIC_LIMIT = 2 * math.pi   # an argument above one period: see ``periodic`` above
 AMPLIFICATION_LIMIT = 8.0      # rho / sqrt(K) of a buffer's reader: see ``conditioning`` above
 
@@ -492,17 +494,18 @@ def periodic_findings(gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
     (``periodic`` above)."""
     out: dict[torch.fx.Node, list[SafetyFinding]] = {}
     for node in gm.graph.nodes:
-        if node.op not in CALLS or op_name(node) not in PERIODIC or not node.args \
-                or not isinstance(node.args[0], torch.fx.Node):
+        at = PERIODIC.get(op_name(node)) if node.op in CALLS else None
+        angle = node.args[at] if at is not None and len(node.args) > at else None
+        if not isinstance(angle, torch.fx.Node):
             continue
-        r = node.args[0].meta.get(RANGE)
+        r = angle.meta.get(RANGE)
         if r is not None and r.absmax <= PERIODIC_LIMIT:
             continue
         seen = "not calibrated" if r is None else f"absmax {r.absmax:.3g}"
-        why = (f"{op_name(node)} of {node.args[0].name} ({seen} > {PERIODIC_LIMIT:.3g}, one "
+        why = (f"{op_name(node)} of {angle.name} ({seen} > {PERIODIC_LIMIT:.3g}, one "
                f"period): rounding the argument costs |x| times the dtype's rounding")
         out.setdefault(node, []).append(SafetyFinding("periodic", why))
-        stack, done = [node.args[0]], set()
+        stack, done = [angle], set()
         while stack:  # the argument's producers, through elementwise follow ops
             v = stack.pop()
             if v in done or v.op not in CALLS:

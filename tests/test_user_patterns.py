@@ -761,3 +761,54 @@ def test_a_model_that_removes_nan_itself_takes_nan_inputs():
     x[0, 0] = float("nan")
     fast = mpgraph.convert(Clean().eval(), (x,), target=GPU, strategy="rules")
     assert fast.plan.low_nodes
+
+
+# -- the probe of stop 44 ------------------------------------------------------------------------
+
+class Oscillator(nn.Module):
+    """A DDSP-style tone, returned complex: amplitude and phase from the conditioning."""
+
+    def __init__(self):
+        super().__init__()
+        self.freq, self.amp = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, cond):
+        phase = 2 * torch.pi * torch.cumsum((100 + 50 * torch.sigmoid(self.freq(cond))) / 16000, 1)
+        return torch.polar(nn.functional.softplus(self.amp(cond)), phase)
+
+
+def test_a_complex_output_is_checked_and_reported_as_measured():
+    """A complex output counted among no outputs: ``plan.check`` said "error 0" whatever it
+    held (its ``outputs`` empty), and a plan off by 0.22 passed."""
+    torch.manual_seed(0)
+    model, cond = Oscillator().eval(), torch.randn(2, 4000, 16)
+    fast = convert_rules(model, cond, dtype=torch.float16)
+    with torch.no_grad():
+        out, ref = fast(cond), model(cond)
+    measured = float((out - ref).abs().norm() / ref.abs().norm())
+    assert out.dtype == torch.complex64 and 1e-4 < measured < TOL[torch.float16]
+    assert fast.plan.check["outputs"] == [pytest.approx(measured, rel=0.05)]
+    assert fast.plan.check["error"] == pytest.approx(measured, rel=0.05)
+
+
+def test_the_angle_of_torch_polar_is_periodic_and_kept_float32():
+    """``torch.polar(abs, angle)`` with an angle of hundreds of radians: rounded to fp16, it is
+    off by a period's worth (0.22 rel. L2), as sin/cos of such arguments are."""
+    class PhaseModulator(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.phase, self.amp = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return torch.polar(self.amp(x).abs(), self.phase(x) * 1000)
+
+    torch.manual_seed(0)
+    model, x = PhaseModulator().eval(), torch.randn(4, 64)
+    fast = convert_rules(model, x, dtype=torch.float16)
+    polar = next(r for r in fast.plan.nodes if r.kind.endswith("polar"))
+    assert polar.dtype == "float32" and any(f.startswith("periodic") for f in polar.safety)
+    assert fast.plan.node("phase").dtype == "float32"  # it computes the angle
+    assert fast.plan.node("amp").dtype == "float16"
+    with torch.no_grad():
+        out, ref = fast(x), model(x)
+    assert float((out - ref).abs().norm() / ref.abs().norm()) < TOL[torch.float16]
