@@ -81,8 +81,10 @@ class SimulatingInterpreter(RecordingInterpreter):
             low = next((d for d in pytree.tree_leaves(low) if d in _LOW), None) \
                 if self.rounding else None
             # a recurrent layer in its planned low dtype: by this machine's kernel (_recurrent)
-            result = _recurrent(self.fetch_attr(n.target), low, args, kwargs) \
-                if n.op == "call_module" and low is not None else None
+            result = None if low is None else \
+                _recurrent(self.fetch_attr(n.target), low, args, kwargs) \
+                if n.op == "call_module" else _recurrent_op(n.target, low, args, kwargs) \
+                if n.op == "call_function" else None
             if result is None and n.op == "call_module":
                 module = self.fetch_attr(n.target)
                 key = ("module", n.target)  # one copy of its state per run, as for attributes
@@ -106,7 +108,7 @@ def _recurrent(module: torch.nn.Module, low: torch.dtype, args, kwargs):
     kernel: a GPU's keeps the hidden state in the low dtype from step to step, which rounding
     only what the layer returns misses (a 2-layer GRU's error was 1.75x the simulation's).
     None for any other module, or where this machine has no such kernel."""
-    if not isinstance(module, torch.nn.RNNBase):
+    if not isinstance(module, (torch.nn.RNNBase, torch.nn.RNNCellBase)):
         return None
 
     def down(v):
@@ -117,6 +119,26 @@ def _recurrent(module: torch.nn.Module, low: torch.dtype, args, kwargs):
         return torch.func.functional_call(module, copy, pytree.tree_map(down, tuple(args)),
                                           pytree.tree_map(down, kwargs))
     except RuntimeError:  # no such kernel here: simulated as any module (None)
+        return None
+
+
+_RECURRENT_OPS = {getattr(torch.ops.aten, name).default for name in
+                  ("gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell")}
+
+
+def _recurrent_op(target, low: torch.dtype, args, kwargs):
+    """A recurrent cell as torch.export keeps it (``aten.gru_cell``: a hand-written loop over
+    ``nn.GRUCell``) run in ``low`` by this machine's kernel, as ``_recurrent`` runs the modules
+    (its gates' pre-activations are stored low: a 30-step LSTMCell loop erred 2x the
+    simulation's); None for any other op, or where this machine has no such kernel."""
+    if target not in _RECURRENT_OPS:
+        return None
+
+    def down(v):
+        return v.to(low) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    try:
+        return target(*pytree.tree_map(down, tuple(args)), **pytree.tree_map(down, kwargs))
+    except RuntimeError:
         return None
 
 
