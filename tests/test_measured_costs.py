@@ -443,3 +443,31 @@ def test_costs_measured_on_a_busy_machine_are_measured_again_when_it_is_quieter(
         first.entries[k] = 1.0
     measured.measure(gm, (x,), {}, first, (BF16,))
     assert all(first.entries[k] is None or first.entries[k] < 1.0 for k in mine)
+
+
+class _CacheWrite(nn.Module):
+    """A KV cache as users write one: a buffer the forward writes by ``index_copy_``."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Linear(64, 64)
+        self.register_buffer("cache", torch.zeros(1, 16, 64))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(1, pos, self.k(x))
+        return self.cache.sum(1)
+
+
+def test_a_cache_named_low_on_a_cpu_that_emulates_the_dtype_converts(monkeypatch):
+    """bf16 named on a CPU that emulates it (its costs inf, never timed): the solver's hard
+    constraints took the inf too, the cache fixed to bf16 came out float32 from its writer's
+    side, and the check failed inside index_copy_ (the README's decoder with dtype='bf16')."""
+    monkeypatch.setattr(mpgraph.api, "emulated", lambda dtype, spec: True)  # as an AVX2 CPU
+    torch.manual_seed(0)
+    model, x, pos = _CacheWrite().eval(), torch.randn(1, 1, 64), torch.tensor([3])
+    fast = mpgraph.convert(model, (x, pos), dtype=BF16)
+    assert [r.dtype for r in fast.plan.nodes if "index_copy" in r.kind] == ["bfloat16"]
+    assert not model.cache.any()  # the model's own cache is untouched by the conversion
+    with torch.no_grad():
+        out, ref = fast(x, pos), model(x, pos)
+    assert out.dtype == FP32 and relative_l2(out, ref) < 1e-2

@@ -16,9 +16,11 @@ def brute_force(problem: Problem) -> float:
 
 
 @st.composite
-def problems(draw):
+def problems(draw, untimed=False):
     n = draw(st.integers(1, 9))
     costs = st.floats(0, 10, allow_nan=False, allow_infinity=False)
+    if untimed:  # a dtype this CPU emulates is never timed: its cost is inf
+        costs = st.one_of(costs, st.just(float("inf")))
     p = Problem()
     for i in range(n):
         p.cost[i] = (draw(costs), draw(costs))
@@ -44,6 +46,20 @@ def test_min_cut_matches_brute_force(problem):
     assert abs(value - brute_force(problem)) <= 1e-9 * max(1.0, value)
     for n, lab in problem.fixed.items():
         assert labels[n] == lab
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(untimed=True))
+def test_infinite_costs_leave_the_hard_constraints_hard(problem):
+    """An inf cost made the constraints' weight inf too, and they were cut like any cost: a KV
+    cache fixed to bf16 came out float32 from its writer's side (an internal error after)."""
+    labels, value = solve(problem)
+    for n, lab in problem.fixed.items():
+        assert labels[n] == lab
+    for a, b in problem.equal:
+        assert labels[a] == labels[b]
+    best = brute_force(problem)
+    assert value == best if best == float("inf") else abs(value - best) <= 1e-9 * max(1.0, best)
 
 
 def test_shared_cast_is_paid_once():

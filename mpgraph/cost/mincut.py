@@ -13,6 +13,8 @@ brute force on random problems.
 """
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -157,9 +159,20 @@ def solve(problem: Problem) -> tuple[dict[Hashable, int], float]:
     values = [v for v, readers in problem.reads.items() if readers]
     s, t = len(nodes) + 2 * len(values), len(nodes) + 2 * len(values) + 1
     g = _Flow(t + 1)
-    big = 1.0 + 2.0 * (sum(max(c) for c in problem.cost.values())
-                       + sum(sum(c) for c in problem.cast_cost.values()))
+    # an infinite cost (a dtype this CPU emulates, never timed) is finite here, above every
+    # finite cost together, and the hard constraints above all of them: an inf capacity made
+    # ``big`` inf too, and a fixed node or a tie was cut like any cost (a KV cache pinned to
+    # bf16 whose writer came out float32, an internal error in the check)
+    finite = [x for c in (*problem.cost.values(), *problem.cast_cost.values()) for x in c
+              if math.isfinite(x)]
+    soft = 1.0 + 2.0 * sum(finite)
+
+    def capped(x: float) -> float:
+        return x if math.isfinite(x) else soft
+    big = 1.0 + 2.0 * (sum(max(map(capped, c)) for c in problem.cost.values())
+                       + sum(sum(map(capped, c)) for c in problem.cast_cost.values()))
     for n, (c32, clow) in problem.cost.items():
+        c32, clow = capped(c32), capped(clow)
         base = min(c32, clow)  # only the difference matters for the cut
         g.add(s, index[n], clow - base)   # cut when n is low
         g.add(index[n], t, c32 - base)    # cut when n is fp32
@@ -169,7 +182,7 @@ def solve(problem: Problem) -> tuple[dict[Hashable, int], float]:
         g.add(index[a], index[b], big)
         g.add(index[b], index[a], big)
     for k, v in enumerate(values):
-        down, up = problem.cast_cost.get(v, (0.0, 0.0))
+        down, up = map(capped, problem.cast_cost.get(v, (0.0, 0.0)))
         a_down, a_up = len(nodes) + 2 * k, len(nodes) + 2 * k + 1
         g.add(index[v], a_down, down)          # fp32 value with a low reader: one cast down
         g.add(a_up, index[v], up)              # low value with an fp32 reader: one cast up
