@@ -23,12 +23,13 @@ from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, stage
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
-from mpgraph.numerics import float_leaves
-from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, seeded, state_kept, target_name,
-                              weight_copy_paths)
+from mpgraph.numerics import float_leaves, output_errors
+from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, run_recording, seeded, state_kept,
+                              target_name, weight_copy_paths)
 from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, TrainingFlag,
                                 WeightCopies, planned_layout, refuse_hooks)
-from mpgraph.ir.meta import (CONSTANT_INPUTS, FUSED, OP_CLASS, PRECISION, REFERENCE, TENSOR,
+from mpgraph.ir.meta import (CONSTANT_INPUTS, EVAL_OUTPUTS, FUSED, OP_CLASS, PRECISION,
+                             READS_TRAINING, REFERENCE, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
@@ -550,6 +551,8 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
     fuse = opts.plan is None or any(r.inserted_by == "FuseSiblingGemv" for r in opts.plan.nodes)
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train,
                                      opts.spec.kind, overrides=opts.overrides, fuse=fuse), gm)
+    if EVAL_OUTPUTS in gm.meta:
+        _say_if_eval_differs(gm, model, args, kwargs, gm.meta.pop(EVAL_OUTPUTS))
     simulate = elsewhere(opts.spec, args, kwargs, model)
     base = copy.deepcopy(gm) if opts.tolerance is not None else None
     from_plan = None
@@ -618,6 +621,39 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
             keep_fp32 = (f"no node is faster in {' or '.join(chosen['candidates'])} "
                          f"than in float32 on {costs.name} ({costs.source})")
     return gm, report, low, keep_fp32, chosen
+
+
+def _say_if_eval_differs(gm, model, args, kwargs, evaluated) -> None:
+    """A model in eval mode converted with mode='train' is traced in training mode, so that
+    dropout and batch norm train, and starts in eval mode; dropout and batch norm switch, but a
+    Python branch on ``self.training`` (Mixtral's router jitter, a noise layer's
+    ``if self.training: h = h + noise``) stays the training one. Its float32 graph in eval mode
+    is compared with the model's eval forward on the example inputs, and a difference is said:
+    a validation loop in eval mode got the training branch's values (1.32 off), silently."""
+    flags = {m: m.training for m in gm.modules()}
+    torch.nn.Module.train(gm, False)
+    try:
+        errors = output_errors(run_recording(gm, args, kwargs, lambda node, value: None),
+                               evaluated)
+    except Exception as e:  # noqa: BLE001 (outputs that do not pair up: nothing to say)
+        log.info("eval mode not compared with the model's: %s", e)
+        return
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+    worst = max(errors, default=0.0)
+    if worst > 1e-4:
+        readers = gm.meta.get(READS_TRAINING, ((), True))[0]
+        where = f" ({', '.join(readers[:3])} read it)" if readers else ""
+        warnings.warn(
+            f"{type(model).__name__} is in eval mode and converted with mode='train': the graph "
+            "is traced in training mode (so that dropout and batch norm train) and starts in "
+            "eval mode, where dropout and batch norm switch, but in eval mode it computes "
+            f"other values than the model does ({worst:.3g} relative L2 on the example inputs, "
+            f"in float32): a branch on self.training in the forward{where} keeps what training "
+            "mode does. Evaluate with a conversion of the model in eval mode "
+            "(mpgraph.convert(model.eval(), ...) with the trained weights: "
+            "load_state_dict(fast.state_dict()))", UserWarning, stacklevel=4)
 
 
 def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torch.dtype, dict]:

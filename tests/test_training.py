@@ -1,5 +1,6 @@
 """mode="train": float32 master weights cast once per forward, backward through every cast."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -339,3 +340,43 @@ def test_residual_adds_read_low_inputs_without_a_cast_kernel():
         assert not [c for c in gm.plan.casts if c.value in low_inputs and r.name in c.consumers]
     with torch.no_grad():  # exact: promotion computes what cast-then-add computes
         assert torch.isfinite(gm(ids)).all()
+
+
+class _NoisyInTraining(nn.Module):
+    """Noise injection, training only, by a Python branch (and dropout, which switches)."""
+
+    def __init__(self, noisy=True):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(64, 64), nn.Linear(64, 10), nn.Dropout(0.2)
+        self.noisy = noisy
+
+    def forward(self, x):
+        h = self.drop(F.relu(self.fc1(x)))
+        if self.training and self.noisy:
+            h = h + 0.5 * torch.randn_like(h)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("noisy", [True, False])
+def test_an_eval_model_with_a_training_branch_converted_to_train_says_eval_differs(noisy):
+    """A model in eval mode (from_pretrained's) converted with mode='train' is traced in
+    training mode and starts in eval mode: dropout switches, a Python branch on self.training
+    does not. A validation loop in eval mode got the training branch's noise (1.3 off the
+    model), without a word; now a warning says so, with the measured difference."""
+    torch.manual_seed(0)
+    model, x = _NoisyInTraining(noisy).eval(), torch.randn(16, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = convert_rules(model, (x,), dtype=torch.bfloat16, mode="train")
+    said = [str(w.message) for w in caught if "converted with mode='train'" in str(w.message)]
+    with torch.no_grad():
+        error = relative_l2(fast(x), model(x))
+    assert not fast.training
+    if noisy:
+        assert error > 0.5 and len(said) == 1
+        assert "in eval mode it computes other values than the model does" in said[0]
+        assert "mpgraph.convert(model.eval(), ...)" in said[0]
+        measured = float(said[0].split("does (")[1].split(" relative")[0])
+        assert 0.5 < measured < 5  # (the float32 graph's difference: the noise)
+    else:
+        assert error < 2e-2 and not said

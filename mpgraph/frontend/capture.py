@@ -29,7 +29,8 @@ from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
-from mpgraph.ir.meta import CAPTURE, CAPTURED_TRAINING, OBSERVED, READS_TRAINING, STATIC_SHAPES
+from mpgraph.ir.meta import (CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, OBSERVED, READS_TRAINING,
+                             STATIC_SHAPES)
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 from mpgraph.ir.fake import fake_mode, is_abstract
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
@@ -343,35 +344,41 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     except Exception as e:
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
-    if training and not model.training and has_inputs and abstract is None \
-            and _trains_alike(work, args, kwargs):
+    evaluated = _trains_alike(work, args, kwargs) \
+        if training and not model.training and has_inputs and abstract is None else None
+    if evaluated is not None:
         work.train()
     if abstract is not None:
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
     with _CAPTURE_LOCK, fake_mode(abstract):
-        return _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+        gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+    if evaluated is not None:  # (compared with the graph in eval mode: api._eval_differs)
+        gm.meta[EVAL_OUTPUTS] = evaluated
+    return gm
 
 
-def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict):
     """Whether a model in eval mode runs in training mode too and returns the same structure
     there: then its training conversion is traced in training mode (``capture``'s
-    ``training``). Not where its training forward fails (batch norm given a batch of one) or
-    returns something else (Inception's auxiliary logits): that model is traced as it is, in
-    eval mode, as before. Runs ``work`` (the copy) twice; its state is put back."""
+    ``training``), and this returns its outputs in eval mode (what the converted module, in
+    eval mode, is compared with); else None. Not where its training forward fails (batch norm
+    given a batch of one) or returns something else (Inception's auxiliary logits): that model
+    is traced as it is, in eval mode, as before. Runs ``work`` (the copy) twice; its state is
+    put back."""
     outs = []
     try:
         for mode in (False, True):
-            outs.append(pytree.tree_structure(run_kept(work.train(mode), args, kwargs)))
+            outs.append(run_kept(work.train(mode), args, kwargs))
     except Exception as e:  # noqa: BLE001 - traced in eval mode instead
         log.info("not traced in training mode: its training forward fails: %s", _brief(e))
-        return False
+        return None
     finally:
         work.eval()
-    if outs[0] != outs[1]:
+    if pytree.tree_structure(outs[0]) != pytree.tree_structure(outs[1]):
         log.info("not traced in training mode: it returns another structure there")
-        return False
-    return True
+        return None
+    return outs[0]
 
 
 def computed_attributes(model: torch.nn.Module) -> dict:

@@ -37,6 +37,7 @@ EVAL_ONLY = "mpgraph.eval_only"
 # by capture: a Python branch on it is fixed in the graph, and .train()/.eval() say so
 READS_TRAINING = "mpgraph.reads_training"
 CAPTURED_TRAINING = "mpgraph.captured_training"  # gm.meta: the flag the graph was traced under
+EVAL_OUTPUTS = "mpgraph.eval_outputs"  # gm.meta: an eval model's outputs, traced in training mode
 CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckConversion's value check
 # node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that
 # run (passes.calibrate.Observation). Calibrate takes the example batch from it, then drops it
