@@ -13,7 +13,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.graph import fetch_attr, is_conv2d, set_attr, with_data
+from mpgraph.ir.graph import fetch_attr, is_conv2d, set_attr, target_name, with_data
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, REFERENCE, TENSOR, Decision,
                              OpInfo, TensorInfo, is_inserted_cast)
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
@@ -41,6 +41,26 @@ def _channels_last_inputs(gm) -> bool:
     found = [] if reference is None else pytree.tree_leaves((reference.args, reference.kwargs))
     return any(isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
                and t.is_contiguous(memory_format=CL) for t in found)
+
+
+# ops that draw one random number per element in memory order: given an NHWC value they draw
+# another mask than the model's NCHW one (dropout on a conv feature map: a check that failed at
+# 0.75 on a right conversion, a noise layer's randn_like at 1.06)
+RANDOM = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+          "dropout1d", "dropout2d", "dropout3d", "randn_like", "rand_like", "randint_like",
+          "bernoulli", "normal", "uniform", "exponential", "geometric", "cauchy", "log_normal",
+          "poisson", "multinomial", "rrelu", "rrelu_with_noise"}
+
+
+def _draws_random(node: torch.fx.Node, gm) -> bool:
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = target_name(node).split(".")
+    name = name[1] if name[0] == "aten" and len(name) > 1 else name[-1]
+    return name in RANDOM
 
 
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
@@ -86,7 +106,8 @@ class ChannelsLast(Pass):
     def _keep_model_layout(self, gm, convs) -> int:
         """``contiguous()`` (free on a contiguous tensor) before what sees the layout: each
         ``view`` of a value the NHWC convolutions reach (the model's own ``x.view(B, -1)`` after
-        a conv failed on NHWC strides), and each 4-D output they reach (a user's
+        a conv failed on NHWC strides), each random draw on one (``RANDOM``: the model's mask is
+        drawn in NCHW order), and each 4-D output they reach (a user's
         ``out.view(B, -1)`` failed on the converted module's NHWC output), unless the example
         inputs were channels_last: torch's convolutions then return NHWC in the model too."""
         reached, stack = set(convs), list(convs)
@@ -118,7 +139,7 @@ class ChannelsLast(Pass):
             x = node.args[0] if node.args else None
             if x in reached and _four_d(x) and (
                     (node.op == "call_method" and node.target == "view")
-                    or node.target is torch.ops.aten.view.default):
+                    or node.target is torch.ops.aten.view.default or _draws_random(node, gm)):
                 node.replace_input_with(x, nchw(x, node))
         if _channels_last_inputs(gm):  # torch's convs keep it: the model returns NHWC too
             return edits
