@@ -868,3 +868,51 @@ def test_random_draws_on_an_nhwc_conv_map_take_the_models_layout(kind, mode):
     torch.manual_seed(1)
     ref = model(x)
     assert rel_err(out, ref) < 1e-2
+
+
+class PackedClassifier(nn.Module):
+    """A GRU fed the caller's PackedSequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(16, 32, batch_first=True), nn.Linear(32, 4)
+
+    def forward(self, packed):
+        _, h = self.rnn(packed)
+        return self.fc(h[-1])
+
+
+class CTCHead(nn.Module):
+    """An ASR head that returns its CTC loss beside the log-probabilities."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.out = nn.Linear(40, 64), nn.Linear(64, 20)
+        self.ctc = nn.CTCLoss(blank=0, zero_infinity=True)
+
+    def forward(self, feats, targets, in_lens, tgt_lens):
+        lp = self.out(torch.relu(self.enc(feats))).log_softmax(-1).transpose(0, 1)
+        return self.ctc(lp, targets, in_lens, tgt_lens), lp
+
+
+@pytest.mark.parametrize("case", ["packed", "ctc"])
+def test_ops_fake_tensors_cannot_run_are_checked_by_a_real_run(case):
+    """The check takes a GPU plan's dtypes from a run on fake tensors, which cannot run a GRU
+    given a PackedSequence or a CTC loss (sizes read from values): every GPU-target conversion
+    of such a model was a PassError from inside torch, check='dtypes' and all-float32 plans too."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+    torch.manual_seed(0)
+    if case == "packed":
+        model = PackedClassifier().eval()
+        args = (pack_padded_sequence(torch.randn(3, 7, 16), torch.tensor([7, 4, 2]),
+                                     batch_first=True),)
+    else:
+        model = CTCHead().eval()
+        args = (torch.randn(3, 30, 40), torch.randint(1, 20, (3, 8)), torch.tensor([30, 25, 20]),
+                torch.tensor([8, 6, 5]))
+    fast = convert_rules(model, args)
+    assert fast.plan.low_nodes
+    with torch.no_grad():
+        measured = mpgraph.numerics.output_errors(fast(*args), model(*args))
+    assert max(measured) < TOL[torch.float16]
+    assert fast.plan.check["outputs"] == pytest.approx(measured, rel=0.2, abs=1e-6)
