@@ -916,3 +916,22 @@ def test_ops_fake_tensors_cannot_run_are_checked_by_a_real_run(case):
         measured = mpgraph.numerics.output_errors(fast(*args), model(*args))
     assert max(measured) < TOL[torch.float16]
     assert fast.plan.check["outputs"] == pytest.approx(measured, rel=0.2, abs=1e-6)
+
+
+def test_a_torchscript_submodule_is_named_with_the_way_out():
+    """fx failed inside a ScriptModule with mpgraph's own cleanup error ("'OrderedDictWrapper'
+    object has no attribute 'clear'"), export with "not an instance of torch.nn.Parameter":
+    neither named TorchScript nor the submodule."""
+
+    class Scripted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.enc(x))
+
+    with pytest.raises(mpgraph.CaptureError, match=r"enc is a TorchScript module .* Convert the "
+                                                   r"model built with the eager module"):
+        mpgraph.convert(Scripted().eval(), torch.randn(2, 8))

@@ -337,6 +337,16 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         return outside_inference_mode(capture, locals())
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    scripted = [path or type(model).__name__ for path, m in model.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:  # (fx and torch.export both fail inside it, with errors that name neither)
+        top = [p for p in scripted if not any(p.startswith(q + ".") for q in scripted)]
+        raise CaptureError({"TorchScript": (
+            f"{', '.join(top[:3])} {'is a' if len(top) == 1 else 'are'} TorchScript module"
+            f"{'' if len(top) == 1 else 's'} (torch.jit.script/trace), which neither "
+            "torch.fx nor torch.export traces into. Convert the model built with the eager "
+            "module in its place (script it after converting, or not at all: the converted "
+            "module runs under torch.compile)")})
     args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))
     has_inputs = example_inputs is not None or example_kwargs is not None
     try:
