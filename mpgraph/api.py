@@ -464,6 +464,7 @@ class Options:
         else:
             low = resolve_dtype(dtype)
         spec = resolve_target(target)
+        _check_override_keys(overrides)
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if costs is not None and not isinstance(costs, CostModel):
@@ -621,6 +622,24 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
             keep_fp32 = (f"no node is faster in {' or '.join(chosen['candidates'])} "
                          f"than in float32 on {costs.name} ({costs.source})")
     return gm, report, low, keep_fp32, chosen
+
+
+def _check_override_keys(overrides) -> None:
+    """Overrides map node names or module-path globs (strings) to dtypes: anything else failed
+    deep in a pass ("object of type 'int' has no len()" for ``{0: 'fp32'}``, an nn.Sequential
+    child's index) or in dict() ("dictionary update sequence element #0 ...")."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise TypeError(f"overrides must be a dict of node names or module-path globs to dtypes "
+                        f"({{'encoder.layer.0.*': 'fp32', 'fc2': 'low'}}), got "
+                        f"{type(overrides).__name__} {overrides!r:.80}")
+    bad = [k for k in overrides if not isinstance(k, str)]
+    if bad:
+        hint = (f" (an nn.Sequential's child is named by its index as a string: "
+                f"{{'{bad[0]}': 'fp32'}})") if isinstance(bad[0], int) else ""
+        raise TypeError(f"overrides keys are node names or module-path globs, as strings: "
+                        f"{bad[0]!r} ({type(bad[0]).__name__}) is not one{hint}")
 
 
 def _say_if_eval_differs(gm, model, args, kwargs, evaluated) -> None:

@@ -935,3 +935,17 @@ def test_a_torchscript_submodule_is_named_with_the_way_out():
     with pytest.raises(mpgraph.CaptureError, match=r"enc is a TorchScript module .* Convert the "
                                                    r"model built with the eager module"):
         mpgraph.convert(Scripted().eval(), torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({0: "fp32"}, r"0 \(int\) is not one \(an nn.Sequential's child is named by its index as a "
+                  r"string: \{'0': 'fp32'\}\)"),
+    ({("0",): "fp32"}, r"\('0',\) \(tuple\) is not one$"),
+    (["0"], r"overrides must be a dict of node names or module-path globs to dtypes"),
+])
+def test_overrides_that_are_not_string_keyed_dicts_are_named(overrides, words):
+    """``{0: 'fp32'}`` (an nn.Sequential's child by its index) failed inside a pass: "object of
+    type 'int' has no len()"; a list, inside dict()."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    with pytest.raises(TypeError, match=words):
+        mpgraph.convert(model, torch.randn(2, 8), overrides=overrides, target=GPU)
