@@ -208,6 +208,16 @@ def test_op_the_opset_cannot_express_is_an_export_error_and_leaves_nothing(tmp_p
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("opset", [7, 17, 99, 0, 18.0, True])
+def test_an_opset_the_exporter_cannot_write_is_a_value_error(tmp_path, opset):
+    """opset=7 and opset=99 wrote opset 18, and opset=0 the default 23, each with exit code 0
+    and nothing in the result that said so."""
+    with pytest.raises(ValueError, match=r"opset must be an int from 18 to \d+ .* got "
+                                         + re.escape(repr(opset))):
+        export_onnx(MLP().eval(), torch.randn(2, 16), tmp_path / "x.onnx", opset=opset)
+    assert os.listdir(tmp_path) == []
+
+
 class NoOnnx(nn.Module):
     def forward(self, x):
         return torch.linalg.inv(x) + 1  # neither ONNX exporter can translate a matrix inverse

@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "a100-80gb"  # what a plan is made for when no GPU is here and none is named
 DEFAULT_OPSET = 23  # the first opset with an Attention op whose softmax precision can be stated
+MIN_OPSET = 18  # torch.onnx's dynamo exporter writes opset 18 and converts it up from there
+
+
+def _max_opset() -> int:
+    import onnx
+    return onnx.defs.onnx_opset_version()
 EXTERNAL_DATA_THRESHOLD = 1 << 30  # bytes of weights above which they go to a .data file
 _PROTOBUF_LIMIT = (1 << 31) - (1 << 26)  # one protobuf must stay under 2 GiB, with room for the graph
 
@@ -379,6 +385,13 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(export_onnx, locals())
     ir = _onnx_modules()
+    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int)
+                              or not MIN_OPSET <= opset <= _max_opset()):
+        # (torch's exporter writes opset 18 and converts to others: below 18 the conversion
+        # failed and opset 18 was written, silently)
+        raise ValueError(f"opset must be an int from {MIN_OPSET} to {_max_opset()} (the opsets "
+                         f"torch.onnx's exporter and this onnx write; default {DEFAULT_OPSET}), "
+                         f"got {opset!r}")
     if target is None:
         target = "cuda" if torch.cuda.is_available() else DEFAULT_TARGET
     path = _check_destination(path)
@@ -455,7 +468,10 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
             if _initializer_bytes(model) > min(external_data_threshold, _PROTOBUF_LIMIT):
                 data = name + ".data"
             ir.save(model, os.path.join(workdir, name), external_data=data)
-        result = ExportResult(path=path, exporter=exporter, opset=model.opset_imports.get("", opset),
+        written = model.opset_imports.get("", opset)
+        if written != opset and not any("opset" in f for f in fallbacks):
+            fallbacks.append(f"asked for opset {opset}, the exporter wrote opset {written}")
+        result = ExportResult(path=path, exporter=exporter, opset=written,
                               plan=converted.plan, external_data=data, casts_in_file=in_file,
                               casts_expected=expected, cast_differences=differences, edits=edits,
                               fallbacks=fallbacks)
