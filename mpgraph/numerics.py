@@ -92,12 +92,16 @@ def _is_float(leaf) -> bool:
 
 
 def discrete_mismatches(outputs: Any, references: Any) -> dict[str, float]:
-    """Of each integer or bool tensor output (an argmax, a mask, quantised codes), the fraction
-    of its values that differ from float32's, by its place among the outputs' leaves
-    (``leaves``), where any differ: rounding moves a value across a threshold or a rounding
+    """Of each integer or bool output (an argmax, a mask, quantised codes, a count's
+    ``.item()``), the fraction of its values that differ from float32's, by its place among the
+    outputs' leaves (``leaves``), where any differ: rounding moves a value across a threshold or a rounding
     boundary, which no relative error says."""
     differ = {}
     for i, (g, w) in enumerate(zip(leaves(outputs), leaves(references))):
+        if type(g) in (int, bool) and type(w) is type(g):  # ``n.item()``: one value
+            if g != w:
+                differ[str(i)] = 1.0
+            continue
         if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and g.shape == w.shape \
                 and g.numel() and not (g.is_floating_point() or g.is_complex()):
             fraction = float((g.detach().cpu() != w.detach().cpu()).float().mean())

@@ -949,3 +949,17 @@ def test_overrides_that_are_not_string_keyed_dicts_are_named(overrides, words):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
     with pytest.raises(TypeError, match=words):
         mpgraph.convert(model, torch.randn(2, 8), overrides=overrides, target=GPU)
+
+
+def test_a_python_int_output_that_differs_is_reported_and_100_percent_reads_so():
+    """A count returned as ``n.item()`` beside the tensor ``n``: only the tensor was reported
+    among the integer outputs that differ, and the summary said "1e+02%"."""
+    import dataclasses
+    from mpgraph.numerics import discrete_mismatches
+    h = torch.ones(3)
+    got = discrete_mismatches((h, 4906, torch.tensor(4906), 7, True),
+                              (h, 4927, torch.tensor(4927), 7, True))
+    assert got == {"1": 1.0, "2": 1.0}  # (the equal int and bool are not listed)
+    fast = convert_rules(nn.Linear(8, 8).eval(), (torch.randn(2, 8),), dtype=torch.bfloat16)
+    plan = dataclasses.replace(fast.plan, check={**fast.plan.check, "discrete": got})
+    assert "100% of output 1's values, 100% of output 2's values differ" in plan.summary()

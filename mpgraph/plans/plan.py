@@ -299,7 +299,7 @@ class Plan:
             differ = self.check.get("discrete") or {}
             if differ:
                 text += ("; integer/bool outputs: " + ", ".join(
-                    f"{100 * d:.2g}% of output {i}'s values" for i, d in differ.items()) +
+                    f"{100 * d:.3g}% of output {i}'s values" for i, d in differ.items()) +
                     " differ from float32's")
         if self.tolerance:
             t = self.tolerance
