@@ -669,6 +669,9 @@ def test_load_weights_into_a_decoder_keeps_its_graphs_sharing_and_gives_the_new_
     decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS, dtype="fp16",
                                       target=GPU)
     assert decoder.sharing.unshared == []
+    converted = decoder.sharing.bytes_shared
+    assert converted > 0 and converted == decoder.sharing.bytes_separate - \
+        decoder.sharing.bytes_stored
     other = gpt2()
     torch.manual_seed(3)
     with torch.no_grad():
@@ -682,6 +685,7 @@ def test_load_weights_into_a_decoder_keeps_its_graphs_sharing_and_gives_the_new_
                                               dtype="fp16", target=GPU)
         assert mpgraph.load_weights(decoder, weights) is decoder
         assert decoder.sharing.unshared == []
+        assert decoder.sharing.bytes_shared == converted  # (it said 0 after a load)
         for name, p in decoder.decode.named_parameters():
             assert fetch_attr(decoder.prefill, name) is p, name
         stats = compare(other, decoder, torch.float16, prompt())

@@ -263,7 +263,7 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
     fused = getattr(decode, "fused_weights", None)
     stacks, members = (fused.stacks, fused.members) if fused is not None else (set(), set())
     separate = _storage_bytes(list(ours.values()))[1] + _storage_bytes(list(theirs.values()))[1]
-    shared, unshared, saved, rejoin = [], [], 0, []
+    shared, unshared, rejoin = [], [], []
     for name, t in theirs.items():
         src = ours.get(name)
         why = None
@@ -282,12 +282,9 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
                    f"{src.stride()}, which one of its ops reads as laid out")
         if why is None:
             if name in members and src is not t:  # a row of a stack the decode graph reads:
-                saved += src.numel() * src.element_size()  # the stack takes the prefill graph's
-                set_attr(decode, name, src)  # values (a load), then both graphs read its view
-                rejoin.append(name)
+                set_attr(decode, name, src)  # the stack takes the prefill graph's values (a
+                rejoin.append(name)          # load), then both graphs read its view
             elif src is not t:
-                saved += t.untyped_storage().nbytes() if t.untyped_storage().data_ptr() != \
-                    src.untyped_storage().data_ptr() else 0
                 if src.stride() == t.stride():
                     set_attr(decode, name, src)
                 else:  # the layout the decode plan stored it in (a Conv1D weight transposed
@@ -307,7 +304,9 @@ def share_tensors(prefill: torch.nn.Module, decode: torch.nn.Module,
             unshared.append((name, "only in the prefill graph"))
     count, stored = _storage_bytes(list(_tensors(prefill).values())
                                    + list(_tensors(decode).values()))
-    return Sharing(shared, unshared, saved, stored, separate, count)
+    # (what sharing saves, whether this call or an earlier one pointed the graphs at one copy:
+    # counted from what it re-pointed, a second call, after load_weights, said 0.00 MiB)
+    return Sharing(shared, unshared, max(0, separate - stored), stored, separate, count)
 
 
 @dataclasses.dataclass(frozen=True)
