@@ -659,6 +659,39 @@ def test_decode_calibration_stays_within_the_model_s_positions():
         decoder.generate(ids, max_new_tokens=30 - PROMPT + 1)
 
 
+def test_the_position_table_counts_real_tokens_and_bad_ids_are_named():
+    """Left padding takes no position: a padded batch whose real tokens and new ones fit the
+    table was refused by its padded length (HF runs it). An example prompt that fills the
+    table was a CaptureError blaming the inputs (the decode graph's example sat past it); a
+    token id outside the vocabulary, an IndexError from inside the graph."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=30,
+        pad_token_id=0)).eval()
+    ids = prompt(rows=2, length=10)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # row 0: 5 real tokens; row 1: 10
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)
+    new = 30 - 10  # the longest row's real tokens and these fill the table exactly
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+    assert torch.equal(decoder.generate(ids, attention_mask=mask, max_new_tokens=new), want)
+    with pytest.raises(ValueError, match=r"10 prompt tokens \+ 21 new tokens exceed"):
+        decoder.generate(ids, attention_mask=mask, max_new_tokens=new + 1)
+    with pytest.raises(ValueError, match=r"input_ids holds token id 100, outside the model's "
+                                         r"vocabulary of 100 \(ids 0..99\)"):
+        decoder.generate(ids.masked_fill(ids == ids.max(), 100), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"forced_tokens holds token id -1"):
+        decoder.generate(ids, max_new_tokens=2, forced_tokens=torch.full((2, 2), -1))
+    with pytest.raises(ValueError, match=r"the 30-token example prompt fills the model's learned "
+                                         r"position table \(transformer\.wpe: 30 positions\)"):
+        mpgraph.convert_decoder(model, prompt(rows=1, length=30), max_cache_len=SLOTS)
+    with pytest.raises(TypeError, match=r"GPT2Model has no language-model head .* the "
+                                        r"\*ForCausalLM class"):
+        mpgraph.convert_decoder(model.transformer, ids, max_cache_len=SLOTS)
+
+
 def test_load_weights_into_a_decoder_keeps_its_graphs_sharing_and_gives_the_new_model_s_logits(
         tmp_path):
     """A decoder converted once takes other weights of the same model (its state dict or its

@@ -74,6 +74,11 @@ class StaticCacheStep(torch.nn.Module):
         if config is None:
             raise TypeError(f"expected a HuggingFace causal LM (with .config), got "
                             f"{type(model).__name__}")
+        head = getattr(model, "get_output_embeddings", None)
+        if head is None or head() is None:  # (its output has no logits to generate from)
+            raise TypeError(f"{type(model).__name__} has no language-model head (it returns "
+                            "hidden states, not logits): convert_decoder takes a causal LM, "
+                            "the *ForCausalLM class (LlamaForCausalLM, not LlamaModel)")
         params = inspect.signature(model.forward).parameters
         if "cache" not in params:
             raise TypeError(f"{type(model).__name__}.forward takes no `cache` argument: not a "
@@ -177,11 +182,16 @@ def _position_table(decoder) -> Optional[tuple[str, int]]:
     """(name, positions) of the decoder's learned position table, if it has one (GPT-2's
     ``wpe``, OPT's ``embed_positions``, with its offset of 2): a sequence longer than it makes
     positions that index out of range inside the graph."""
-    text = decoder.config.get_text_config(decoder=True)
+    return _learned_positions(decoder.config, decoder.prefill)
+
+
+def _learned_positions(config, module) -> Optional[tuple[str, int]]:
+    """``_position_table`` of a model (its config, and a module holding its parameters)."""
+    text = config.get_text_config(decoder=True)
     limit = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None)
     if not isinstance(limit, int):
         return None
-    for name, t in decoder.prefill.named_parameters():
+    for name, t in module.named_parameters():
         owner, _, leaf = name.rpartition(".")
         last = owner.rpartition(".")[2]
         if leaf == "weight" and t.dim() == 2 and ("pos" in last or last == "wpe") \
@@ -513,6 +523,11 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
         raise ValueError(f"max_cache_len={max_cache_len} leaves no slot after the "
                          f"{length}-token example prompt")
     step = StaticCacheStep(model, batch, max_cache_len)
+    table = _learned_positions(model.config, model)
+    if table is not None and length >= table[1]:  # (the decode graph's example: one more)
+        raise ValueError(f"the {length}-token example prompt fills the model's learned position "
+                         f"table ({table[0]}: {table[1]} positions), leaving none for a "
+                         "generated token: give a shorter example prompt")
     step.training = model.training  # a new Module says "training"; the model's flag, unchanged
     if model.training:
         warnings.warn(f"{type(model).__name__} is in training mode; generation wants "
@@ -733,14 +748,16 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if length + new > slots:
         raise ValueError(f"{length} prompt tokens + {new} new tokens exceed the "
                          f"cache's {slots} slots (convert_decoder(..., max_cache_len=...))")
-    table = _position_table(decoder) if length + new > 1 else None
-    if table is not None and length + new > table[1]:
-        raise ValueError(f"{length} prompt tokens + {new} new tokens exceed the model's learned "
-                         f"position table ({table[0]}: {table[1]} positions; positions past it "
-                         "do not exist, as in HF's generate): generate fewer tokens")
     if forced_tokens is not None and tuple(forced_tokens.shape) != (rows, new):
         raise ValueError(f"forced_tokens must be (batch, new tokens) = {(rows, new)}, got "
                          f"{tuple(forced_tokens.shape)}")
+    vocab = getattr(decoder.config.get_text_config(decoder=True), "vocab_size", None)
+    for what, tokens in (("input_ids", ids), ("forced_tokens", forced_tokens)):
+        if isinstance(vocab, int) and tokens is not None and tokens.numel() and (
+                int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+            raise ValueError(f"{what} holds token id {bad}, outside the model's vocabulary of "
+                             f"{vocab} (ids 0..{vocab - 1})")  # (an IndexError inside the graph)
     rules._prepare_special_tokens(config, attention_mask is not None, device, rows)
     if attention_mask is None:  # HF's: 0 on the pad id where it is in the prompt and not EOS
         given = rules._prepare_attention_mask_for_generation(ids, config, {})
@@ -759,6 +776,12 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
                           "input_ids end in the pad id, so the inferred attention_mask has")
                          + " padding on the right: pad prompts on the left "
                          "(tokenizer.padding_side = 'left') for generation")
+    table = _position_table(decoder) if length + new > 1 else None
+    real = int(given.sum(dim=1).max())  # positions count real tokens: left padding takes none
+    if table is not None and real + new > table[1]:
+        raise ValueError(f"{real} prompt tokens + {new} new tokens exceed the model's learned "
+                         f"position table ({table[0]}: {table[1]} positions; positions past it "
+                         "do not exist, as in HF's generate): generate fewer tokens")
     # the processors and criteria see the prompt's rows only, as HF's; the graphs take the
     # cache's batch: a smaller one is filled with copies of the first row, dropped at the end
     processors = rules._get_logits_processor(
