@@ -640,6 +640,22 @@ def test_convert_decoder_is_quiet_and_calibrates_decode_at_both_ends_of_the_cach
     assert torch.equal(decoder.generate(ids, max_new_tokens=4)[:, :PROMPT], ids)
 
 
+def test_a_calibration_batch_larger_than_the_cache_s_is_calibrated_row_by_row():
+    """Prompts were repeated or cut to the cache's batch: a (5, 12) batch for a batch-2 decoder
+    calibrated its first 2 rows, silently. It is taken in slices of 2: 2, 2 and 1 rows."""
+    decoder = mpgraph.convert_decoder(llama(), prompt(), max_cache_len=SLOTS, dtype="fp16",
+                                      target=GPU, calibration=[prompt(rows=5, length=12)])
+    assert decoder.batch_size == 2 and decoder.prefill.plan.calibration_batches == 3
+
+
+def test_a_decoder_whose_plans_keep_float32_says_float32():
+    """repr named the candidate low dtype (bfloat16) of plans that kept every node float32."""
+    decoder = mpgraph.convert_decoder(llama(), prompt(), max_cache_len=SLOTS, dtype="bf16",
+                                      target=GPU, overrides={"*": "fp32"})
+    assert not decoder.prefill.plan.low_nodes
+    assert repr(decoder).endswith("dtype=float32, cache=float32)")
+
+
 def test_decode_calibration_stays_within_the_model_s_positions():
     """A learned position embedding shorter than the cache (GPT-2's n_positions): the decode
     graph's second calibration batch sits at its last position, not at the cache's last slot

@@ -408,8 +408,10 @@ class ConvertedDecoder:
                 f"sharing: {self.sharing}")
 
     def __repr__(self) -> str:
+        plan = self.prefill.plan  # (its low dtype where a node has it; float32 where none does)
+        dtype = plan.dtype if plan.low_nodes else torch.float32
         return (f"ConvertedDecoder(batch_size={self.batch_size}, max_cache_len="
-                f"{self.max_cache_len}, dtype={dtype_name(self.prefill.plan.dtype)}, "
+                f"{self.max_cache_len}, dtype={dtype_name(dtype)}, "
                 f"cache={dtype_name(self.cache_dtype)})")
 
 
@@ -499,8 +501,9 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     every other option go to ``mpgraph.convert`` for both graphs, which are
     planned by the same passes: the prefill graph on the example prompt, the decode graph on
     one token after it and one at the last cache slot. ``calibration``: prompts (each a (B', L')
-    tensor of token ids, L' >= 2) the prefill graph is calibrated on instead of the example
-    alone (an fp16 plan's ranges come from them: a few real prompts). Returns a ``ConvertedDecoder``: ``.prefill``/``.decode`` (each with its
+    tensor of token ids, L' >= 2; one of more rows than the cache's batch is taken in slices
+    of it) the prefill graph is calibrated on instead of the example alone (an fp16 plan's
+    ranges come from them: a few real prompts). Returns a ``ConvertedDecoder``: ``.prefill``/``.decode`` (each with its
     ``.plan``), ``.cache_plan`` (each cache tensor's planned dtype and the plan's reason),
     ``.sharing`` (what the two graphs share) and ``.generate(...)``. The model is not modified.
     """
@@ -536,8 +539,13 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     device = next(model.parameters()).device
     prefill_args = _prefill_args(example_ids, batch, max_cache_len, device)
     ids = prefill_args[0]
-    prompts = [_prefill_args(p, batch, max_cache_len, device) for p in calibration] \
-        if calibration is not None else None
+    # (a prompt batch larger than the cache's is calibrated in slices of its batch: every row
+    # counts; repeating rows to fill the batch had cut a larger one to its first rows)
+    prompts = [_prefill_args(p[start:start + batch] if isinstance(p, torch.Tensor) else p,
+                             batch, max_cache_len, device)
+               for p in calibration
+               for start in range(0, p.shape[0] if isinstance(p, torch.Tensor) and p.dim() == 2
+                                  else 1, batch)] if calibration is not None else None
     decode_args = _step_args(ids[:, -1:].contiguous(), length, max_cache_len)
     options = dict(convert_options, dtype=dtype, target=target)
 
