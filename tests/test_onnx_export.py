@@ -292,6 +292,29 @@ def test_dynamic_shapes_pass_through_to_the_exporter(tmp_path):
         assert relative_l2(out, model(x)) < 1e-2
 
 
+def test_dimensions_the_capture_fixed_stay_static_in_the_file(tmp_path):
+    """The converted graph's own export saw no guard on what the first capture fixed: a ViT's
+    file declared channels and image size free (['s99', 's59', 's100', 's4']), ran 36x36
+    images silently and failed inside onnxruntime on 64x64. Batch and sequence stay dynamic."""
+    from transformers import BertConfig, BertModel, ViTConfig, ViTModel
+    torch.manual_seed(0)
+    vit = ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, intermediate_size=128)).eval()
+    export_onnx(vit, torch.randn(2, 3, 32, 32), tmp_path / "vit.onnx")
+    shape = mpgraph.ort_session(tmp_path / "vit.onnx").get_inputs()[0].shape
+    assert isinstance(shape[0], str) and shape[1:] == [3, 32, 32]
+    bert = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=100)).eval()
+    export_onnx(bert, torch.randint(0, 100, (2, 16)), tmp_path / "bert.onnx")
+    session = mpgraph.ort_session(tmp_path / "bert.onnx")
+    assert all(isinstance(d, str) for d in session.get_inputs()[0].shape)  # batch, sequence
+    ids = torch.randint(0, 100, (3, 9))
+    with torch.no_grad():
+        want = bert(ids).last_hidden_state
+    got = session.run(["last_hidden_state"], {"input_ids": ids.numpy()})[0]
+    assert relative_l2(got, want) < 1e-2
+
+
 def test_cli_export(tmp_path, capsys):
     from mpgraph import cli
     factory = tmp_path / "factory.py"

@@ -89,17 +89,20 @@ def _call_site(exc: BaseException) -> str:
     return ""
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict):
+def _dynamic_shapes(args: tuple, kwargs: dict, static: frozenset = frozenset()):
     """Dim.AUTO on every tensor dimension, so the exported graph is not tied to one shape.
 
-    Dimensions of size 0 or 1 stay static: torch.export specialises them anyway.
+    Dimensions of size 0 or 1 stay static: torch.export specialises them anyway; so do those in
+    ``static``, (leaf, dim) pairs numbered over the tensors of (args, kwargs) in pytree order.
     """
     auto = torch.export.Dim.AUTO
+    leaf = iter(range(len(pytree.tree_leaves((args, kwargs)))))
 
     def spec(x):
+        i = next(leaf)
         if not isinstance(x, torch.Tensor):
             return None
-        return {i: auto for i in range(x.dim()) if x.shape[i] > 1}
+        return {d: auto for d in range(x.dim()) if x.shape[d] > 1 and (i, d) not in static}
 
     return pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
 
@@ -211,10 +214,11 @@ def _size_oblivious():
     return _config.patch(backed_size_oblivious=True)
 
 
-def dynamic_spec(model, args, kwargs):
+def dynamic_spec(model, args, kwargs, static: frozenset = frozenset()):
     """torch.export wants one spec per forward parameter; with kwargs, a dict by name, where the
-    keywords a ``**kwargs`` parameter takes (HF's output_hidden_states) sit under its name."""
-    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs)
+    keywords a ``**kwargs`` parameter takes (HF's output_hidden_states) sit under its name.
+    ``static``: dimensions kept static (``_dynamic_shapes``)."""
+    dyn_args, dyn_kwargs = _dynamic_shapes(args, kwargs, static)
     params = inspect.signature(model.forward).parameters
     names = list(params)
     star = next((i for i, p in enumerate(params.values()) if p.kind == p.VAR_POSITIONAL), None)

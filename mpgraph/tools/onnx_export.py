@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import torch
+from torch.utils import _pytree as pytree
 
 from mpgraph.api import convert, follows_training_flag, resolve_dtype
 from mpgraph.frontend.capture import distinct_inputs, in_inference_mode, outside_inference_mode
@@ -161,10 +162,48 @@ def output_names(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
-    """Dim.AUTO on every input dimension above 1: torch.export keeps dynamic what the graph does
-    not fix (batch, sequence), static the rest (hidden sizes)."""
+    """Dim.AUTO on every input dimension above 1 that the converted module's input guard does
+    not fix: torch.export keeps dynamic what the graph does not fix (batch, sequence), static
+    the rest (hidden sizes). The converted graph's own export sees no guard on what the first
+    capture fixed (a ViT's channels and image size, Whisper's mel bins): its file took any
+    size there, and ran other image sizes silently or failed inside onnxruntime."""
     from mpgraph.frontend.capture import dynamic_spec
-    return dynamic_spec(gm, args, kwargs)
+    return dynamic_spec(gm, args, kwargs, _guarded_dims(gm, args, kwargs))
+
+
+def _guarded_dims(gm: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset:
+    """(leaf, dim) pairs of the inputs' tensors (pytree order of (args, kwargs)) that the
+    module's input guard (mpgraph.ir.modules.InputGuard: torch.export's asserts from the
+    capture) refuses to see change by one: fixed sizes, and sizes tied to a multiple."""
+    from mpgraph.ir.graph import flat_inputs
+    from mpgraph.ir.modules import InputGuard
+    guard = next((m for m in gm.modules() if isinstance(m, InputGuard)), None)
+    if guard is None:
+        return frozenset()
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+
+    def meta(x):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta") \
+            if isinstance(x, torch.Tensor) else x
+    base = [meta(x) for x in leaves]
+    fixed = set()
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            continue
+        for d, size in enumerate(x.shape):
+            if size <= 1:
+                continue
+            trial = list(base)
+            trial[i] = torch.empty((*x.shape[:d], size + 1, *x.shape[d + 1:]), dtype=x.dtype,
+                                   device="meta")
+            a, k = pytree.tree_unflatten(trial, spec)
+            try:
+                if guard.failures(*flat_inputs(gm, a, k)):
+                    fixed.add((i, d))
+            except Exception as e:  # noqa: BLE001 (a guard that reads values: no finding)
+                log.info("input guard not probed (%s); every dimension left dynamic", e)
+                return frozenset()
+    return frozenset(fixed)
 
 
 @contextlib.contextmanager
