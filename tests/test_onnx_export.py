@@ -315,6 +315,16 @@ def test_dimensions_the_capture_fixed_stay_static_in_the_file(tmp_path):
     assert relative_l2(got, want) < 1e-2
 
 
+def test_a_bf16_file_on_the_cpu_provider_is_an_error_that_says_bf16(tmp_path):
+    """export_onnx validates a bf16 file by emulating it (the CPU provider has no bf16 Gemm);
+    ort_session on it then raised onnxruntime's raw NOT_IMPLEMENTED for 'node_linear'."""
+    path = tmp_path / "mlp.onnx"
+    export_onnx(MLP().eval(), torch.randn(4, 16), path, dtype="bf16")
+    with pytest.raises(RuntimeError, match=r"computes in bfloat16, which onnxruntime's CPU "
+                                           r"provider cannot run .* dtype='fp16'"):
+        mpgraph.ort_session(path, device="cpu")
+
+
 def test_cli_export(tmp_path, capsys):
     from mpgraph import cli
     factory = tmp_path / "factory.py"

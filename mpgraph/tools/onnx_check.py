@@ -630,4 +630,28 @@ def ort_session(path: Union[str, os.PathLike], device: Optional[str] = None, **s
     elif device == "cuda":
         raise RuntimeError("device='cuda' asked for, but onnxruntime has no CUDA provider here "
                            "(install onnxruntime-gpu on a machine with a GPU)")
-    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        if "NOT_IMPLEMENTED" in str(e) and "bfloat16" in _value_types(path):
+            # (the CPU provider has no bf16 MatMul/Gemm/Conv: the file is for a GPU)
+            raise RuntimeError(
+                f"{path} computes in bfloat16, which onnxruntime's CPU provider cannot run "
+                f"({str(e).splitlines()[0][:160]}): run it on a GPU (onnxruntime-gpu, CUDA "
+                "provider), or export it for the CPU in float16 (export_onnx(..., "
+                "dtype='fp16'))") from e
+        raise
+
+
+def _value_types(path: str) -> set:
+    """The element types of a file's initializers and typed values, by name ("bfloat16", ...)."""
+    try:
+        import onnx
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 (unreadable: no types to name)
+        return set()
+    types = {t.data_type for t in model.graph.initializer}
+    types |= {v.type.tensor_type.elem_type for v in (*model.graph.value_info, *model.graph.input,
+                                                      *model.graph.output)}
+    return {onnx.helper.tensor_dtype_to_np_dtype(t).name if t != onnx.TensorProto.BFLOAT16
+            else "bfloat16" for t in types if t}
