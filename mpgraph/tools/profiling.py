@@ -23,7 +23,7 @@ import torch.fx
 from torch.autograd import DeviceType
 
 from mpgraph.ir.graph import RecordingInterpreter, as_call, flat_inputs, to_device
-from mpgraph.ir.meta import dtype_name, is_inserted_cast
+from mpgraph.ir.meta import CAST_COST, dtype_name, is_inserted_cast
 from mpgraph.plans.plan import Plan
 
 RANGE_PREFIX = "mpgraph:"
@@ -300,8 +300,12 @@ def attribute(events, plan: Plan, gm, iters: int, device: str, cuda: bool) -> Pr
             continue
         measured = sorted(times[node.name])[len(times[node.name]) // 2] if observed else None
         names = tuple(sorted(kernels.get(node.name, {}), key=lambda k: -kernels[node.name][k]))
-        if node.name in casts:
-            cast = NodeProfile(node.name, "cast", dtype_name(node.args[1]), measured, names, None, None)
+        if node.name in casts:  # predicted: what the plan's estimate charged for this cast
+            charged = getattr(node.args[0], "meta", {}).get(CAST_COST)
+            down = node.args[1] in (torch.float16, torch.bfloat16)
+            predicted = None if charged is None else charged[0 if down else 1]
+            cast = NodeProfile(node.name, "cast", dtype_name(node.args[1]), measured, names, None,
+                               predicted)
             (result.nodes if observed else result.unobserved).append(cast)
             continue
         try:
