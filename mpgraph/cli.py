@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     c.add_argument("factory", nargs="?", help="FILE.py:name or module:name returning (model, inputs[, kwargs])")
     c.add_argument("--gpu", action="store_true", help="write this GPU's calibration file instead")
     c.add_argument("--target", default=None, help="with --gpu: the spec to calibrate (default: this GPU)")
-    c.add_argument("--rows", type=int, default=40, help="rows of the table to print")
+    c.add_argument("--rows", type=_count, default=40, help="rows of the table to print")
     c.set_defaults(func=_calibrate)
     for command in (i, p):
         command.add_argument("--runtime", choices=["eager", "graphs"], default="eager",

@@ -222,6 +222,10 @@ def test_cli_calibrate_prints_the_table_and_where_it_is_cached(tmp_path, capsys)
     assert re.search(r"measured \d+ op variants in [\d.]+ s; cached in .*costs-\w+\.json", out)
     assert cli.main(["calibrate"]) == 2
     assert "calibrate needs a factory" in capsys.readouterr().err
+    # (--rows -1 printed all but one row and "... and 4 more" of a 3-entry table)
+    with pytest.raises(SystemExit):
+        cli.main(["calibrate", f"{factory}:build", "--rows", "-1"])
+    assert "--rows: expected a count of 1 or more, got -1" in capsys.readouterr().err
 
 
 
