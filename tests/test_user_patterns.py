@@ -963,3 +963,36 @@ def test_a_python_int_output_that_differs_is_reported_and_100_percent_reads_so()
     fast = convert_rules(nn.Linear(8, 8).eval(), (torch.randn(2, 8),), dtype=torch.bfloat16)
     plan = dataclasses.replace(fast.plan, check={**fast.plan.check, "discrete": got})
     assert "100% of output 1's values, 100% of output 2's values differ" in plan.summary()
+
+
+def test_a_dataclass_batch_converts_and_takes_new_batches():
+    """A forward that takes a dataclass batch (or PyG's Data, a SimpleNamespace) converts, and
+    torch.fx reads its fields at each call; every new instance was refused as a fixed value
+    that differed ("argument 'b' was given (Batch(x=tensor([[..." with both batches printed)."""
+    import dataclasses as dc
+    from types import SimpleNamespace
+
+    @dc.dataclass
+    class Batch:
+        x: torch.Tensor
+        w: torch.Tensor
+        scale: float = 2.0
+
+    class Weighted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 8)
+
+        def forward(self, b):
+            return self.fc(b.x) * b.w[:, None] * b.scale
+
+    torch.manual_seed(0)
+    model = Weighted().eval()
+    fast = convert_rules(model, (Batch(torch.randn(4, 32), torch.rand(4)),))
+    for batch in (Batch(torch.randn(6, 32), torch.rand(6)),
+                  Batch(torch.randn(6, 32), torch.rand(6), scale=5.0)):
+        with torch.no_grad():
+            assert rel_err(fast(batch), model(batch)) < TOL[torch.float16]
+    with pytest.raises(TypeError, match=r"then: a Batch with fields \['x', 'w', 'scale'\]; "
+                                        r"now: a SimpleNamespace"):
+        fast(SimpleNamespace(x=torch.randn(4, 32), w=torch.rand(4), scale=2.0))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import marshal
 import math
@@ -300,6 +301,14 @@ def _structure(value) -> tuple[str, str]:
     """(a container's pytree structure as text, the same in a few words: 'a list of 3',
     "a dict with keys ['x', 'mask']")."""
     spec = pytree.tree_structure(value)
+    if spec.is_leaf() and not isinstance(value, torch.Tensor):  # an object holding tensors
+        # (a dataclass, PyG's Data): torch.fx reads its fields at each call, so its type and
+        # fields are the structure (another instance is another batch)
+        fields = [f.name for f in dataclasses.fields(value)] \
+            if dataclasses.is_dataclass(value) else list(getattr(value, "__dict__", {}))
+        kind = type(value)
+        return (f"{kind.__module__}.{kind.__qualname__} with fields {fields}",
+                f"a {kind.__name__} with fields {fields}")
     kind = getattr(spec.type, "__name__", str(spec.type))
     if spec.type is dict or kind in ("OrderedDict", "defaultdict"):
         words = f"a {kind} with keys {list(spec.context)}"
@@ -310,7 +319,22 @@ def _structure(value) -> tuple[str, str]:
 
 def _fixed(value) -> bool:
     """A value the graph fixes at capture (no tensor in it)."""
-    return not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+    return not _holds_tensor(value)
+
+
+def _holds_tensor(value, depth: int = 3) -> bool:
+    """A tensor among the value's pytree leaves, or among the fields of an object there (a
+    dataclass, a ``SimpleNamespace``, PyG's ``Data``: the graph reads their tensors at each
+    call, so another instance is another input, not a fixed value to refuse)."""
+    for v in pytree.tree_leaves(value):
+        if isinstance(v, torch.Tensor):
+            return True
+        if depth and not isinstance(v, (type, torch.nn.Module)):
+            fields = [getattr(v, f.name, None) for f in dataclasses.fields(v)] \
+                if dataclasses.is_dataclass(v) else list(getattr(v, "__dict__", {}).values())
+            if fields and _holds_tensor(fields, depth - 1):
+                return True
+    return False
 
 
 def _same(a, b) -> bool:
