@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import warnings
 
 import pytest
@@ -811,6 +812,10 @@ def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warn
             fast = mpgraph.convert(low, ids, **options)
         assert fast.plan.summary().startswith(f"warning: BertModel computes in {name}")
         assert "kept float32" not in fast.plan.summary()
+        # (it said "converted 0/0 nodes" and "checked: error 0 vs float32 (all float32)")
+        assert re.search(r"kept the model's own dtypes: none of its \d+ nodes computes in "
+                         r"float32 .*; checked: error [\d.e-]+ vs the model as it computes$",
+                         fast.plan.summary()), fast.plan.summary()
         with torch.no_grad():
             assert torch.equal(fast(ids).last_hidden_state, low(ids).last_hidden_state)
     from transformers import LlamaConfig, LlamaForCausalLM  # (its rotary inv_freq stays float32)

@@ -325,6 +325,15 @@ def test_a_bf16_file_on_the_cpu_provider_is_an_error_that_says_bf16(tmp_path):
         mpgraph.ort_session(path, device="cpu")
 
 
+def test_a_model_given_in_fp16_is_compared_with_itself_and_says_so(tmp_path):
+    """Its validation said "vs float32" of a comparison with the fp16 model itself, beside a
+    plan summary that said "converted 0/0 nodes ... (all float32)"."""
+    result = export_onnx(MLP().half().eval(), torch.randn(4, 16).half(), tmp_path / "h.onnx")
+    assert "vs the model as given (float16)" in result.validation.summary()
+    assert "vs float32" not in result.validation.summary()
+    assert "kept the model's own dtypes: none of its" in result.plan.summary()
+
+
 def test_cli_export(tmp_path, capsys):
     from mpgraph import cli
     factory = tmp_path / "factory.py"

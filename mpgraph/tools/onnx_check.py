@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import ExportError
 from mpgraph.ir.graph import run_kept
+from mpgraph.ir.meta import dtype_name
 from mpgraph.numerics import relative_l2
 
 log = logging.getLogger(__name__)
@@ -210,13 +211,14 @@ class ValidationResult:
     err_vs_converted: list[float]
     err_vs_fp32: Optional[list[float]]
     stats: OnnxStats
+    reference: str = "float32"  # what err_vs_fp32 compares with (a model given in fp16: itself)
 
     def summary(self) -> str:
         how = f"onnxruntime {self.provider}" + (" (bf16 emulation)" if self.emulated else "")
         errs = ", ".join(f"{e:.2e}" for e in self.err_vs_converted)
         text = f"validated: {'; '.join(self.checks)}; {how}: rel. L2 vs converted module {errs}"
         if self.err_vs_fp32 is not None:
-            text += ", vs float32 " + ", ".join(f"{e:.2e}" for e in self.err_vs_fp32)
+            text += f", vs {self.reference} " + ", ".join(f"{e:.2e}" for e in self.err_vs_fp32)
         text += f"; {self.stats.low_flop_share:.1%} of matmul FLOPs in low precision"
         return text
 
@@ -498,7 +500,11 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
             raise ExportError(f"onnxruntime results of {shown} do not match ({detail}; tolerance "
                               f"{tol:.3g}, the plan's bound): {where}")
         checks.append("onnxruntime numbers")
-        return ValidationResult(checks, provider, emulated, err_conv, err_ref, stats)
+        dtypes = {p.dtype for p in reference.parameters() if p.is_floating_point()} \
+            if reference is not None else set()
+        given = "float32" if not dtypes or torch.float32 in dtypes else \
+            f"the model as given ({', '.join(sorted(dtype_name(d) for d in dtypes))})"
+        return ValidationResult(checks, provider, emulated, err_conv, err_ref, stats, given)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
