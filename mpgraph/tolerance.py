@@ -23,7 +23,7 @@ import torch.fx
 
 from mpgraph.errors import CalibrationError, ToleranceError
 from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, input_nodes, is_inplace,
-                              run_recording, seeded, state_kept)
+                              is_view, mutated_nodes, run_recording, seeded, state_kept)
 from mpgraph.ir.simulate import run_simulated
 from mpgraph.numerics import float_leaves, relative_l2, worst_error
 from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name
@@ -73,6 +73,10 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
                  type(e).__name__, e)
         shares = None
     if shares and max(shares.values()) > 0:
+        unranked = [name for name in low_nodes if name not in shares]
+        if unranked:  # (views and values written in place: their local error, the same scale)
+            local = _local(base, converted, call, conv, unranked)
+            shares.update({name: local.get(name, 0.0) for name in unranked})
         return shares
     return _local(base, converted, call, conv, low_nodes)
 
@@ -88,7 +92,11 @@ def _shares(base, call, conv: dict, low_nodes: list, output) -> Optional[dict[st
     e gives every J^T e. A node whose rounding grows through what follows it (a pooler's dense
     layer, read by tanh alone, against a block's matmul damped by the residual and LayerNorm
     after it) ranks by that, where its local error alone (``_local``) ranks them alike."""
-    names = set(low_nodes)
+    # (a view or a value written in place shares its storage with another node: replaced by
+    # a tensor of its own, the write no longer reaches the other, and the run is not float32's)
+    written = mutated_nodes(base.graph, base)
+    names = {n.name for n in base.graph.nodes if n.name in set(low_nodes)
+             and not is_view(n) and n not in written and not is_inplace(n, base)}
     own: dict[str, torch.Tensor] = {}
 
     class Fed(RecordingInterpreter):
@@ -97,9 +105,9 @@ def _shares(base, call, conv: dict, low_nodes: list, output) -> Optional[dict[st
             result = super().run_node(n)
             value = conv.get(n.name)
             if n.name in names and isinstance(result, torch.Tensor) \
-                    and result.shape == value.shape and not is_inplace(n, base):
+                    and result.shape == value.shape:
                 own[n.name] = value - result.detach().float()
-                return value.to(result.dtype)
+                return value.to(result.dtype, copy=True)
             return result
 
     flat = fresh(flat_inputs(base, *call))
@@ -119,23 +127,38 @@ def _shares(base, call, conv: dict, low_nodes: list, output) -> Optional[dict[st
             return result
 
     flat = fresh(flat_inputs(base, *call))
-    with torch.enable_grad(), seeded(), state_kept(base):
-        reference = Probed(base, lambda node, value: None).run(*flat,
-                                                                enable_io_processing=False)
-        pairs = [(c.detach().float(), r) for c, r in zip(float_leaves(output),
-                                                          float_leaves(reference))
-                 if c.shape == r.shape and r.is_floating_point()]
-        errors = [relative_l2(c, r.detach()) for c, r in pairs]
-        if not probes or not errors or not all(map(math.isfinite, errors)) or max(errors) == 0:
-            return None
-        y_hat, y = pairs[errors.index(max(errors))]
-        if not y.requires_grad:  # the worst output does not depend on any low node
-            return None
-        finite = torch.isfinite(y.detach())  # where float32 itself is inf/NaN: left out
-        e = torch.where(finite, y_hat - y.detach().float(), 0.0)
-        weight = e / (torch.where(finite, y.detach().float(), 0.0).norm() * e.norm())
-        grads = torch.autograd.grad((y.float() * weight).sum(), list(probes.values()),
-                                    allow_unused=True)
+    # no parameter gradient is wanted: autograd then keeps no matmul's input for one
+    frozen = [p for p in base.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        with torch.enable_grad(), seeded(), state_kept(base):
+            reference = Probed(base, lambda node, value: None).run(*flat,
+                                                                    enable_io_processing=False)
+            pairs = [(c.detach().float(), r) for c, r in zip(float_leaves(output),
+                                                              float_leaves(reference))
+                     if c.shape == r.shape and r.is_floating_point()]
+            errors = [relative_l2(c, r.detach()) for c, r in pairs]
+            if not probes or not errors or not all(map(math.isfinite, errors)) \
+                    or max(errors) == 0:
+                return None
+            y_hat, y = pairs[errors.index(max(errors))]
+            if not y.requires_grad:  # the worst output does not depend on any low node
+                return None
+            finite = torch.isfinite(y.detach())  # where float32 itself is inf/NaN: left out
+            e = torch.where(finite, y_hat - y.detach().float(), 0.0)
+            weight = e / (torch.where(finite, y.detach().float(), 0.0).norm() * e.norm())
+            grads = torch.autograd.grad((y.float() * weight).sum(), list(probes.values()),
+                                        allow_unused=True)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        # a buffer the forward wrote in place from a probed value (an EMA) took its grad_fn,
+        # which state_kept's copy back does not undo: the next deepcopy of the graph refused it
+        for module in base.modules():
+            for name, t in list(vars(module).items()) + list(module._buffers.items()):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.detach_()
     shares = {name: 0.0 if g is None else float((g.float() * own[name]).sum())
               for name, g in zip(probes, grads)}
     return shares if all(map(math.isfinite, shares.values())) else None
@@ -145,12 +168,15 @@ def _local(base, converted, call, conv: dict, low_nodes: list) -> dict[str, floa
     """Each low node's relative error minus the largest among its activation inputs: its own
     rounding, including that of its low-precision weights, without what it merely passes on."""
     ref: dict[str, torch.Tensor] = {}
+    written = mutated_nodes(base.graph, base)
 
     def keep(node, value):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             # an in-place write's result is the tensor written (a buffer), which the run puts
-            # back afterwards: a copy, or the store was charged an error of inf against zeros
-            ref[node.name] = value.clone() if is_inplace(node, base) else value
+            # back afterwards: a copy, or the store was charged an error of inf against zeros;
+            # a value written later (through a view) is copied as it is now, too
+            ref[node.name] = value.clone() if is_inplace(node, base) or node in written \
+                else value
 
     run_recording(base, *call, keep)
     err = {name: relative_l2(value, ref[name]) for name, value in conv.items()
