@@ -310,7 +310,7 @@ class Plan:
             differ = self.check.get("discrete") or {}
             if differ:
                 text += ("; integer/bool outputs: " + ", ".join(
-                    f"{100 * d:.3g}% of output {i}'s values" for i, d in differ.items()) +
+                    f"{_percent(d)}% of output {i}'s values" for i, d in differ.items()) +
                     " differ from float32's")
         if self.tolerance:
             t = self.tolerance
@@ -495,3 +495,8 @@ def _model_cast(node: torch.fx.Node) -> Optional[CastRecord]:
     return CastRecord(name=node.name, value=node.all_input_nodes[0].name, src=dtype_name(src),
                       dst=dtype_name(dst), consumers=tuple(u.name for u in node.users),
                       numel=info.numel, inserted_by="model")
+
+
+def _percent(fraction: float) -> str:
+    """Two significant digits, and 100 as "100" ("1e+02" in the g format)."""
+    return "100" if 100 * fraction >= 99.5 else f"{100 * fraction:.2g}"

@@ -174,35 +174,37 @@ def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
 def _guarded_dims(gm: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset:
     """(leaf, dim) pairs of the inputs' tensors (pytree order of (args, kwargs)) that the
     module's input guard (mpgraph.ir.modules.InputGuard: torch.export's asserts from the
-    capture) refuses to see change by one: fixed sizes, and sizes tied to a multiple."""
+    capture) refuses to see change by one: fixed sizes, and sizes tied to a multiple. Dims of
+    one size change together first (a mask's sequence length is its ids'), then alone."""
     from mpgraph.ir.graph import flat_inputs
     from mpgraph.ir.modules import InputGuard
     guard = next((m for m in gm.modules() if isinstance(m, InputGuard)), None)
     if guard is None:
         return frozenset()
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    sizes = {(i, d): n for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
+             for d, n in enumerate(x.shape) if n > 1}
 
-    def meta(x):
-        return torch.empty(x.shape, dtype=x.dtype, device="meta") \
-            if isinstance(x, torch.Tensor) else x
-    base = [meta(x) for x in leaves]
+    def refused(changed) -> bool:
+        trial = [torch.empty([n + ((i, d) in changed) for d, n in enumerate(x.shape)],
+                             dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+                 for i, x in enumerate(leaves)]
+        a, k = pytree.tree_unflatten(trial, spec)
+        return bool(guard.failures(*flat_inputs(gm, a, k)))
+
     fixed = set()
-    for i, x in enumerate(leaves):
-        if not isinstance(x, torch.Tensor):
-            continue
-        for d, size in enumerate(x.shape):
-            if size <= 1:
+    try:
+        for size in sorted(set(sizes.values())):
+            group = {key for key, n in sizes.items() if n == size}
+            if not refused(group):
                 continue
-            trial = list(base)
-            trial[i] = torch.empty((*x.shape[:d], size + 1, *x.shape[d + 1:]), dtype=x.dtype,
-                                   device="meta")
-            a, k = pytree.tree_unflatten(trial, spec)
-            try:
-                if guard.failures(*flat_inputs(gm, a, k)):
-                    fixed.add((i, d))
-            except Exception as e:  # noqa: BLE001 (a guard that reads values: no finding)
-                log.info("input guard not probed (%s); every dimension left dynamic", e)
-                return frozenset()
+            alone = {key for key in group if not refused({key})}
+            rest = group - alone
+            if rest and refused(rest):
+                fixed |= rest
+    except Exception as e:  # noqa: BLE001 (a guard that reads values: no finding)
+        log.info("input guard not probed (%s); every dimension left dynamic", e)
+        return frozenset()
     return frozenset(fixed)
 
 
