@@ -218,6 +218,10 @@ def _attach_plan(gm, record: Plan, opts: "Options", abstract) -> None:
             for path, t in list(gm.named_parameters(remove_duplicate=False))
             + list(gm.named_buffers(remove_duplicate=False))}
         gm.meta["_user_preserved_attributes"]["planned_tensors"] = gm.planned_tensors
+    tied = _tied_parameters(gm, record)
+    if tied:
+        gm.tied_parameters = tied
+        gm.meta["_user_preserved_attributes"]["tied_parameters"] = tied
     shared = [(w.source, w.name) for w in record.weights if w.shared]
     if shared and abstract is None:  # low copies beside their originals, kept in step
         gm.weight_copies = WeightCopies(gm, shared)
@@ -233,6 +237,19 @@ def _attach_plan(gm, record: Plan, opts: "Options", abstract) -> None:
                               f"{got.dtype} ({got.reason})")
         if differ:
             raise PlanMismatchError(differ)
+
+
+def _tied_parameters(gm, record: Plan) -> tuple:
+    """Names that hold one parameter (a tied embedding and LM head) in a graph torch.export
+    captured: it reads the parameter under one of them for every reader, so a new tensor set
+    under one name alone (untying them) would be read for all, or not at all (7.7 off), and
+    the call says so (ConvertedModule.__call__). torch.fx's graph reads each module's own."""
+    if not record.capture.startswith("torch.export"):
+        return ()
+    groups: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return tuple(tuple(names) for names in groups.values() if len(names) > 1)
 
 
 def without_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:

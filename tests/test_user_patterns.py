@@ -996,3 +996,57 @@ def test_a_dataclass_batch_converts_and_takes_new_batches():
     with pytest.raises(TypeError, match=r"then: a Batch with fields \['x', 'w', 'scale'\]; "
                                         r"now: a SimpleNamespace"):
         fast(SimpleNamespace(x=torch.randn(4, 32), w=torch.rand(4), scale=2.0))
+
+
+class TiedLM(nn.Module):
+    """An embedding and an LM head that share their weight; a branch that torch.fx cannot
+    trace sends the capture to torch.export, which reads the weight once for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(500, 128), nn.Linear(128, 128)
+        self.head = nn.Linear(128, 500, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if h.dim() == 3:
+            h = torch.tanh(self.fc(h))
+        return self.head(h)
+
+
+def test_untying_a_tied_weight_by_assignment_is_refused_where_the_graph_reads_it_once():
+    """``fast.head.weight = nn.Parameter(new)``: the graph, which reads the tied weight under
+    one name for the embedding and the head, used the new weight for both (7.7 off the model
+    given the same assignment), silently. Loads (values into the tied tensor, or
+    ``assign=True``, which sets each name its own equal copy) keep working."""
+    torch.manual_seed(0)
+    model, ids = TiedLM().eval(), torch.randint(0, 500, (4, 16))
+    fast = convert_rules(model, (ids,))
+    assert fast.plan.capture.startswith("torch.export")
+    other = TiedLM().eval()
+    fast.load_state_dict(other.state_dict(), assign=True)
+    with torch.no_grad():
+        assert rel_err(fast(ids), other(ids)) < TOL[torch.float16]
+        fast.get_parameter("emb.weight").mul_(2)
+        other.emb.weight.mul_(2)
+        assert rel_err(fast(ids), other(ids)) < TOL[torch.float16]
+    fast.head.weight = nn.Parameter(torch.randn(500, 128) * 0.05)
+    with pytest.raises(TypeError, match=r"emb.weight and head.weight were one parameter \(tied\) "
+                                        r".* untie them in the model and convert it"):
+        fast(ids)
+
+
+def test_a_conv_submodule_put_in_another_dtype_is_named_at_the_next_call():
+    """A Linear's was (its error says "dtype"); a conv's error does not, and came through raw:
+    "Input type (c10::BFloat16) and bias type (c10::Half) should be the same"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 8, 3)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    fast = convert_rules(model, (x,), dtype=torch.bfloat16)
+    fast.get_submodule("0").half()
+    with pytest.raises(TypeError, match=r"0.weight, 0.bias are not in the dtype the plan stored"):
+        fast(x)
+    fast.restore_planned_dtypes()
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) < TOL[torch.bfloat16]

@@ -1059,6 +1059,8 @@ class ConvertedModule(torch.fx.GraphModule):
         signature = self.__dict__.get("call_signature")
         if signature is not None:
             args, kwargs = signature.check(args, kwargs)
+        for names in self.__dict__.get("tied_parameters", ()):
+            self._check_tied(names)
         copies = self.__dict__.get("weight_copies")
         if copies is not None:
             copies.refresh(self)
@@ -1070,7 +1072,8 @@ class ConvertedModule(torch.fx.GraphModule):
                 raise
             raise guard_error(self, str(e)) from None
         except RuntimeError as e:  # a tensor put in place of a planned one, in another dtype?
-            changed = self.unplanned_tensors() if "dtype" in str(e) else []
+            # (any RuntimeError: a conv's says "Input type (c10::BFloat16) and bias type ...")
+            changed = self.unplanned_tensors()
             if not changed:
                 raise
             raise TypeError(
@@ -1079,6 +1082,26 @@ class ConvertedModule(torch.fx.GraphModule):
                 ".float()?): call module.restore_planned_dtypes(), or load weights with "
                 "load_state_dict (which casts) or by assignment (which takes the plan's dtype) "
                 f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+    def _check_tied(self, names: tuple) -> None:
+        """Names that held one parameter when converted still hold the same values (the graph
+        reads one of them for all): one tensor, or equal ones (``load_state_dict(assign=True)``
+        sets each name its own copy), compared once per change of them."""
+        held = [self.get_parameter(n) for n in names]
+        if all(t is held[0] for t in held[1:]):
+            return
+        stamp = tuple((id(t), t._version) for t in held)
+        seen = self.__dict__.setdefault("_tied_seen", {})
+        if seen.get(names) == stamp:
+            return
+        if not all(t.shape == held[0].shape and torch.equal(t, held[0]) for t in held[1:]):
+            raise TypeError(
+                f"{' and '.join(names)} were one parameter (tied) when the model was "
+                "converted, and the converted graph reads it once for all of them: a tensor "
+                "set under one name alone is read for every one or for none. Write new values "
+                f"into the tied tensor (fast.get_parameter({names[0]!r}).copy_(...) under "
+                "torch.no_grad(), or load_state_dict), or untie them in the model and convert it")
+        seen[names] = stamp
 
     def unplanned_tensors(self) -> list[str]:
         """Paths of parameters and buffers whose dtype is not the one the plan stored."""
