@@ -1050,3 +1050,24 @@ def test_a_conv_submodule_put_in_another_dtype_is_named_at_the_next_call():
     fast.restore_planned_dtypes()
     with torch.no_grad():
         assert rel_err(fast(x), model(x)) < TOL[torch.bfloat16]
+
+
+def test_the_guard_returns_inf_nan_that_float32_gives_in_the_same_places():
+    """An input of 1e37 (or one such sample in a batch): float32's own outputs are NaN there,
+    and the guard raised "output is inf/NaN where float32 is finite", blaming the input's cast
+    (which overflowed first); the batch was lost. A row float32 keeps finite still raises."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32),
+                          nn.LayerNorm(32)).eval()
+    x = torch.randn(8, 64)
+    fast = mpgraph.guard(convert_rules(model, (x,)))
+    corrupt = x.clone()
+    corrupt[3] *= 1e37
+    with torch.no_grad():
+        ref, out = model(corrupt), fast(corrupt)
+    assert torch.equal(~torch.isfinite(out).all(-1), ~torch.isfinite(ref).all(-1))
+    assert (~torch.isfinite(ref).all(-1)).tolist() == [False] * 3 + [True] + [False] * 4
+    large = x.clone()
+    large[5] *= 1e5  # float32 finite, fp16's input cast overflows
+    with pytest.raises(mpgraph.NonFiniteError, match="where float32 is finite"):
+        fast(large)
