@@ -1071,3 +1071,20 @@ def test_the_guard_returns_inf_nan_that_float32_gives_in_the_same_places():
     large[5] *= 1e5  # float32 finite, fp16's input cast overflows
     with pytest.raises(mpgraph.NonFiniteError, match="where float32 is finite"):
         fast(large)
+
+
+def test_an_input_in_another_float_dtype_than_converted_is_named():
+    """ViT casts its pixel_values to its weights' dtype; traced, that cast is gone, and fp16
+    images into its conversion were torch's raw "Input type (c10::Half) and bias type (float)
+    should be the same" from inside the graph."""
+    from transformers import ViTConfig, ViTModel
+    torch.manual_seed(0)
+    model = ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, intermediate_size=128)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    fast = convert_rules(model, (x,))
+    with pytest.raises(TypeError, match=r"input pixel_values is float16, it was float32 when the "
+                                        r"model was converted: .* pass it in that dtype"):
+        fast(x.half())
+    with torch.no_grad():
+        assert rel_err(fast(x).last_hidden_state, model(x).last_hidden_state) < TOL[torch.float16]

@@ -1075,6 +1075,14 @@ class ConvertedModule(torch.fx.GraphModule):
             # (any RuntimeError: a conv's says "Input type (c10::BFloat16) and bias type ...")
             changed = self.unplanned_tensors()
             if not changed:
+                off = self._inputs_off_dtype(args, kwargs)
+                if off:  # (the model's own cast of it, a branch on its dtype, was traced out)
+                    raise TypeError(
+                        "; ".join(f"input {name} is {dtype_name(got)}, it was {dtype_name(want)} "
+                                  "when the model was converted" for name, got, want in off[:3])
+                        + ": the converted graph computes with the dtypes it was converted "
+                        "with; pass it in that dtype (x.float()), or convert with an example "
+                        f"in this one ({type(e).__name__}: {str(e).splitlines()[0]})") from None
                 raise
             raise TypeError(
                 f"{', '.join(changed[:3])} {'is' if len(changed) == 1 else 'are'} not in the "
@@ -1082,6 +1090,21 @@ class ConvertedModule(torch.fx.GraphModule):
                 ".float()?): call module.restore_planned_dtypes(), or load weights with "
                 "load_state_dict (which casts) or by assignment (which takes the plan's dtype) "
                 f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+    def _inputs_off_dtype(self, args: tuple, kwargs: dict) -> list:
+        """(placeholder, dtype given, dtype converted with) of float inputs whose dtype is not
+        the one the graph was converted with."""
+        from mpgraph.ir.graph import flat_inputs
+        from mpgraph.ir.meta import TENSOR, TensorInfo
+        try:
+            values = flat_inputs(self, args, kwargs)
+        except Exception:  # noqa: BLE001 (inputs that do not map: nothing to say here)
+            return []
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        return [(node.name, v.dtype, info.dtype) for node, v in zip(placeholders, values)
+                if isinstance(v, torch.Tensor) and v.is_floating_point()
+                and isinstance(info := node.meta.get(TENSOR), TensorInfo)
+                and info.dtype.is_floating_point and info.dtype != v.dtype]
 
     def _check_tied(self, names: tuple) -> None:
         """Names that held one parameter when converted still hold the same values (the graph
