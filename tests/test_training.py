@@ -380,3 +380,25 @@ def test_an_eval_model_with_a_training_branch_converted_to_train_says_eval_diffe
         assert 0.5 < measured < 5  # (the float32 graph's difference: the noise)
     else:
         assert error < 2e-2 and not said
+
+
+def test_a_padded_transformer_encoder_in_eval_mode_is_not_taken_for_a_training_branch():
+    """nn.TransformerEncoder in eval mode under no_grad takes its nested-tensor fast path (0 at
+    padded positions); the eval reference ran that way and the warning above said 0.57."""
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.TransformerEncoder(
+                nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2)
+            self.fc = nn.Linear(32, 4)
+
+        def forward(self, x, mask):
+            return self.fc(self.enc(x, src_key_padding_mask=mask))
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 6, 32), torch.tensor([[False] * 6, [False] * 3 + [True] * 3])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_rules(Encoder().eval(), (x, mask), dtype=torch.bfloat16, mode="train")
+    assert not [w for w in caught if "converted with mode='train'" in str(w.message)]

@@ -382,8 +382,14 @@ def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict):
     put back."""
     outs = []
     try:
-        for mode in (False, True):
-            outs.append(run_kept(work.train(mode), args, kwargs))
+        # eval mode with autograd on, as the graph runs: without it nn.TransformerEncoder takes
+        # its nested-tensor fast path, which zeroes padded positions the graph computes (a
+        # difference api._say_if_eval_differs took for a branch on self.training)
+        with torch.enable_grad(), seeded(), state_kept(work):
+            outs.append(pytree.tree_map(
+                lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                work.train(False)(*fresh(args), **fresh(kwargs))))
+        outs.append(run_kept(work.train(True), args, kwargs))
     except Exception as e:  # noqa: BLE001 - traced in eval mode instead
         log.info("not traced in training mode: its training forward fails: %s", _brief(e))
         return None
