@@ -108,9 +108,15 @@ class CheckConversion(Pass):
         if self.simulate:  # the target's dtypes from fake tensors; its values only to compare
             if reference is not None:
                 output = run_simulated(gm, args, kwargs, lambda node, value: None)
+            from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                                       DynamicOutputShapeException,
+                                                       UnsupportedOperatorException)
+            from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
             try:
                 actual = fake_dtypes(gm, args, kwargs)
-            except Exception as e:  # noqa: BLE001 - an op fake tensors cannot run: run it
+            except (DataDependentOutputException, DynamicOutputShapeException,
+                    UnsupportedOperatorException, GuardOnDataDependentSymNode) as e:
+                # an op fake tensors cannot run: run it (any other error is the plan's)
                 # (a GRU given a PackedSequence, CTC loss: sizes from values); this machine's
                 # own kernels give the same dtypes, emulated where it has no fast low precision
                 log.info("dtypes from a real run: fake tensors cannot run the graph (%s: %s)",

@@ -75,7 +75,9 @@ class StaticCacheStep(torch.nn.Module):
             raise TypeError(f"expected a HuggingFace causal LM (with .config), got "
                             f"{type(model).__name__}")
         head = getattr(model, "get_output_embeddings", None)
-        if head is None or head() is None:  # (its output has no logits to generate from)
+        if (head is None or head() is None) and getattr(model, "lm_head", None) is None:
+            # (its output has no logits to generate from; a remote-code LM that does not
+            # override get_output_embeddings still has its lm_head)
             raise TypeError(f"{type(model).__name__} has no language-model head (it returns "
                             "hidden states, not logits): convert_decoder takes a causal LM, "
                             "the *ForCausalLM class (LlamaForCausalLM, not LlamaModel)")
