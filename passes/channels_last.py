@@ -52,15 +52,25 @@ RANDOM = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feat
           "poisson", "multinomial", "rrelu", "rrelu_with_noise"}
 
 
+def _op_name(node: torch.fx.Node) -> str:
+    name = target_name(node).split(".")
+    return name[1] if name[0] == "aten" and len(name) > 1 else name[-1]
+
+
 def _draws_random(node: torch.fx.Node, gm) -> bool:
+    """Whether the node draws random numbers, out of place or in place (``normal_``)."""
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
     if node.op not in ("call_function", "call_method"):
         return False
-    name = target_name(node).split(".")
-    name = name[1] if name[0] == "aten" and len(name) > 1 else name[-1]
-    return name in RANDOM
+    return _op_name(node).rstrip("_") in RANDOM | {"random"}
+
+
+def _made_like(node) -> bool:
+    """``empty_like(h)``, ``h.new_empty(...)``: a tensor made in another's layout."""
+    return isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") \
+        and (_op_name(node).endswith("_like") or _op_name(node).startswith("new_"))
 
 
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
@@ -137,7 +147,12 @@ class ChannelsLast(Pass):
             if node.op == "output":
                 continue
             x = node.args[0] if node.args else None
-            if x in reached and _four_d(x) and (
+            if _draws_random(node, gm) and _made_like(x) and x.args \
+                    and x.args[0] in reached and _four_d(x.args[0]):
+                # an in-place draw into a tensor made like an NHWC value
+                # (``torch.empty_like(h).normal_()``): that tensor made in the model's layout
+                x.replace_input_with(x.args[0], nchw(x.args[0], x))
+            elif x in reached and _four_d(x) and not _op_name(node).endswith("_") and (
                     (node.op == "call_method" and node.target == "view")
                     or node.target is torch.ops.aten.view.default or _draws_random(node, gm)):
                 node.replace_input_with(x, nchw(x, node))

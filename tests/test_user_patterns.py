@@ -848,11 +848,16 @@ class NoisyConvMap(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.conv(x))
-        h = self.drop(h) if self.kind == "dropout" else h + 0.5 * torch.randn_like(h)
+        if self.kind == "dropout":
+            h = self.drop(h)
+        elif self.kind == "randn_like":
+            h = h + 0.5 * torch.randn_like(h)
+        else:  # an in-place draw into a tensor made like the conv map (Gumbel noise)
+            h = h + 0.1 * torch.empty_like(h).exponential_().log()
         return self.fc(h.flatten(1))
 
 
-@pytest.mark.parametrize("kind", ["dropout", "randn_like"])
+@pytest.mark.parametrize("kind", ["dropout", "randn_like", "exponential_"])
 @pytest.mark.parametrize("mode", ["train", "inference"])
 def test_random_draws_on_an_nhwc_conv_map_take_the_models_layout(kind, mode):
     """A random draw on the NHWC (channels_last) output of a low conv drew its numbers in NHWC
