@@ -155,10 +155,12 @@ def _shares(base, call, conv: dict, low_nodes: list, output) -> Optional[dict[st
             p.requires_grad_(True)
         # a buffer the forward wrote in place from a probed value (an EMA) took its grad_fn,
         # which state_kept's copy back does not undo: the next deepcopy of the graph refused it
-        for module in base.modules():
-            for name, t in list(vars(module).items()) + list(module._buffers.items()):
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                    t.detach_()
+        for module in base.modules():  # (the conversion's own copy of the model)
+            for store in (module._buffers, module.__dict__):
+                for name, t in list(store.items()):
+                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) \
+                            and t.grad_fn is not None:
+                        store[name] = t.detach()  # (detach_() refuses a view)
     shares = {name: 0.0 if g is None else float((g.float() * own[name]).sum())
               for name, g in zip(probes, grads)}
     return shares if all(map(math.isfinite, shares.values())) else None

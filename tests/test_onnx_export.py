@@ -303,15 +303,25 @@ def test_dimensions_the_capture_fixed_stay_static_in_the_file(tmp_path):
     export_onnx(vit, torch.randn(2, 3, 32, 32), tmp_path / "vit.onnx")
     shape = mpgraph.ort_session(tmp_path / "vit.onnx").get_inputs()[0].shape
     assert isinstance(shape[0], str) and shape[1:] == [3, 32, 32]
+    # a BERT given its mask and token types at its maximum length (padding="max_length"): the
+    # three sequences are tied (changed one at a time, each was refused) and bounded above
+    # (a longer one refused): neither fixes them
     bert = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                intermediate_size=128, vocab_size=100)).eval()
-    export_onnx(bert, torch.randint(0, 100, (2, 16)), tmp_path / "bert.onnx")
+                                intermediate_size=128, vocab_size=100,
+                                max_position_embeddings=16)).eval()
+    ids = torch.randint(0, 100, (2, 16))
+    example = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+               "token_type_ids": torch.zeros_like(ids)}
+    export_onnx(bert, (), tmp_path / "bert.onnx", example_kwargs=example)
     session = mpgraph.ort_session(tmp_path / "bert.onnx")
-    assert all(isinstance(d, str) for d in session.get_inputs()[0].shape)  # batch, sequence
+    for given in session.get_inputs():  # batch and sequence of each
+        assert all(isinstance(d, str) for d in given.shape), (given.name, given.shape)
     ids = torch.randint(0, 100, (3, 9))
+    call = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "token_type_ids": torch.zeros_like(ids)}
     with torch.no_grad():
-        want = bert(ids).last_hidden_state
-    got = session.run(["last_hidden_state"], {"input_ids": ids.numpy()})[0]
+        want = bert(**call).last_hidden_state
+    got = session.run(["last_hidden_state"], {k: v.numpy() for k, v in call.items()})[0]
     assert relative_l2(got, want) < 1e-2
 
 

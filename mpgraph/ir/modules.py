@@ -304,8 +304,11 @@ def _structure(value) -> tuple[str, str]:
     if spec.is_leaf() and not isinstance(value, torch.Tensor):  # an object holding tensors
         # (a dataclass, PyG's Data): torch.fx reads its fields at each call, so its type and
         # fields are the structure (another instance is another batch)
-        fields = [f.name for f in dataclasses.fields(value)] \
-            if dataclasses.is_dataclass(value) else list(getattr(value, "__dict__", {}))
+        # (its tensor fields, by name: the order, metadata fields beside them and a cached
+        # property touched since are no other structure)
+        items = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)} \
+            if dataclasses.is_dataclass(value) else dict(getattr(value, "__dict__", {}))
+        fields = sorted(k for k, v in items.items() if _holds_tensor(v))
         kind = type(value)
         return (f"{kind.__module__}.{kind.__qualname__} with fields {fields}",
                 f"a {kind.__name__} with fields {fields}")
@@ -983,8 +986,24 @@ class ConvertedModule(torch.fx.GraphModule):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:  # the tensors assigned as they came: back to the dtypes the plan stored
             self.restore_planned_dtypes()
+            self._retie()
         refresh_fused(self)  # now, not on the next call: forward() and exports read the stack too
         return result
+
+    def _retie(self) -> None:
+        """After ``assign=True``: names that held one parameter (tied) and were given equal
+        copies (a state dict of clones, from safetensors) hold one again, the first name's, as
+        HF's tie_weights does: the graph reads one of them for all, and training the others
+        would change nothing (the next call refused them). Unequal ones are left to the call's
+        check."""
+        for names in self.__dict__.get("tied_parameters", ()):
+            first = self.get_parameter(names[0])
+            for name in names[1:]:
+                other = self.get_parameter(name)
+                if other is not first and other.shape == first.shape \
+                        and torch.equal(other, first):
+                    owner, _, leaf = name.rpartition(".")
+                    self.get_submodule(owner)._parameters[leaf] = first
 
     def _planned_slots(self, state_dict) -> list:
         """``planned_slots`` of a state dict for the whole module."""
@@ -1071,6 +1090,8 @@ class ConvertedModule(torch.fx.GraphModule):
             if not str(e).startswith("Guard failed"):
                 raise
             raise guard_error(self, str(e)) from None
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:  # a tensor put in place of a planned one, in another dtype?
             # (any RuntimeError: a conv's says "Input type (c10::BFloat16) and bias type ...")
             changed = self.unplanned_tensors()

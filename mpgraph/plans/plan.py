@@ -498,5 +498,7 @@ def _model_cast(node: torch.fx.Node) -> Optional[CastRecord]:
 
 
 def _percent(fraction: float) -> str:
-    """Two significant digits, and 100 as "100" ("1e+02" in the g format)."""
-    return "100" if 100 * fraction >= 99.5 else f"{100 * fraction:.2g}"
+    """Two significant digits, 100 as "100" ("1e+02" in the g format), 99.6 as it is."""
+    if fraction == 1:
+        return "100"
+    return f"{100 * fraction:.2g}" if 100 * fraction < 99.5 else f"{100 * fraction:.3g}"

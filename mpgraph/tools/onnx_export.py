@@ -174,8 +174,10 @@ def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
 def _guarded_dims(gm: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset:
     """(leaf, dim) pairs of the inputs' tensors (pytree order of (args, kwargs)) that the
     module's input guard (mpgraph.ir.modules.InputGuard: torch.export's asserts from the
-    capture) refuses to see change by one: fixed sizes, and sizes tied to a multiple. Dims of
-    one size change together first (a mask's sequence length is its ids'), then alone."""
+    capture) fixes. Dims of one size change together (a mask's sequence is its ids'); of those,
+    a dim is fixed where leaving it unchanged takes a broken condition away (an image's size
+    beside a sequence of the same length), and the rest only if the guard refuses them both
+    larger and smaller (a bound, a sequence at the model's maximum, is no fix)."""
     from mpgraph.ir.graph import flat_inputs
     from mpgraph.ir.modules import InputGuard
     guard = next((m for m in gm.modules() if isinstance(m, InputGuard)), None)
@@ -185,23 +187,28 @@ def _guarded_dims(gm: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset:
     sizes = {(i, d): n for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
              for d, n in enumerate(x.shape) if n > 1}
 
-    def refused(changed) -> bool:
-        trial = [torch.empty([n + ((i, d) in changed) for d, n in enumerate(x.shape)],
+    def broken(changed, delta: int) -> set:
+        trial = [torch.empty([n + delta * ((i, d) in changed) for d, n in enumerate(x.shape)],
                              dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
                  for i, x in enumerate(leaves)]
         a, k = pytree.tree_unflatten(trial, spec)
-        return bool(guard.failures(*flat_inputs(gm, a, k)))
+        # (the conditions capture waived, a size-1 branch in library code, the module does
+        # not check either)
+        return {m for m in guard.failures(*flat_inputs(gm, a, k)) if m not in guard.waived}
 
     fixed = set()
     try:
         for size in sorted(set(sizes.values())):
             group = {key for key, n in sizes.items() if n == size}
-            if not refused(group):
+            failing = broken(group, 1)
+            if not failing:
                 continue
-            alone = {key for key in group if not refused({key})}
-            rest = group - alone
-            if rest and refused(rest):
-                fixed |= rest
+            held = {key for key in group if len(broken(group - {key}, 1)) < len(failing)}
+            rest = group - held
+            smaller = -1 if size > 2 else 2  # (not down to 1, a size torch specialises)
+            if rest and broken(rest, 1) and broken(rest, smaller):
+                held |= rest
+            fixed |= held
     except Exception as e:  # noqa: BLE001 (a guard that reads values: no finding)
         log.info("input guard not probed (%s); every dimension left dynamic", e)
         return frozenset()
