@@ -94,8 +94,8 @@ def _is_float(leaf) -> bool:
 def discrete_mismatches(outputs: Any, references: Any) -> dict[str, float]:
     """Of each integer or bool output (an argmax, a mask, quantised codes, a count's
     ``.item()``), the fraction of its values that differ from float32's, by its place among the
-    outputs' leaves (``leaves``), where any differ: rounding moves a value across a threshold or a rounding
-    boundary, which no relative error says."""
+    outputs' leaves (``leaves``), where any differ: rounding moves a value across a threshold or
+    a rounding boundary, which no relative error says."""
     differ = {}
     for i, (g, w) in enumerate(zip(leaves(outputs), leaves(references))):
         if type(g) in (int, bool) and type(w) is type(g):  # ``n.item()``: one value

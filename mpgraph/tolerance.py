@@ -66,8 +66,10 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
     low_nodes = [n.name for n in converted.graph.nodes if n.name in conv
                  and (d := n.meta.get(PRECISION)) is not None
                  and d.dtype not in (None, torch.float32) and not d.stored]
+    # (a view or a value written in place shares its storage with another node)
+    written = mutated_nodes(base.graph, base)
     try:
-        shares = _shares(base, call, conv, low_nodes, output)
+        shares = _shares(base, call, conv, low_nodes, output, written)
     except Exception as e:  # noqa: BLE001 (a ranking only: the local one serves as well)
         log.info("tolerance: error shares not computed (%s: %s); ranking by local errors",
                  type(e).__name__, e)
@@ -75,13 +77,14 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
     if shares and max(shares.values()) > 0:
         unranked = [name for name in low_nodes if name not in shares]
         if unranked:  # (views and values written in place: their local error, the same scale)
-            local = _local(base, converted, call, conv, unranked)
+            local = _local(base, converted, call, conv, unranked, written)
             shares.update({name: local.get(name, 0.0) for name in unranked})
         return shares
-    return _local(base, converted, call, conv, low_nodes)
+    return _local(base, converted, call, conv, low_nodes, written)
 
 
-def _shares(base, call, conv: dict, low_nodes: list, output) -> Optional[dict[str, float]]:
+def _shares(base, call, conv: dict, low_nodes: list, output,
+            written: set) -> Optional[dict[str, float]]:
     """Each low node's share of the worst output's relative error, to first order.
 
     A node's own rounding d (its value in the converted run minus what float32 computes from
@@ -92,10 +95,11 @@ def _shares(base, call, conv: dict, low_nodes: list, output) -> Optional[dict[st
     e gives every J^T e. A node whose rounding grows through what follows it (a pooler's dense
     layer, read by tanh alone, against a block's matmul damped by the residual and LayerNorm
     after it) ranks by that, where its local error alone (``_local``) ranks them alike."""
-    # (a view or a value written in place shares its storage with another node: replaced by
-    # a tensor of its own, the write no longer reaches the other, and the run is not float32's)
-    written = mutated_nodes(base.graph, base)
-    names = {n.name for n in base.graph.nodes if n.name in set(low_nodes)
+    # (a view or a value written in place (``written``) shares its storage with another node:
+    # replaced by a tensor of its own, the write no longer reaches the other, and the run is not
+    # float32's)
+    low = set(low_nodes)
+    names = {n.name for n in base.graph.nodes if n.name in low
              and not is_view(n) and n not in written and not is_inplace(n, base)}
     own: dict[str, torch.Tensor] = {}
 
@@ -166,11 +170,11 @@ def _shares(base, call, conv: dict, low_nodes: list, output) -> Optional[dict[st
     return shares if all(map(math.isfinite, shares.values())) else None
 
 
-def _local(base, converted, call, conv: dict, low_nodes: list) -> dict[str, float]:
+def _local(base, converted, call, conv: dict, low_nodes: list,
+           written: set) -> dict[str, float]:
     """Each low node's relative error minus the largest among its activation inputs: its own
     rounding, including that of its low-precision weights, without what it merely passes on."""
     ref: dict[str, torch.Tensor] = {}
-    written = mutated_nodes(base.graph, base)
 
     def keep(node, value):
         if isinstance(value, torch.Tensor) and value.is_floating_point():

@@ -14,7 +14,6 @@ brute force on random problems.
 from __future__ import annotations
 
 import math
-
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable

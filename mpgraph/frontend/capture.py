@@ -367,7 +367,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         args, kwargs = abstract.fake_inputs(args, kwargs)
     with _CAPTURE_LOCK, fake_mode(abstract):
         gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
-    if evaluated is not None:  # (compared with the graph in eval mode: api._eval_differs)
+    if evaluated is not None:  # (compared with the graph in eval mode: api._say_if_eval_differs)
         gm.meta[EVAL_OUTPUTS] = evaluated
     return gm
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import InputMismatchError, WeightOverflowError
-from mpgraph.ir.meta import EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES, dtype_name
+from mpgraph.ir.meta import (EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES, TENSOR, TensorInfo,
+                             dtype_name)
 
 
 class TrainingBatchNorm(torch.nn.Module):
@@ -303,12 +304,9 @@ def _structure(value) -> tuple[str, str]:
     spec = pytree.tree_structure(value)
     if spec.is_leaf() and not isinstance(value, torch.Tensor):  # an object holding tensors
         # (a dataclass, PyG's Data): torch.fx reads its fields at each call, so its type and
-        # fields are the structure (another instance is another batch)
-        # (its tensor fields, by name: the order, metadata fields beside them and a cached
-        # property touched since are no other structure)
-        items = {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)} \
-            if dataclasses.is_dataclass(value) else dict(getattr(value, "__dict__", {}))
-        fields = sorted(k for k, v in items.items() if _holds_tensor(v))
+        # its tensor fields by name are the structure (another instance is another batch; the
+        # order, metadata fields beside them, a cached property touched since are not)
+        fields = sorted(k for k, v in _fields(value).items() if _holds_tensor(v))
         kind = type(value)
         return (f"{kind.__module__}.{kind.__qualname__} with fields {fields}",
                 f"a {kind.__name__} with fields {fields}")
@@ -333,11 +331,17 @@ def _holds_tensor(value, depth: int = 3) -> bool:
         if isinstance(v, torch.Tensor):
             return True
         if depth and not isinstance(v, (type, torch.nn.Module)):
-            fields = [getattr(v, f.name, None) for f in dataclasses.fields(v)] \
-                if dataclasses.is_dataclass(v) else list(getattr(v, "__dict__", {}).values())
+            fields = list(_fields(v).values())
             if fields and _holds_tensor(fields, depth - 1):
                 return True
     return False
+
+
+def _fields(value) -> dict:
+    """An object's fields by name: a dataclass's, else its instance attributes."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+    return dict(getattr(value, "__dict__", {}))
 
 
 def _same(a, b) -> bool:
@@ -996,14 +1000,14 @@ class ConvertedModule(torch.fx.GraphModule):
         HF's tie_weights does: the graph reads one of them for all, and training the others
         would change nothing (the next call refused them). Unequal ones are left to the call's
         check."""
+        from mpgraph.ir.graph import set_attr
         for names in self.__dict__.get("tied_parameters", ()):
             first = self.get_parameter(names[0])
             for name in names[1:]:
                 other = self.get_parameter(name)
                 if other is not first and other.shape == first.shape \
                         and torch.equal(other, first):
-                    owner, _, leaf = name.rpartition(".")
-                    self.get_submodule(owner)._parameters[leaf] = first
+                    set_attr(self, name, first)
 
     def _planned_slots(self, state_dict) -> list:
         """``planned_slots`` of a state dict for the whole module."""
@@ -1116,7 +1120,6 @@ class ConvertedModule(torch.fx.GraphModule):
         """(placeholder, dtype given, dtype converted with) of float inputs whose dtype is not
         the one the graph was converted with."""
         from mpgraph.ir.graph import flat_inputs
-        from mpgraph.ir.meta import TENSOR, TensorInfo
         try:
             values = flat_inputs(self, args, kwargs)
         except Exception:  # noqa: BLE001 (inputs that do not map: nothing to say here)

@@ -81,10 +81,11 @@ class SimulatingInterpreter(RecordingInterpreter):
             low = next((d for d in pytree.tree_leaves(low) if d in _LOW), None) \
                 if self.rounding else None
             # a recurrent layer in its planned low dtype: by this machine's kernel (_recurrent)
-            result = None if low is None else \
-                _recurrent(self.fetch_attr(n.target), low, args, kwargs) \
-                if n.op == "call_module" else _recurrent_op(n.target, low, args, kwargs) \
-                if n.op == "call_function" else None
+            result = None
+            if low is not None and n.op == "call_module":
+                result = _recurrent(self.fetch_attr(n.target), low, args, kwargs)
+            elif low is not None and n.op == "call_function":
+                result = _recurrent_op(n.target, low, args, kwargs)
             if result is None and n.op == "call_module":
                 module = self.fetch_attr(n.target)
                 key = ("module", n.target)  # one copy of its state per run, as for attributes
@@ -110,16 +111,10 @@ def _recurrent(module: torch.nn.Module, low: torch.dtype, args, kwargs):
     None for any other module, or where this machine has no such kernel."""
     if not isinstance(module, (torch.nn.RNNBase, torch.nn.RNNCellBase)):
         return None
-
-    def down(v):
-        return v.to(low) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
     copy = {k: v.to(low) if v.is_floating_point() else v for k, v in
             (*module.named_parameters(), *module.named_buffers())}
-    try:
-        return torch.func.functional_call(module, copy, pytree.tree_map(down, tuple(args)),
-                                          pytree.tree_map(down, kwargs))
-    except RuntimeError:  # no such kernel here: simulated as any module (None)
-        return None
+    return _in_low(lambda *a, **k: torch.func.functional_call(module, copy, a, k), low, args,
+                   kwargs)
 
 
 _RECURRENT_OPS = {getattr(torch.ops.aten, name).default for name in
@@ -131,13 +126,16 @@ def _recurrent_op(target, low: torch.dtype, args, kwargs):
     ``nn.GRUCell``) run in ``low`` by this machine's kernel, as ``_recurrent`` runs the modules
     (its gates' pre-activations are stored low: a 30-step LSTMCell loop erred 2x the
     simulation's); None for any other op, or where this machine has no such kernel."""
-    if target not in _RECURRENT_OPS:
-        return None
+    return _in_low(target, low, args, kwargs) if target in _RECURRENT_OPS else None
 
+
+def _in_low(fn, low: torch.dtype, args, kwargs):
+    """``fn`` on the float arguments in ``low``; None where this machine has no such kernel
+    (then simulated as any node)."""
     def down(v):
         return v.to(low) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
     try:
-        return target(*pytree.tree_map(down, tuple(args)), **pytree.tree_map(down, kwargs))
+        return fn(*pytree.tree_map(down, tuple(args)), **pytree.tree_map(down, kwargs))
     except RuntimeError:
         return None
 

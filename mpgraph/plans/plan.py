@@ -272,11 +272,10 @@ class Plan:
                      "makes and checks the edited plan)\n")
         kinds = sorted({dtype_name(w.dtype) for w in self.weights}) or [low]
         all_fp32 = bool(self.compute_nodes) and not (self.low_nodes or self.casts or self.weights)
-        # a model that computes in fp16/bf16 itself: none of its nodes has a float32 value
-        as_given = not self.compute_nodes and any(r.op_class not in ("input", "output")
-                                                  for r in self.nodes)
-        if as_given:  # (it said "converted 0/0 nodes", "vs float32 (all float32)")
-            ops = sum(r.op_class not in ("input", "output") for r in self.nodes)
+        # a model that computes in fp16/bf16 itself: none of its nodes has a float32 value (it
+        # said "converted 0/0 nodes", "vs float32 (all float32)")
+        ops = sum(r.op_class not in ("input", "output") for r in self.nodes)
+        if not self.compute_nodes and ops:
             text += (f"kept the model's own dtypes: none of its {ops} nodes computes in float32 "
                      f"(no casts, no weight stored); captured with {self.capture}")
             if self.check and self.check.get("error") is not None:

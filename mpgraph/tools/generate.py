@@ -462,6 +462,14 @@ def _prefill_args(prompt, batch: int, max_cache_len: int, device) -> tuple:
             _mask(batch, length, max_cache_len, device))
 
 
+def _in_slices(prompt, batch: int) -> list:
+    """A (B', L') prompt batch in slices of at most ``batch`` rows (none of no rows); anything
+    else as it is, for ``_prefill_args`` to refuse."""
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
+        return list(prompt.split(batch)) if prompt.shape[0] else []
+    return [prompt]
+
+
 def _step_args(tokens: torch.Tensor, position: int, max_cache_len: int) -> tuple:
     """The decode graph's inputs: one token per row at cache slot ``position``."""
     batch, device = tokens.shape[0], tokens.device
@@ -543,11 +551,8 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     ids = prefill_args[0]
     # (a prompt batch larger than the cache's is calibrated in slices of its batch: every row
     # counts; repeating rows to fill the batch had cut a larger one to its first rows)
-    prompts = [_prefill_args(p[start:start + batch] if isinstance(p, torch.Tensor) else p,
-                             batch, max_cache_len, device)
-               for p in calibration
-               for start in range(0, p.shape[0] if isinstance(p, torch.Tensor) and p.dim() == 2
-                                  else 1, batch)] if calibration is not None else None
+    prompts = [_prefill_args(part, batch, max_cache_len, device) for p in calibration
+               for part in _in_slices(p, batch)] if calibration is not None else None
     decode_args = _step_args(ids[:, -1:].contiguous(), length, max_cache_len)
     options = dict(convert_options, dtype=dtype, target=target)
 

@@ -39,13 +39,13 @@ log = logging.getLogger(__name__)
 DEFAULT_TARGET = "a100-80gb"  # what a plan is made for when no GPU is here and none is named
 DEFAULT_OPSET = 23  # the first opset with an Attention op whose softmax precision can be stated
 MIN_OPSET = 18  # torch.onnx's dynamo exporter writes opset 18 and converts it up from there
+EXTERNAL_DATA_THRESHOLD = 1 << 30  # bytes of weights above which they go to a .data file
+_PROTOBUF_LIMIT = (1 << 31) - (1 << 26)  # one protobuf must stay under 2 GiB, with room for the graph
 
 
 def _max_opset() -> int:
     import onnx
     return onnx.defs.onnx_opset_version()
-EXTERNAL_DATA_THRESHOLD = 1 << 30  # bytes of weights above which they go to a .data file
-_PROTOBUF_LIMIT = (1 << 31) - (1 << 26)  # one protobuf must stay under 2 GiB, with room for the graph
 
 
 @dataclass
