@@ -687,7 +687,9 @@ def test_the_position_table_counts_real_tokens_and_bad_ids_are_named():
     ids = prompt(rows=2, length=10)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # row 0: 5 real tokens; row 1: 10
-    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)
+    # (every node float32 whatever this CPU runs natively: HF's tokens exactly)
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, dtype="bf16", target=GPU,
+                                      overrides={"*": "fp32"})
     new = 30 - 10  # the longest row's real tokens and these fill the table exactly
     with torch.no_grad():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
