@@ -292,9 +292,13 @@ class Plan:
             text += f"; kept float32: {self.kept_fp32}"
         if self.mode == "train":
             text += "; training: float32 master weights, cast once per forward"
-        if self.range_nodes:
-            text += (f"; {len(self.range_nodes)} nodes in {self.range_nodes[0].dtype} where "
-                     f"{low} overflows")
+        if self.range_nodes:  # the range rule's, and the ones an override or an edit put there
+            by_range = [r for r in self.range_nodes if r.reason.endswith(" has the range")]
+            if by_range:
+                text += f"; {len(by_range)} nodes in {by_range[0].dtype} where {low} overflows"
+            if len(by_range) < len(self.range_nodes):
+                text += (f"; {len(self.range_nodes) - len(by_range)} nodes in "
+                         f"{self.range_nodes[0].dtype} by overrides or edits")
         if self.safety_nodes:
             text += (f"; {len(self.safety_nodes)} float32 nodes with numeric-safety findings "
                      f"(calibrated on {self.calibration_batches} batch"
