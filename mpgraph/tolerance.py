@@ -26,7 +26,7 @@ from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, input_no
                               is_view, mutated_nodes, run_recording, seeded, state_kept)
 from mpgraph.ir.simulate import run_simulated
 from mpgraph.numerics import float_leaves, relative_l2, worst_error
-from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name
+from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name, is_inserted_cast
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
             conv[node.name] = value.detach().float().clone()
 
     output = (run_simulated if simulate else run_recording)(converted, *call, keep)
+    # (the casts InsertCasts put in are not the model's nodes: a pin is on what they serve)
     low_nodes = [n.name for n in converted.graph.nodes if n.name in conv
-                 and (d := n.meta.get(PRECISION)) is not None
+                 and not is_inserted_cast(n) and (d := n.meta.get(PRECISION)) is not None
                  and d.dtype not in (None, torch.float32) and not d.stored]
     # (a view or a value written in place shares its storage with another node)
     written = mutated_nodes(base.graph, base)

@@ -219,6 +219,35 @@ def test_tolerance_search_pins_the_node_that_makes_the_worst_output_err():
 
 
 
+def test_tolerance_search_pins_model_nodes_not_the_casts_it_put_in(caplog):
+    """The search ranked InsertCasts' own nodes (x_to_bf16) with the model's, spent a round
+    pinning one (an override the rebuilt graph does not have) and warned "override 'x_to_bf16'
+    matched no node" about an override the user never gave."""
+    import logging
+
+    class Variance(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.l(x) + 1000
+            mu = h.mean(-1, keepdim=True)
+            return ((h - mu) ** 2).mean(-1), h.var(-1), (h * h).mean(-1) - mu.squeeze(-1) ** 2
+
+    torch.manual_seed(0)
+    model, x = Variance().eval(), torch.randn(8, 64)
+    with caplog.at_level(logging.INFO, logger="mpgraph"):
+        fast = mpgraph.convert(model, (x,), dtype=BF16, target=GPU, strategy="rules",
+                               tolerance=1e-2)
+    assert not [r for r in caplog.records if "matched no node" in r.getMessage()]
+    names = {n.name for n in fast.graph.nodes}
+    pinned = [name for name, _ in fast.plan.tolerance["pinned"]]
+    assert pinned and all(name in names and "_to_" not in name for name in pinned)
+    rounds = [r.getMessage() for r in caplog.records if "round" in r.getMessage()]
+    assert len(rounds) == fast.plan.tolerance["rounds"] == 2, rounds  # (3: one on a cast)
+
+
 class _WritesInPlace(nn.Module):
     """An EMA buffer updated from an activation, or a view of one scaled in place."""
 
