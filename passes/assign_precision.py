@@ -88,7 +88,8 @@ class AssignPrecision(Pass):
     and the range dtype where there is one). Keys, most specific first when several match: a node
     name; a module path or glob ("encoder.layer.*.attention.*"); "op:" and a glob over the op
     ("op:nn.Linear", "op:aten.softmax", "op:*gelu*"); "class:" and an op class
-    ("class:tensor_core"). A key that matches no node is a warning naming it. ``from_plan`` maps
+    ("class:tensor_core"); "node:" and a node name where a module has that name too. A module
+    path covers its submodules. A key that matches no node is a warning naming it. ``from_plan`` maps
     node names to (dtype name, reason) of a saved plan: applied like node-name overrides.
     """
     stage = "decide"
@@ -134,15 +135,17 @@ class AssignPrecision(Pass):
         path, info = module_path(node), node.meta[OP_CLASS]
         ops = {info.key.lower(), target_name(node).lower()}
 
-        def specificity(key: str) -> Optional[int]:
-            if key == node.name:
-                return 0
-            if path and (key == path or fnmatch.fnmatchcase(path, key)):
-                return 1
+        def specificity(key: str) -> Optional[tuple[int, int]]:
+            if key == f"node:{node.name}" or (key == node.name and key not in self._modules):
+                return 0, 0
+            # a module path covers the module's own nodes and its submodules' ("layers.0" pins
+            # layers.0.fc1 too); of two that match, the deeper one wins ("layers.0.fc1" over it)
+            if path and (fnmatch.fnmatchcase(path, key) or fnmatch.fnmatchcase(path, key + ".*")):
+                return 1, -key.count(".")
             if key.startswith("op:") and any(fnmatch.fnmatchcase(o, key[3:].lower()) for o in ops):
-                return 2
+                return 2, 0
             if key.startswith("class:") and key[6:] == info.op_class:
-                return 3
+                return 3, 0
             return None
 
         hits = sorted((rank, i, key) for i, key in enumerate(self.overrides)
@@ -176,6 +179,19 @@ class AssignPrecision(Pass):
     # -- the decision ----------------------------------------------------------------------
     def call(self, gm):
         self._matched: set[str] = set()
+        # every module path the graph's nodes live in, and its parents: a key that names one is
+        # a module key, also where a node has that name (torch.export names the first
+        # aten.linear "linear", whichever module calls it; "node:linear" is that node)
+        self._modules = {".".join(parts[:i]) for n in gm.graph.nodes
+                         for parts in [module_path(n).split(".")] if parts != [""]
+                         for i in range(1, len(parts) + 1)}
+        names = {n.name: module_path(n) for n in gm.graph.nodes}
+        for key in self.overrides:
+            if key in self._modules and key in names and names[key] != key \
+                    and not names[key].startswith(key + "."):
+                log.warning("override %r is a module path and also the name of node %r (of "
+                            "module %r): applied to the module's nodes; 'node:%s' is the node",
+                            key, key, names[key] or "the top level", key)
         order = list(gm.graph.nodes)
         mutated = mutated_nodes(gm.graph, gm)
         # Layer/group norms reading low values first try low I/O; one whose readers then want
@@ -289,6 +305,19 @@ class AssignPrecision(Pass):
             self._override(node)  # (a key that matches is not warned about as matching nothing)
             return Decision(FP32, self.keep_fp32, pinned=True)
         forced, why = self._override(node) or (None, "")
+        if forced is not None and node.target is operator.getitem and inputs \
+                and inputs[0] not in stored and isinstance(inputs[0].meta.get(TENSOR), (tuple, list)) \
+                and dec[inputs[0]].dtype != forced:
+            # an item of a multi-output op (chunk, split, max) is that op's output as it is, in
+            # its dtype: a cast of one item is a decision about the op or the item's readers
+            made = dec[inputs[0]].dtype
+            # (a saved plan's items follow an edit of their op without a word)
+            if node.name not in self.from_plan or "edited to" in self.from_plan[node.name][1]:
+                log.warning("%s: %s to %s not applied: an item of %s comes out in its dtype (%s); "
+                            "decide %s or the item's readers instead", node.name, why,
+                            dtype_name(forced), inputs[0].name, dtype_name(made), inputs[0].name)
+            return Decision(made, f"an item of {inputs[0].name}, in its dtype ({why} to "
+                                  f"{dtype_name(forced)} not applied)", pinned=True)
         safety = self._safety_reason(node) if forced == self.low else None
         if safety:
             log.warning("%s: %s to %s refused: %s", node.name, why, dtype_name(self.low), safety)

@@ -514,3 +514,150 @@ def test_a_plan_that_converted_nothing_is_headed_float32():
     assert not gm.plan.low_nodes
     assert mpgraph.report(gm).startswith("mpgraph plan: float32 on old CPU")
     assert "<h1>mpgraph plan: float32 on old CPU</h1>" in mpgraph.report(gm, "html")
+
+
+class _Block(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        if x.shape[1] > 4:  # a branch on a shape: captured by torch.export, as HF models are
+            x = x * 1.0
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(layers))
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _stack(layers=2):
+    torch.manual_seed(0)
+    return _Stack(layers).eval(), torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))
+
+
+def test_override_by_module_path_covers_its_submodules_and_the_deeper_key_wins():
+    # before: {"layers.0": "fp32"} pinned only the gelu and add called in layers.0 itself; its
+    # Linears layers.0.fc1/fc2 stayed float16 without a word
+    model, x = _stack()
+    gm = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules",
+                         overrides={"layers.0": "fp32", "layers.0.fc2": "low"})
+    under = {r.name: r for r in gm.plan.compute_nodes
+             if r.module == "layers.0" or r.module.startswith("layers.0.")}
+    fc1 = [r for r in under.values() if r.module == "layers.0.fc1"]
+    fc2 = [r for r in under.values() if r.module == "layers.0.fc2"]
+    assert fc1 and all(r.dtype == "float32" and r.reason == "user override ('layers.0')"
+                       for r in fc1)
+    assert fc2 and all(r.dtype == "float16" and r.reason == "user override ('layers.0.fc2')"
+                       for r in fc2)
+    assert [r.dtype for r in gm.plan.compute_nodes if r.module == "layers.1.fc1"] == ["float16"]
+
+
+def test_override_naming_a_module_and_a_node_applies_to_the_module_and_says_so(caplog):
+    # torch.export names the first aten.linear "linear": a key meant for the module `linear`
+    # also pinned the node of that name (module proj), silently
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.linear = nn.Linear(64, 128), nn.Linear(128, 64)
+
+        def forward(self, x):
+            h = F.gelu(self.proj(x))
+            if x.shape[1] > 4:
+                h = h * 0.5
+            return self.linear(h)
+
+    torch.manual_seed(0)
+    model, x = Head().eval(), torch.randn(2, 8, 64)
+    with caplog.at_level(logging.WARNING, logger="mpgraph"):
+        gm = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules",
+                             overrides={"linear": "fp32"})
+    by_module = {r.module: r for r in gm.plan.compute_nodes if r.op_class == "tensor_core"}
+    assert by_module["proj"].name == "linear" and by_module["proj"].dtype == "float16"
+    assert by_module["linear"].dtype == "float32"
+    assert any("override 'linear' is a module path and also the name of node 'linear' (of "
+               "module 'proj')" in r.getMessage() and "'node:linear' is the node" in r.getMessage()
+               for r in caplog.records)
+    gm = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules",
+                         overrides={"node:linear": "fp32"})
+    by_module = {r.module: r for r in gm.plan.compute_nodes if r.op_class == "tensor_core"}
+    assert by_module["proj"].dtype == "float32" and by_module["linear"].dtype == "float16"
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        a, b = self.up(x).chunk(2, -1)
+        return self.down(F.silu(a) * b)
+
+
+def test_an_item_of_a_multi_output_op_takes_its_dtype_under_overrides_and_edited_plans(
+        caplog, tmp_path):
+    # before: an item decided apart from its op (an override, or a saved plan whose chunk was
+    # edited to float32) was a ConversionError "getitem: produced torch.float32, plan says
+    # torch.float16"
+    torch.manual_seed(0)
+    model, x = _SwiGLU().eval(), torch.randn(4, 16, 64)
+    ref = model(x)
+    with caplog.at_level(logging.WARNING, logger="mpgraph"):
+        gm = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules",
+                             overrides={"chunk": "fp32", "getitem": "low"})
+    assert [gm.plan.node(n).dtype for n in ("chunk", "getitem", "getitem_1")] == ["float32"] * 3
+    assert any("getitem: user override ('getitem') to float16 not applied: an item of chunk "
+               "comes out in its dtype (float32); decide chunk" in r.getMessage()
+               for r in caplog.records)
+    assert relative_l2(gm(x), ref) < 4e-3
+    path = str(tmp_path / "plan.json")
+    mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan.save(path)
+    saved = json.load(open(path))
+    for n in saved["nodes"]:
+        if n["name"] == "chunk":
+            n["dtype"] = "float32"
+    json.dump(saved, open(path, "w"))
+    edited = mpgraph.convert(model, x, plan=mpgraph.Plan.load(path))
+    assert [edited.plan.node(n).dtype for n in ("chunk", "getitem", "getitem_1", "silu")] \
+        == ["float32", "float32", "float32", "float16"]
+    assert relative_l2(edited(x), ref) < 4e-3
+
+
+def test_diff_of_two_versions_of_a_model_pairs_nodes_by_module_not_by_name():
+    # torch.export names nodes by op counter: with a layer more, the head's linear_4 is
+    # linear_6, and linear_4 is layers.2.fc1. Paired by name the diff said "0 nodes changed
+    # precision" where the head went float16 -> float32
+    (two, x), (three, _) = _stack(2), _stack(3)
+    a = mpgraph.convert(two, x, dtype="fp16", target=GPU, strategy="rules").plan
+    b = mpgraph.convert(three, x, dtype="fp16", target=GPU, strategy="rules",
+                        overrides={"head": "fp32"}).plan
+    d = mpgraph.diff(a, b)
+    assert [(c.name, c.name_b, c.dtype_a, c.dtype_b) for c in d.changed] \
+        == [("linear_4", "linear_6", "float16", "float32")]
+    assert "linear_4 (B: linear_6) [head]: float16 -> float32" in str(d)
+    assert sorted(d.only_b) == sorted(r.name for r in b.compute_nodes
+                                      if r.module.startswith("layers.2"))
+    assert d.only_a == []
+
+
+def test_summary_counts_a_node_edited_to_the_other_low_dtype_as_an_edit(tmp_path):
+    # before: "1 nodes in bfloat16 where float16 overflows" for a node the user edited
+    model, x = _blocks()
+    path = str(tmp_path / "plan.json")
+    mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan.save(path)
+    saved = json.load(open(path))
+    for n in saved["nodes"]:
+        if n["name"] == "head":
+            n["dtype"] = "bfloat16"
+    json.dump(saved, open(path, "w"))
+    summary = mpgraph.convert(model, x, plan=mpgraph.Plan.load(path)).plan.summary()
+    assert "1 nodes in bfloat16 by overrides or edits" in summary
+    assert "overflows" not in summary
