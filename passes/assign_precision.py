@@ -38,7 +38,8 @@ from mpgraph.ir.edges import required_dtype
 from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, module_path, mutated_nodes,
                               stored_into_only, target_name)
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
-                             TENSOR, Decision, TensorInfo, dtype_name, is_float32_tensor)
+                             TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
+                             is_float32_tensor)
 from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok
 from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
@@ -333,6 +334,10 @@ class AssignPrecision(Pass):
                 if natural.dtype == forced and not natural.stored:
                     return dataclasses.replace(natural, reason=why, pinned=True)
             return Decision(forced, why, pinned=True)
+        region = fp32_region(node)
+        if region is not None:
+            return Decision(FP32, f"in the model's {region} region: float32, as its author "
+                                  "keeps it", pinned=True)
 
         if node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, gm):
             self_dtype = dec[node.args[0]].dtype

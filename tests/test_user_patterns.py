@@ -1102,3 +1102,38 @@ def test_an_input_in_another_float_dtype_than_converted_is_named():
         fast(x.half())
     with torch.no_grad():
         assert rel_err(fast(x).last_hidden_state, model(x).last_hidden_state) < TOL[torch.float16]
+
+
+class _KeepsARegionFp32(nn.Module):
+    """A block its author keeps in float32 with torch.autocast(enabled=False), as mixed-precision
+    code does for a loss, a router or rotary angles."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.o, self.p = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.l(x)
+        with torch.autocast("cpu", enabled=False):
+            h = self.o(torch.nn.functional.gelu(h.float()))
+        return self.p(h)
+
+
+def test_a_torch_autocast_disabled_region_of_the_model_stays_float32():
+    # symbolic_trace runs through the context manager and recorded nothing of it: o and gelu
+    # were planned float16, silently (torch.export keeps it as one wrap_with_autocast call)
+    from mpgraph.numerics import relative_l2
+    torch.manual_seed(0)
+    model, x = _KeepsARegionFp32().eval(), torch.randn(4, 64)
+    cls = torch.amp.autocast_mode.autocast
+    enter, leave = cls.__enter__, cls.__exit__
+    fast = mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules")
+    assert (cls.__enter__, cls.__exit__) == (enter, leave)  # torch's own, put back
+    assert fast.plan.capture == "torch.fx.symbolic_trace"
+    dtypes = {r.name: r.dtype for r in fast.plan.compute_nodes}
+    assert dtypes["l"] == dtypes["p"] == "float16"
+    assert dtypes["o"] == dtypes["gelu"] == "float32"
+    assert fast.plan.node("o").reason == ("in the model's torch.autocast('cpu', enabled=False) "
+                                          "region: float32, as its author keeps it")
+    with torch.no_grad():
+        assert relative_l2(fast(x), model(x)) < 4e-3

@@ -29,7 +29,7 @@ from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
-from mpgraph.ir.meta import (CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, OBSERVED, READS_TRAINING,
+from mpgraph.ir.meta import (FP32_REGION, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, OBSERVED, READS_TRAINING,
                              STATIC_SHAPES)
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 from mpgraph.ir.fake import fake_mode, is_abstract
@@ -179,6 +179,46 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     # .train() and .eval(), which users call on what convert returns (FollowTrainingFlag gives
     # the flag its meaning back). Its generated code reads the pytree specs from the module.
     return ConvertedModule.wrap(unlifted)
+
+
+class _AutocastOff:
+    """While torch.fx traces a model: its own ``with torch.autocast(device, enabled=False):``
+    regions (code its author keeps in float32: a rotary embedding's angles, a loss, a router)
+    tag each node made inside (``node.meta["custom"][FP32_REGION]``). symbolic_trace runs
+    through the context manager and records nothing of it: the region was planned low,
+    silently. (torch.export records the region as one wrap_with_autocast call, kept float32.)"""
+
+    def __init__(self):
+        self._owner = threading.get_ident()
+
+    @contextlib.contextmanager
+    def watching(self):
+        import torch.fx.traceback as fx_traceback
+        cls = torch.amp.autocast_mode.autocast
+        enter, leave = cls.__enter__, cls.__exit__
+        watcher = self
+
+        def __enter__(self):
+            out = enter(self)
+            if not self._enabled and threading.get_ident() == watcher._owner:
+                region = fx_traceback.annotate(
+                    {FP32_REGION: f"torch.autocast({self.device!r}, enabled=False)"})
+                region.__enter__()
+                self.__dict__["_mpgraph_region"] = region
+            return out
+
+        def __exit__(self, *exc):
+            out = leave(self, *exc)
+            region = self.__dict__.pop("_mpgraph_region", None)
+            if region is not None:
+                region.__exit__(None, None, None)
+            return out
+
+        cls.__enter__, cls.__exit__ = __enter__, __exit__
+        try:
+            yield self
+        finally:
+            cls.__enter__, cls.__exit__ = enter, leave
 
 
 @contextlib.contextmanager
@@ -458,7 +498,16 @@ class _Tracer(torch.fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         self._thread = threading.get_ident()
-        return super().trace(root, concrete_args)
+        with _AutocastOff().watching():
+            return super().trace(root, concrete_args)
+
+    def create_node(self, *args, **kwargs):
+        import torch.fx.traceback as fx_traceback
+        node = super().create_node(*args, **kwargs)
+        region = (fx_traceback.current_meta.get("custom") or {}).get(FP32_REGION)
+        if region is not None:
+            node.meta.setdefault("custom", {})[FP32_REGION] = region
+        return node
 
     # torch.fx patches nn.Module for the whole process while it traces: a module another thread
     # runs meanwhile goes through these; it runs as it always does

@@ -229,3 +229,13 @@ class Kind(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# node.meta["custom"] key of a node the model computes inside its own
+# torch.autocast(..., enabled=False) (capture's _AutocastOff): AssignPrecision keeps it float32
+FP32_REGION = "mpgraph_fp32_region"
+
+
+def fp32_region(node) -> Optional[str]:
+    """The model's torch.autocast(enabled=False) region ``node`` was traced in, if any."""
+    return (node.meta.get("custom") or {}).get(FP32_REGION)
