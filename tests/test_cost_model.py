@@ -1,5 +1,6 @@
 """Device specs, the roofline estimate, the cost-optimal decision and the Tensor Core lint."""
 import dataclasses
+import json
 import math
 import re
 import warnings
@@ -42,6 +43,50 @@ def test_named_targets_and_bad_names():
     with pytest.raises(ValueError, match="unknown target 'b200'.*h100"):
         resolve_target("b200")
     assert {"cpu", "h100", "a100", "t4"} <= set(target_names())
+
+
+def test_cpu_micro_benchmark_times_cpu_float32_whatever_the_caller_s_defaults(monkeypatch,
+                                                                             tmp_path):
+    """The benchmark is cached for good: a first conversion inside ``with torch.device("meta")``
+    cached meta "peaks" (136 TFLOP/s, 55 TB/s) and a default float64 halved the bandwidth. What
+    it times is CPU tensors in float32 (or the timed dtype) in any context, and figures no CPU
+    has (a poisoned file) are measured again, never cached."""
+    from mpgraph.cost import device
+    timed = []
+
+    def best_time(fn, repeats):  # what each timed call computes (one matmul size a dtype)
+        timed.append(fn())
+        return 1.0
+    monkeypatch.setattr(device, "_best_time", best_time)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with torch.device("meta"):
+            data = device._measure_cpu()
+    finally:
+        torch.set_default_dtype(default)
+    tensors = [t for r in timed for t in (r if isinstance(r, list) else [r])]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    assert [t.dtype for t in timed[:3]] == [torch.float32, torch.bfloat16, torch.float16]
+    assert all(t.dtype == torch.float32 for t in tensors[3:])
+    assert data["bandwidth"] == 2 * 16 * 1024 * 1024 * 4 / 1.0
+    # a cache file with a rate no CPU has, or damaged values, is measured again and rewritten
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = device.measure_cpu()
+    path = next((tmp_path / "mpgraph").glob("cpu-*.json"))
+    for bad in ({"fp32": 1.4e14, "bf16": 1.4e14, "fp16": 1.4e14, "vector": 1e12},
+                {"fp32": "x", "bf16": 1e9, "fp16": 1e9, "vector": 1e9}, None):
+        held = json.loads(path.read_text())
+        path.write_text(json.dumps({**held, "peak": bad}))
+        assert device.measure_cpu().peak == spec.peak
+        assert json.loads(path.read_text())["peak"] == spec.peak
+    path.write_text(json.dumps({**held, "bandwidth": 0}))
+    assert device.measure_cpu().bandwidth == spec.bandwidth
+    # figures no CPU has (a context the benchmark did not pin) are planned with but not cached
+    path.unlink()
+    monkeypatch.setattr(device, "_best_time", lambda fn, repeats: 1e-9)
+    device.measure_cpu()
+    assert not path.exists()
 
 
 def test_cpu_measurement_here_and_the_dtype_the_plan_picks_from_it():

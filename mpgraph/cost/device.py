@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -74,7 +75,7 @@ def _matmul_rate(dtype: torch.dtype, largest: int = 1024, enough_s: float = 0.02
     emulated (bf16 on an AVX2-only CPU runs at ~1% of fp32: 1024^3 would take a second a run)."""
     n = 128
     while True:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a, b = (torch.randn(n, n, device="cpu", dtype=torch.float32).to(dtype) for _ in range(2))
         t = _best_time(lambda: torch.mm(a, b), 3)
         if n >= largest or t >= enough_s:
             return 2.0 * n ** 3 / t
@@ -82,22 +83,45 @@ def _matmul_rate(dtype: torch.dtype, largest: int = 1024, enough_s: float = 0.02
 
 
 def _measure_cpu() -> dict:
-    """Matmul FLOP/s per dtype, memory bandwidth and per-op overhead, in about a second."""
+    """Matmul FLOP/s per dtype, memory bandwidth and per-op overhead, in about a second.
+    Every tensor is a float32 (or the timed dtype) CPU tensor whatever the caller's context: a
+    first conversion inside ``with torch.device("meta")`` timed meta "kernels" (136 TFLOP/s,
+    55 TB/s) and a default float64 halved the bandwidth, and the result is cached for good."""
+    from torch.utils._python_dispatch import _disable_current_modes
     peak = {}
-    with torch.no_grad():
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    with torch.no_grad(), _disable_current_modes(), torch.device("cpu"), \
+            torch.autocast("cpu", enabled=False):
         for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
             peak[key] = _matmul_rate(dtype)
-        x = torch.empty(16 * 1024 * 1024)  # 64 MB
+        x = torch.empty(16 * 1024 * 1024, device=cpu, dtype=fp32)  # 64 MB
         y = torch.empty_like(x)
         t = _best_time(lambda: y.copy_(x), 5)
-        bandwidth = 2 * x.numel() * 4 / t
-        z = torch.randn(4 * 1024 * 1024)
+        bandwidth = 2 * x.numel() * x.element_size() / t
+        z = torch.randn(4 * 1024 * 1024, device=cpu, dtype=fp32)
         t = _best_time(lambda: torch.nn.functional.gelu(z), 3)
         peak["vector"] = VECTOR_FLOPS_PER_ELEMENT * z.numel() / t
-        small = torch.ones(8)
+        small = torch.ones(8, device=cpu, dtype=fp32)
         t = _best_time(lambda: [torch.add(small, small) for _ in range(200)], 3)
         launch = t / 200
     return {"peak": peak, "bandwidth": bandwidth, "launch": launch}
+
+
+# no CPU core runs float32 matmuls at 1 TFLOP/s (an AVX-512 core at 4 GHz peaks at 0.26): a
+# figure above this per thread was not timed on this CPU (meta tensors "ran" at 136 TFLOP/s)
+MAX_FP32_PER_THREAD = 1e12
+
+
+def _plausible(data) -> bool:
+    """Whether cached or measured CPU figures can be planned with: positive finite numbers (a
+    damaged file held strings, zeros, {}), and a float32 rate a CPU can have."""
+    def positive(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+    peak = data.get("peak") if isinstance(data, dict) else None
+    return (isinstance(peak, dict)
+            and all(positive(peak.get(k)) for k in ("fp32", "bf16", "fp16", "vector"))
+            and positive(data.get("bandwidth")) and positive(data.get("launch"))
+            and peak["fp32"] <= MAX_FP32_PER_THREAD * torch.get_num_threads())
 
 
 def isa_caps() -> str:
@@ -119,10 +143,16 @@ def measure_cpu(cache: bool = True) -> DeviceSpec:
                 data = json.load(f)
         except (OSError, ValueError):
             data = None
+        if data is not None and not _plausible(data):
+            log.info("%s holds no plausible CPU measurement: measuring again", path)
+            data = None
     if data is None:
         data = _measure_cpu()
         data["key"] = key
-        if cache:
+        if not _plausible(data):
+            log.warning("this CPU's micro-benchmark gave implausible figures (%s): not cached",
+                        data)
+        elif cache:
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "w") as f:
