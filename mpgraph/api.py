@@ -354,7 +354,13 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     new drivers)."""
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(calibrate, locals())
+    from mpgraph.ir.fake import has_abstract_tensors
     args, kwargs = as_call(example_inputs, example_kwargs)
+    if has_abstract_tensors(model, args, kwargs):  # (their timings were cached as this CPU's)
+        raise ValueError("calibrate times this machine's kernels on real values; the model or "
+                         "its inputs hold tensors on the meta device (or fake tensors): load "
+                         "its weights and pass real inputs (convert plans a meta model from "
+                         "shapes alone, measuring nothing)")
     kwargs = without_cache(model, args, kwargs)
     with stage("capture"):
         gm = capture(model, args, kwargs)

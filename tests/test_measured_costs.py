@@ -410,6 +410,24 @@ def test_calibrate_returns_the_model_s_own_table_and_keeps_the_others_in_the_cac
     assert set(a.entries) | set(b.entries) <= set(cached)
 
 
+def test_calibrate_refuses_a_model_or_inputs_without_values():
+    """calibrate on a meta-device model timed meta kernels and cached them under this CPU's keys:
+    a later real conversion of those shapes priced its GELU at 530.7 us (25.0 us real)."""
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(24, 36), nn.GELU()).eval()
+    real = nn.Sequential(nn.Linear(24, 36), nn.GELU()).eval()
+    before = CostTable.for_device(torch.device("cpu")).entries
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = torch.randn(3, 24)
+    for model, x in ((meta, torch.randn(3, 24)), (meta, torch.randn(3, 24, device="meta")),
+                     (real, torch.randn(3, 24, device="meta")), (real, fake)):
+        with pytest.raises(ValueError, match="calibrate times this machine's kernels on real "
+                           "values.*meta device.*load its weights and pass real inputs"):
+            mpgraph.calibrate(model, x)
+    assert CostTable.for_device(torch.device("cpu")).entries == before
+
+
 def test_costs_measured_on_a_busy_machine_are_measured_again_when_it_is_quieter(monkeypatch,
                                                                                 caplog):
     """Measured while a test suite and other jobs shared the 2 cores, a decode step's 2304x768

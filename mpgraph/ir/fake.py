@@ -85,6 +85,15 @@ def has_meta_tensors(model: torch.nn.Module, args: tuple = (), kwargs: Optional[
         any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in inputs)
 
 
+def has_abstract_tensors(model: torch.nn.Module, args: tuple = (),
+                         kwargs: Optional[dict] = None) -> bool:
+    """Whether the model or its inputs hold tensors without values (meta or fake)."""
+    from torch.utils import _pytree as pytree
+    return any(is_abstract(t) for _, t in module_tensors(model)) or any(
+        isinstance(t, torch.Tensor) and is_abstract(t)
+        for t in pytree.tree_leaves((args, kwargs or {})))
+
+
 class Abstract:
     """The fake mode an abstract model is traced and converted in, and the device it fakes."""
 
