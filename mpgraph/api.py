@@ -355,6 +355,11 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(calibrate, locals())
     from mpgraph.ir.fake import has_abstract_tensors
+    if not isinstance(model, torch.nn.Module):  # (convert's check: an AttributeError before)
+        raise TypeError(f"calibrate expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)):
+        raise TypeError(f"budget_s must be a number of seconds, got {type(budget_s).__name__} "
+                        f"{budget_s!r:.40}")
     args, kwargs = as_call(example_inputs, example_kwargs)
     if has_abstract_tensors(model, args, kwargs):  # (their timings were cached as this CPU's)
         raise ValueError("calibrate times this machine's kernels on real values; the model or "

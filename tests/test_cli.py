@@ -105,6 +105,15 @@ def test_cli_passes_sizes_only_to_factories_that_take_them(tmp_path, capsys):
     assert "takes no seq argument (its parameters: none)" in capsys.readouterr().err
 
 
+def test_cli_calibrate_names_a_factory_model_that_is_not_a_module(tmp_path, capsys):
+    """`mpgraph calibrate` printed a traceback (AttributeError: 'str' object has no attribute
+    'forward') where `mpgraph inspect` names the problem."""
+    factory = tmp_path / "bad.py"
+    factory.write_text("import torch\ndef build():\n    return 'model', torch.randn(2)\n")
+    assert cli.main(["calibrate", f"{factory}:build"]) == 2
+    assert "mpgraph: error: calibrate expects a torch.nn.Module, got str" in capsys.readouterr().err
+
+
 def test_cli_names_a_missing_module_and_a_size_below_one_without_a_traceback(capsys):
     """'no_such_module:build' printed a ModuleNotFoundError traceback (rc 1); --batch 0 failed
     inside the model's reshape, --seq -3 inside the factory."""

@@ -410,6 +410,17 @@ def test_calibrate_returns_the_model_s_own_table_and_keeps_the_others_in_the_cac
     assert set(a.entries) | set(b.entries) <= set(cached)
 
 
+def test_calibrate_says_what_it_expects_of_its_arguments():
+    """A non-Module model failed with AttributeError: 'str' object has no attribute 'forward'
+    (a traceback from `mpgraph calibrate FILE:factory`); budget_s='5' with a bare TypeError."""
+    for model in ("model", lambda x: x * 2):
+        with pytest.raises(TypeError, match="calibrate expects a torch.nn.Module, got "
+                           f"{type(model).__name__}"):
+            mpgraph.calibrate(model, torch.randn(2, 4))
+    with pytest.raises(TypeError, match="budget_s must be a number of seconds, got str '5'"):
+        mpgraph.calibrate(nn.Linear(4, 4), torch.randn(2, 4), budget_s="5")
+
+
 def test_calibrate_refuses_a_model_or_inputs_without_values():
     """calibrate on a meta-device model timed meta kernels and cached them under this CPU's keys:
     a later real conversion of those shapes priced its GELU at 530.7 us (25.0 us real)."""
