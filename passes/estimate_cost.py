@@ -6,6 +6,8 @@ cares which, so the placement that reads them does not either.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mpgraph.cost.model import CostModel, NodeCost  # noqa: F401 - NodeCost: the meta value
@@ -29,10 +31,37 @@ class EstimateCost(Pass):
         gm.meta[COST_MODEL] = {"target": self.costs.name, "source": self.costs.source}
         for node in gm.graph.nodes:
             if node.op.startswith("call_"):
-                node.meta[COST] = self.costs.node_cost(node, gm, self.low)
+                cost = node.meta[COST] = self.costs.node_cost(node, gm, self.low)
+                if not isinstance(cost, NodeCost):
+                    raise self.fail(f"{self._model()}.node_cost returned "
+                                    f"{type(cost).__name__}, not a NodeCost", node)
+                self._check(node, "node_cost", {"t_fp32": cost.t_fp32, "t_low": cost.t_low})
             if is_float32_tensor(node.meta.get(TENSOR)):
                 try:
-                    node.meta[CAST_COST] = self.costs.cast_cost(node, self.low)
+                    down, up = node.meta[CAST_COST] = self.costs.cast_cost(node, self.low)
                 except NotImplementedError:  # a model that prices no casts: the rules need none
-                    pass
+                    continue
+                self._check(node, "cast_cost", {"down": down, "up": up})
         return PassResult(gm, False)
+
+    def _model(self) -> str:
+        return f"the cost model {type(self.costs).__name__} ({self.costs.name or 'unnamed'})"
+
+    def _check(self, node, method: str, seconds: dict) -> None:
+        """A time that is NaN or negative (a user's cost model; a damaged cache) made a summary
+        say 'estimated nanx' or left the dtype choice no candidate ('min() arg is an empty
+        sequence'): said here, naming the cost model."""
+        bad = {k: v for k, v in seconds.items() if not _time(v)}
+        if bad:
+            raise self.fail(f"{self._model()}.{method} priced {node.name} at "
+                            + ", ".join(f"{k}={v!r}" for k, v in bad.items())
+                            + ": a cost is seconds, 0 or more (inf: never worth it)", node)
+
+
+def _time(value) -> bool:
+    """Whether ``value`` reads as seconds: a number (numpy's, a 0-d tensor), not NaN, 0 or more."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return False
+    return not math.isnan(value) and value >= 0

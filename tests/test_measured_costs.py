@@ -8,6 +8,7 @@ structure, not for its figures.
 """
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -408,6 +409,57 @@ def test_calibrate_returns_the_model_s_own_table_and_keeps_the_others_in_the_cac
     assert b.format().startswith(f"measured costs on {b.name}: {len(b.entries)} entries")
     cached = CostTable.for_device(torch.device("cpu")).entries
     assert set(a.entries) | set(b.entries) <= set(cached)
+
+
+def test_a_cache_file_with_values_that_are_not_times_is_measured_again(tmp_path, monkeypatch):
+    """A parseable but damaged cost table ('n/a' entries, NaN, negative times, a string probe)
+    failed convert deep inside (float() in EstimateCost, '<' between str and float, min() of
+    an empty sequence): what is not a time is not held, and is measured again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(12, 20), nn.ReLU()).eval(), torch.randn(3, 12)
+    table = mpgraph.calibrate(model, x)
+    held = json.loads(open(table.path).read())
+    keys = sorted(k for k, v in held["entries"].items() if v is not None)
+    bad = ["n/a", float("nan"), -1e-4, float("inf"), True, [1]]
+    damaged = {**held, "entries": {k: bad[i % len(bad)] for i, k in enumerate(keys)},
+               "probe_s": "0.0001", "probe_at": {k: "1" for k in keys}}
+    with open(table.path, "w") as f:
+        json.dump(damaged, f)
+    read = CostTable.for_device(torch.device("cpu"))
+    assert read.entries == {} and read.probe_at == {} and read.probe_s is None
+    mpgraph.convert(model, (x,))  # measured again, and written back
+    entries = json.loads(open(table.path).read())["entries"]
+    assert all(isinstance(entries[k], float) and entries[k] >= 0 for k in keys)
+
+
+def test_a_cost_model_that_prices_a_node_at_nan_or_a_negative_time_is_named():
+    """A user cost model (costs=) returning NaN printed 'estimated nanx float32 speed'; a
+    negative time failed with 'min() arg is an empty sequence'; a bare CostModel() with a
+    NotImplementedError that said nothing."""
+    from mpgraph.cost.model import CostModel, NodeCost
+
+    class Odd(CostModel):
+        name, source = "odd CPU", "the test"
+
+        def __init__(self, t32, tlow, cast=1e-6):
+            self.times, self.cast = (t32, tlow), cast
+
+        def node_cost(self, node, gm, low):
+            return NodeCost(1.0, 1.0, 1.0, *self.times)
+
+        def cast_cost(self, node, low):
+            return self.cast, self.cast
+
+    model, x = nn.Sequential(nn.Linear(8, 8)).eval(), torch.randn(2, 8)
+    for costs, said in ((Odd(math.nan, 1e-5), "t_fp32=nan"), (Odd(1e-4, -5e-6), "t_low=-5e-06"),
+                        (Odd(1e-4, 1e-5, math.nan), "down=nan, up=nan")):
+        with pytest.raises(mpgraph.PassError, match=r"the cost model Odd \(odd CPU\)\.(node|cast)"
+                           rf"_cost priced \w+ at {said}: a cost is seconds, 0 or more"):
+            mpgraph.convert(model, (x,), costs=costs)
+    with pytest.raises(mpgraph.PassError, match="CostModel does not implement node_cost"):
+        mpgraph.convert(model, (x,), costs=CostModel())
+    mpgraph.convert(model, (x,), costs=Odd(1e-4, math.inf, math.inf))  # inf: never worth it
 
 
 def test_calibrate_says_what_it_expects_of_its_arguments():

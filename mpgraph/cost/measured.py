@@ -88,11 +88,25 @@ def _read(path: str, key: str) -> dict:
         with open(path) as f:
             data = json.load(f)
         if data.get("format") == TABLE_FORMAT and data.get("key") == key:
-            return {"entries": dict(data["entries"]), "probe_at": dict(data.get("probe_at") or {}),
-                    "probe_s": data.get("probe_s")}
+            # a damaged but parseable file ("n/a", NaN, -1): what is not a time is not held, and
+            # is measured again (a string failed float() deep in EstimateCost; a negative time
+            # left _choose_low no candidate)
+            entries = {k: v for k, v in dict(data["entries"]).items()
+                       if v is None or _seconds(v, zero=True)}
+            probe_at = {k: v for k, v in dict(data.get("probe_at") or {}).items()
+                        if _seconds(v)}
+            probe = data.get("probe_s")
+            return {"entries": entries, "probe_at": probe_at,
+                    "probe_s": probe if _seconds(probe) else None}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     return {}
+
+
+def _seconds(value, zero: bool = False) -> bool:
+    """Whether a cached value is a time: a finite number above 0 (or 0, with ``zero``)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and (value > 0 or zero and value == 0))
 
 
 # A busy machine (other processes on the cores this one's threads run on) makes a parallel

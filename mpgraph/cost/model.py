@@ -40,11 +40,15 @@ class CostModel:
     def node_cost(self, node: torch.fx.Node, gm: torch.fx.GraphModule,
                   low: torch.dtype) -> NodeCost:
         """Seconds ``node`` takes in float32 and in ``low`` (with what it reads in that dtype)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement node_cost(node, gm, "
+                                  "low): a CostModel subclass returns each node's NodeCost "
+                                  "(mpgraph.cost.model)")
 
     def cast_cost(self, node: torch.fx.Node, low: torch.dtype) -> tuple[float, float]:
         """Seconds to cast ``node``'s float32 value to ``low`` and a ``low`` copy back."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement cast_cost(node, "
+                                  "low): a CostModel subclass returns the seconds of a cast "
+                                  "down and back (mpgraph.cost.model)")
 
     def supports(self, dtype: torch.dtype) -> bool:
         """Whether the device has the dtype at all (a T4 has no bfloat16 Tensor Cores)."""
