@@ -197,6 +197,37 @@ def test_calibration_file_round_trip_and_a_plan_for_that_gpu_says_it_read_it(tmp
         read_calibration(spec, str(tmp_path / "bad.json"))
 
 
+def test_a_calibration_file_with_bad_values_is_an_error_naming_the_file_and_field(tmp_path,
+                                                                                   monkeypatch):
+    """An efficiency of 0 failed deep in EstimateCost (ZeroDivisionError), a null one or a
+    string host with an AttributeError/TypeError; a negative host (estimated 13.16x, 5.36x with
+    the valid file) and percentages (60 for 0.6) were used silently."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = GPU_SPECS["a100-80gb"]
+    good = {"format": CALIBRATION_FORMAT, "device": spec.name, "host_per_node_s": 6e-6,
+            "efficiency": {"fp32": 0.6, "fp16": 0.5, "bf16": 0.5, "bandwidth": 0.8,
+                           "elementwise": 0.4}}
+    model, x = _mlp()
+    write_calibration(spec, good)
+    mpgraph.convert(model, (x,), target="a100")
+    for change, said in (({"efficiency": {**good["efficiency"], "fp16": 0}}, "efficiency 'fp16'"),
+                         ({"efficiency": {**good["efficiency"], "fp32": 60}}, "efficiency 'fp32'"),
+                         ({"efficiency": None}, "efficiency must be an object"),
+                         ({"host_per_node_s": None}, "host_per_node_s"),
+                         ({"host_per_node_s": "6e-6"}, "host_per_node_s"),
+                         ({"host_per_node_s": -1e-3}, "host_per_node_s"),
+                         ({"kernel_floor_s": -1e-6}, "kernel_floor_s")):
+        path = write_calibration(spec, {**good, **change})
+        with pytest.raises(ValueError, match=re.escape(f"{path} is not a valid calibration file: "
+                                                       f"{said}")):
+            mpgraph.convert(model, (x,), target="a100")
+    data = dict(good)
+    del data["host_per_node_s"]
+    write_calibration(spec, data)
+    with pytest.raises(ValueError, match="host_per_node_s must be seconds, 0 or more, got None"):
+        mpgraph.convert(model, (x,), target="a100")
+
+
 def test_an_uncalibrated_gpu_plan_says_so_and_replayed_drops_the_host_floor():
     model, x = _mlp()
     eager = mpgraph.convert(model, (x,), target="h100", dtype=FP16).plan

@@ -291,7 +291,29 @@ def read_calibration(spec: DeviceSpec, path: Optional[str] = None) -> Optional[d
         raise ValueError(f"{path} is not a calibration file: {e}") from None
     if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
         raise ValueError(f"{path} is not a calibration file ({CALIBRATION_FORMAT!r} expected)")
+    # what the roofline divides and multiplies by: a zero efficiency failed deep in a pass
+    # (ZeroDivisionError), a string host with a bare TypeError, and a negative host (estimated
+    # 13.16x, not 5.36x) or percentages (every node at the host floor) were used as they were
+    efficiency = data.get("efficiency")
+    bad = None
+    if not _number(data.get("host_per_node_s")) or data["host_per_node_s"] < 0:
+        bad = f"host_per_node_s must be seconds, 0 or more, got {data.get('host_per_node_s')!r}"
+    elif "kernel_floor_s" in data and (not _number(data["kernel_floor_s"])
+                                       or data["kernel_floor_s"] < 0):
+        bad = f"kernel_floor_s must be seconds, 0 or more, got {data['kernel_floor_s']!r}"
+    elif not isinstance(efficiency, dict):
+        bad = f"efficiency must be an object of shares of the peaks, got {efficiency!r}"
+    else:
+        bad = next((f"efficiency {k!r} must be a share of the peak in (0, 1], got {v!r}"
+                    for k, v in efficiency.items() if not _number(v) or not 0 < v <= 1), None)
+    if bad:
+        raise ValueError(f"{path} is not a valid calibration file: {bad} (delete it, or write "
+                         "it again on that GPU: mpgraph calibrate --gpu)")
     return data
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _timed(fn, device: torch.device, repeats: int = 20) -> float:
