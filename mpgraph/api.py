@@ -293,8 +293,10 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
     text = (f"dtype={low} converted {len(work) - len(kept)} of {len(work)} matmul/conv nodes "
             f"({share:.0%} of their FLOPs) for {spec.name}")
     why = []
+    # a GPU without Tensor Cores for the dtype (a T4 or V100 and bf16): no strategy makes it pay
+    missing = spec.kind == Kind.GPU and spec.matmul_peak(plan.dtype) is None
     if slower:
-        rate = ""
+        rate = f": {spec.name} has no {low} Tensor Cores" if missing else ""
         if spec.kind == Kind.CPU:
             key = {"float16": "fp16", "bfloat16": "bf16"}[low]
             ratio = spec.peak[key] / spec.peak["fp32"]
@@ -314,7 +316,12 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
     way = []
     if (slower or casts) and spec.kind == Kind.CPU:
         way.append("to plan for the GPU you deploy to, pass target='h100' (or 'a100', 't4', ...)")
-    if slower or casts:
+    if missing:
+        has = [n for n, d in (("fp16", torch.float16), ("bf16", torch.bfloat16))
+               if spec.matmul_peak(d)]
+        way.append(f"use dtype='{has[0]}', which its Tensor Cores run" if has else
+                   "keep float32 there")
+    elif slower or casts:
         way.append(f"to put every matmul/conv in {low} whatever it costs there, strategy='rules'")
     if safety:
         way.append("the safety findings hold in any plan (their evidence is in the plan)")

@@ -195,6 +195,21 @@ def _sandwich(n):
     return nn.Sequential(nn.LayerNorm(n), nn.Linear(n, n), nn.LayerNorm(n)).eval()
 
 
+def test_bf16_for_a_gpu_without_bf16_tensor_cores_says_so_and_points_to_fp16():
+    """dtype='bf16' for a T4 or V100 said '1 are not faster in bfloat16 there' and pointed to
+    strategy='rules' (forcing bf16 on a GPU that has no bf16 Tensor Cores)."""
+    model = nn.Sequential(nn.Linear(256, 256)).eval()
+    for target, name in (("t4", "NVIDIA T4"), ("v100", "NVIDIA V100")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = mpgraph.convert(model, (torch.randn(64, 256),), target=target, dtype="bf16").plan
+        text = plan.warning
+        assert [str(w.message) for w in caught if "matmul/conv nodes" in str(w.message)] == [text]
+        assert re.search(f"1 are not faster in bfloat16 there: {name}[^:]* has no bfloat16 "
+                         "Tensor Cores. Use dtype='fp16', which its Tensor Cores run.$", text)
+        assert "strategy='rules'" not in text
+
+
 def test_small_matmul_stays_fp32_and_large_goes_fp16_on_h100():
     small = mpgraph.convert(_sandwich(8), torch.randn(8, 8), dtype="fp16", target=H100)
     rec = small.plan.node("_1")
