@@ -656,8 +656,16 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
                 keep_fp32 = (("the overrides" if theirs else "the tolerance search's pins")
                              + f" keep every matmul/conv in float32 ({', '.join(keys)})")
         else:
+            from mpgraph.ir.meta import COST
+            # nodes faster alone, kept float32 by their casts: not 'no node is faster'
+            faster = sum(1 for n in gm.graph.nodes if n.op.startswith("call_")
+                         and (c := n.meta.get(COST)) is not None and c.t_low < c.t_fp32)
             keep_fp32 = (f"no node is faster in {' or '.join(chosen['candidates'])} "
-                         f"than in float32 on {costs.name} ({costs.source})")
+                         f"than in float32 on {costs.name} ({costs.source})" if not faster else
+                         f"no placement in {' or '.join(chosen['candidates'])} beats float32 on "
+                         f"{costs.name} once its casts are counted ({faster} node"
+                         f"{'s are' if faster > 1 else ' is'} faster alone in {dtype_name(low)}; "
+                         f"{costs.source})")
     return gm, report, low, keep_fp32, chosen
 
 

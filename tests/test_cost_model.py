@@ -109,7 +109,8 @@ def test_cpu_measurement_here_and_the_dtype_the_plan_picks_from_it():
         assert "it emulates both" in plan.kept_fp32
     rec = plan.node("_0")
     if rec.dtype == "float32":
-        assert plan.kept_fp32.startswith("no node is faster in float16 or bfloat16")
+        assert plan.kept_fp32.startswith(("no node is faster in float16 or bfloat16",
+                                          "no placement in "))  # (faster alone: the casts)
     else:
         assert rec.dtype == dtype_name(plan.dtype) and rec.t_low < rec.t_fp32
     if not cpu_flags() & {"avx512_bf16", "amx_bf16"}:

@@ -442,6 +442,26 @@ def test_calibrate_returns_the_model_s_own_table_and_keeps_the_others_in_the_cac
     assert set(a.entries) | set(b.entries) <= set(cached)
 
 
+def test_an_all_float32_plan_kept_by_its_casts_does_not_say_no_node_is_faster():
+    """A Linear 100 us in float32 and 20 us in bf16, each cast 50 us: the plan is float32, and
+    the summary said 'no node is faster in bfloat16 than in float32'."""
+    model, x = nn.Sequential(nn.Linear(64, 64)).eval(), torch.randn(8, 64)
+    key = ("call_module Linear(in_features=64, out_features=64, bias=True) weight[64, 64] "
+           "bias[64] (['[8, 64]fp32'], {})")
+    entries = {f"{key}|fp32": 100e-6, f"{key}|bf16": 20e-6,
+               "cast [8, 64] fp32->bf16": 50e-6, "cast [8, 64] bf16->fp32": 50e-6}
+    costs = Measured(CostTable(torch.device("cpu"), entries), Roofline(measure_cpu()), (BF16,))
+    plan = mpgraph.convert(model, (x,), costs=costs).plan
+    assert plan.low_nodes == [] and plan.node("_0").t_low < plan.node("_0").t_fp32
+    assert plan.kept_fp32.startswith(f"no placement in bfloat16 beats float32 on {costs.name} "
+                                     "once its casts are counted (1 node is faster alone in "
+                                     "bfloat16; measured on this CPU")
+    assert "no node is faster" not in plan.summary()
+    costs.table.entries[f"{key}|bf16"] = 200e-6  # slower alone too: then no node is faster
+    plan = mpgraph.convert(model, (x,), costs=costs).plan
+    assert plan.kept_fp32.startswith("no node is faster in bfloat16 than in float32")
+
+
 def test_a_cache_file_with_values_that_are_not_times_is_measured_again(tmp_path, monkeypatch):
     """A parseable but damaged cost table ('n/a' entries, NaN, negative times, a string probe)
     failed convert deep inside (float() in EstimateCost, '<' between str and float, min() of
