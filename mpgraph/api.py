@@ -361,6 +361,7 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     new drivers)."""
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(calibrate, locals())
+    from mpgraph.cost.device import measure_cpu
     from mpgraph.ir.fake import has_abstract_tensors
     if not isinstance(model, torch.nn.Module):  # (convert's check: an AttributeError before)
         raise TypeError(f"calibrate expects a torch.nn.Module, got {type(model).__name__}")
@@ -377,7 +378,8 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     with stage("capture"):
         gm = capture(model, args, kwargs)
     device = _device_of(args, kwargs, model)
-    spec = resolve_target("cuda" if device.type == "cuda" else "cpu")
+    # this CPU's micro-benchmark too: its peaks say which low dtypes are measured here
+    spec = resolve_target("cuda") if device.type == "cuda" else measure_cpu(fresh=True)
     gm = run_passes(prepare_pipeline(args, kwargs, kind=spec.kind), gm)  # the graph convert times
     lows = tuple(d for d in LOW_DTYPES if (spec.kind == Kind.GPU and spec.matmul_peak(d))
                  or (spec.kind == Kind.CPU and not emulated(d, spec)))

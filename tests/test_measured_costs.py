@@ -513,6 +513,20 @@ def test_a_cost_model_that_prices_a_node_at_nan_or_a_negative_time_is_named():
     mpgraph.convert(model, (x,), costs=Odd(1e-4, math.inf, math.inf))  # inf: never worth it
 
 
+def test_calibrate_measures_this_cpu_s_micro_benchmark_again(tmp_path, monkeypatch):
+    """A CPU spec cached once (a first conversion under a default meta device cached 136 TFLOP/s)
+    was never measured again: calibrate re-measured the cost table only."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    planted = {"fp32": 1.25e9, "bf16": 1.25e9, "fp16": 1.25e9, "vector": 1.25e9}
+    measure_cpu()
+    path = next((tmp_path / "mpgraph").glob("cpu-*.json"))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "peak": planted}))
+    assert measure_cpu().peak == planted  # (plausible: used as it is)
+    mpgraph.calibrate(nn.Sequential(nn.Linear(12, 20)).eval(), torch.randn(3, 12))
+    assert json.loads(path.read_text())["peak"] != planted
+    assert measure_cpu().peak != planted
+
+
 def test_calibrate_says_what_it_expects_of_its_arguments():
     """A non-Module model failed with AttributeError: 'str' object has no attribute 'forward'
     (a traceback from `mpgraph calibrate FILE:factory`); budget_s='5' with a bare TypeError."""

@@ -130,14 +130,15 @@ def isa_caps() -> str:
     return ",".join(f"{k}={os.environ[k]}" for k in _ISA_CAPS if os.environ.get(k))
 
 
-def measure_cpu(cache: bool = True) -> DeviceSpec:
-    """This CPU as a DeviceSpec, from a micro-benchmark (cached on disk)."""
+def measure_cpu(cache: bool = True, fresh: bool = False) -> DeviceSpec:
+    """This CPU as a DeviceSpec, from a micro-benchmark (cached on disk; ``fresh``: measured
+    again over what the cache holds, as ``mpgraph calibrate`` does)."""
     flags = sorted(cpu_flags() & set(_CPU_FLAGS))
     caps = isa_caps()
     key = f"v2|{cpu_name()}|{','.join(flags)}|{caps}|{torch.get_num_threads()}|{torch.__version__}"
     path = os.path.join(cache_dir(), f"cpu-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json")
     data = None
-    if cache and os.path.exists(path):
+    if cache and not fresh and os.path.exists(path):
         try:
             with open(path) as f:
                 data = json.load(f)
