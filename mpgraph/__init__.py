@@ -16,8 +16,9 @@ The package follows the data flow; no public name here is also the name of a mod
 """
 from mpgraph.api import calibrate, convert, plan, resolve_dtype
 from mpgraph.errors import (CalibrationError, CaptureError, ConversionError, ExportError,
-                            InputMismatchError, MpgraphError, PassError, PlanMismatchError,
-                            ToleranceError, ValueCheckError, WeightOverflowError)
+                            InputMismatchError, MissingWeightsError, MpgraphError, PassError,
+                            PlanMismatchError, ToleranceError, ValueCheckError,
+                            WeightOverflowError)
 from mpgraph.frontend.capture import capture
 from mpgraph.passes.infra import Pass, PassResult, run_passes
 from mpgraph.passes.op_table import OpEntry, OpTable
@@ -54,6 +55,6 @@ __version__ = "0.1.0"
 __all__ = ["convert", "plan", "calibrate", "load_weights", "capture", "resolve_dtype", "Plan", "NodeRecord",
            "CastRecord", "OpTable", "OpEntry", "Pass", "PassResult", "run_passes", "CaptureError",
            "ConversionError", "ValueCheckError", "PassError", "MpgraphError", "ExportError", "CalibrationError",
-           "ToleranceError", "PlanMismatchError", "InputMismatchError", "WeightOverflowError", "report", "diff", "PlanDiff", "export_onnx",
+           "ToleranceError", "PlanMismatchError", "InputMismatchError", "WeightOverflowError", "MissingWeightsError", "report", "diff", "PlanDiff", "export_onnx",
            "ort_session", "profile", "ProfileResult", "ncu_command", "cuda_graph",
            "convert_decoder", "generate", "ConvertedDecoder", "guard", "NonFiniteError"]

@@ -120,6 +120,11 @@ class WeightOverflowError(MpgraphError, ValueError):
     is written; names each tensor, its absmax and the dtype's max."""
 
 
+class MissingWeightsError(MpgraphError, RuntimeError):
+    """A converted module planned without weights (on the meta device) called while some of its
+    tensors still have no value: names them, and says to load them (``mpgraph.load_weights``)."""
+
+
 class ConversionError(MpgraphError):
     """The converted graph does not match its plan (a bug in mpgraph, or an op we mis-classified)."""
 

@@ -205,3 +205,24 @@ def test_a_tied_weight_loads_from_the_one_name_a_checkpoint_keeps_and_stays_tied
         with torch.no_grad():
             ref = other(ids).logits
             assert mpgraph.numerics.relative_l2(converted(ids).logits, ref) < 2e-2
+
+
+def test_calling_a_module_with_tensors_still_meta_is_an_error_naming_them(llama):
+    """A meta tensor read by a CPU kernel is uninitialised memory: a module planned on meta
+    called before its weights were loaded, or after a strict=False load that missed some,
+    returned garbage or NaN (or torch's device error) before."""
+    real, meta, ids, direct = llama
+    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    with pytest.raises(mpgraph.MissingWeightsError, match=r"have no value .*embed_tokens.weight"
+                       r".*mpgraph\.load_weights"):
+        planned(ids)
+    state = real.state_dict()
+    partial = {k: v for k, v in state.items() if k != "layers.0.mlp.down_proj.weight"}
+    mpgraph.load_weights(planned, partial, strict=False)
+    with pytest.raises(mpgraph.MissingWeightsError,
+                       match=r"^1 tensors .*: layers\.0\.mlp\.down_proj\.weight: load them"):
+        planned(ids)
+    mpgraph.load_weights(planned, {"layers.0.mlp.down_proj.weight":
+                                   state["layers.0.mlp.down_proj.weight"]})
+    with torch.no_grad():
+        assert torch.equal(planned(ids).last_hidden_state, direct(ids).last_hidden_state)

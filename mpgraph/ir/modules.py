@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from mpgraph.errors import InputMismatchError, WeightOverflowError
+from mpgraph.errors import InputMismatchError, MissingWeightsError, WeightOverflowError
+from mpgraph.ir.fake import TRACED_ON, module_tensors
 from mpgraph.ir.meta import (EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES, TENSOR, TensorInfo,
                              dtype_name)
 
@@ -1079,6 +1080,8 @@ class ConvertedModule(torch.fx.GraphModule):
         super().__setattr__(name, value)
 
     def __call__(self, *args, **kwargs):
+        if "_has_values" not in self.__dict__ and self.meta.get(TRACED_ON) not in (None, "meta"):
+            self._check_has_values()
         signature = self.__dict__.get("call_signature")
         if signature is not None:
             args, kwargs = signature.check(args, kwargs)
@@ -1115,6 +1118,22 @@ class ConvertedModule(torch.fx.GraphModule):
                 ".float()?): call module.restore_planned_dtypes(), or load weights with "
                 "load_state_dict (which casts) or by assignment (which takes the plan's dtype) "
                 f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+    def _check_has_values(self) -> None:
+        """A module planned on meta computes only once every tensor has a value: CPU kernels
+        read a meta operand as uninitialised memory (garbage or NaN, no error). Walked on each
+        call until every tensor is real, then never again (a flag)."""
+        empty = [path for path, t in module_tensors(self)
+                 if (t.to_local() if _is_dtensor(t) else t).is_meta]
+        if empty:
+            raise MissingWeightsError(
+                f"{len(empty)} tensors of the converted module have no value (it was planned on "
+                f"the meta device): {', '.join(empty[:10])}" + (" ..." if len(empty) > 10 else "")
+                + ": load them before calling it, mpgraph.load_weights(module, weights) (with "
+                "strict=True it names any it did not find; non-persistent buffers, such as "
+                "position ids or rotary inv_freq, are in no checkpoint: build them for real "
+                "beside the meta parameters, or pass them in a dict)")
+        self.__dict__["_has_values"] = True
 
     def _inputs_off_dtype(self, args: tuple, kwargs: dict) -> list:
         """(placeholder, dtype given, dtype converted with) of float inputs whose dtype is not
