@@ -226,3 +226,29 @@ def test_calling_a_module_with_tensors_still_meta_is_an_error_naming_them(llama)
                                    state["layers.0.mlp.down_proj.weight"]})
     with torch.no_grad():
         assert torch.equal(planned(ids).last_hidden_state, direct(ids).last_hidden_state)
+
+
+def test_a_name_in_two_files_is_an_error_and_an_index_decides_where_each_name_is(llama, tmp_path):
+    """A directory holding two checkpoints (an old export beside the new one) gave every tensor
+    from whichever file sorted last, silently; an index's weight_map was read only for its file
+    names, so a stale copy of a name in a listed shard could win the same way."""
+    real, meta, ids, direct = llama
+    state = {k: v.contiguous() for k, v in real.state_dict().items()}
+    stale = {k: torch.zeros_like(v) for k, v in state.items()}
+    save_file(state, tmp_path / "model.safetensors")
+    save_file(stale, tmp_path / "model_v0_backup.safetensors")
+    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    with pytest.raises(ValueError, match=r"weight \S+ is in two files, .*model\.safetensors and "
+                                         r".*model_v0_backup\.safetensors"):
+        mpgraph.load_weights(planned, tmp_path)
+    # an index: each name from the shard it maps the name to, and a directory with one follows it
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    index = save_checkpoint(real, sharded, shards=2)
+    first = sorted(state)[0]  # (in the first shard)
+    save_file({**{k: state[k] for k in sorted(state)[1::2]}, first: stale[first]},
+              sharded / "model-00002-of-00002.safetensors")  # a stale copy of it in the other shard
+    save_file(stale, sharded / "zz_old.safetensors")  # an old export the index does not list
+    for source in (index, sharded):
+        loaded = mpgraph.load_weights(mpgraph.convert(meta, ids, **OPTIONS), source)
+        _same_module(loaded, direct, ids)

@@ -22,19 +22,34 @@ log = logging.getLogger(__name__)
 
 
 class _Safetensors(Mapping):
-    """Tensors of safetensors files by name, each read when asked for (one at a time in memory)."""
+    """Tensors of safetensors files by name, each read when asked for (one at a time in memory).
+    ``files``: (path, the names to take from it: an index's weight_map; None, all of them)."""
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, files: list[tuple[str, Optional[list[str]]]]):
         try:
             from safetensors import safe_open
         except ImportError as e:
             raise ImportError("load_weights reads checkpoints with the safetensors package: "
                               "pip install safetensors (or pass a state dict)") from e
-        self._files = [safe_open(p, framework="pt") for p in paths]
-        self._where = {}
-        for f in self._files:
-            for key in f.keys():
-                self._where[key] = f
+        opened, self._where, found_in = {}, {}, {}
+        for path, names in files:
+            real = os.path.realpath(path)
+            if real not in opened:
+                opened[real] = safe_open(path, framework="pt")
+            f = opened[real]
+            held = set(f.keys())
+            for key in (sorted(held) if names is None else names):
+                if key not in held:
+                    raise ValueError(f"the index names {path} as the file holding {key}, "
+                                     "which it does not hold: the index and its shards are of "
+                                     "different checkpoints")
+                # a checkpoint's shards never repeat a name: a repeat is two checkpoints in one
+                # place (an old export beside the new one), and which one wins is not ours to pick
+                if found_in.get(key, real) != real:
+                    raise ValueError(f"weight {key} is in two files, {found_in[key]} and {path}: "
+                                     "they hold two checkpoints; pass the files of one (or its "
+                                     ".index.json)")
+                found_in[key], self._where[key] = real, f
 
     def __getitem__(self, key):
         return self._where[key].get_tensor(key)
@@ -97,15 +112,20 @@ def _source(weights) -> Mapping:
     paths = [weights] if isinstance(weights, (str, os.PathLike)) else list(weights)
     files = []
     for p in map(os.fspath, paths):
-        if os.path.isdir(p):
+        if os.path.isdir(p):  # a checkpoint's index, where it has one: else every file
+            indexes = sorted(f for f in os.listdir(p) if f.endswith(".safetensors.index.json"))
+            if len(indexes) > 1:
+                raise ValueError(f"{p} holds {len(indexes)} checkpoint indexes "
+                                 f"({', '.join(indexes)}): pass the one to load")
+            if indexes:
+                files += _indexed(os.path.join(p, indexes[0]))
+                continue
             found = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
             if not found:
                 raise FileNotFoundError(f"no .safetensors file in {p}")
-            files += found
+            files += [(f, None) for f in found]
         elif p.endswith(".json"):
-            with open(p) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            files += [os.path.join(os.path.dirname(p), s) for s in shards]
+            files += _indexed(p)
         elif not os.path.exists(p):
             raise FileNotFoundError(f"weights file {p} does not exist")
         elif not p.endswith(".safetensors"):
@@ -113,8 +133,17 @@ def _source(weights) -> Mapping:
                              "torch.load and pass its state dict (load_weights(module, "
                              "torch.load(path, weights_only=True)))")
         else:
-            files.append(p)
+            files.append((p, None))
     return _Safetensors(files)
+
+
+def _indexed(index: str) -> list[tuple[str, list[str]]]:
+    """A checkpoint's ``.index.json`` as (shard file, the names the index maps to it)."""
+    with open(index) as f:
+        shards = {}
+        for key, shard in json.load(f)["weight_map"].items():
+            shards.setdefault(shard, []).append(key)
+    return [(os.path.join(os.path.dirname(index), s), keys) for s, keys in sorted(shards.items())]
 
 
 def _retarget_devices(gm: torch.fx.GraphModule, old: str, new: torch.device) -> int:
