@@ -252,3 +252,23 @@ def test_a_name_in_two_files_is_an_error_and_an_index_decides_where_each_name_is
     for source in (index, sharded):
         loaded = mpgraph.load_weights(mpgraph.convert(meta, ids, **OPTIONS), source)
         _same_module(loaded, direct, ids)
+
+
+def test_a_load_weights_error_writes_nothing(llama, tmp_path):
+    """A wrong shape (or a tensor without a value, strict) found after some tensors were written
+    left a loaded module holding two checkpoints' tensors (13 of 20 replaced): neither's answer."""
+    real, _, ids, direct = llama
+    fast = copy.deepcopy(direct)
+    before = {k: v.clone() for k, v in fast.state_dict().items()}
+    other = {k: torch.randn_like(v) for k, v in real.state_dict().items()}
+    last = list(other)[-3]
+    save_file({**other, last: torch.zeros(3, 3)}, tmp_path / "wrong.safetensors")
+    for weights in ({**other, last: torch.zeros(3, 3)}, tmp_path / "wrong.safetensors"):
+        with pytest.raises(ValueError, match=rf"weight {last}: shape \(3, 3\).*nothing was loaded"):
+            mpgraph.load_weights(fast, weights)
+        assert all(torch.equal(v, before[k]) for k, v in fast.state_dict().items())
+    planned = mpgraph.convert(llama[1], ids, **OPTIONS)
+    partial = {k: v for k, v in real.state_dict().items() if k != "norm.weight"}
+    with pytest.raises(ValueError, match=r"1 tensors .* no value.*norm\.weight.*nothing was loaded"):
+        mpgraph.load_weights(planned, partial)
+    assert all(p.is_meta for p in planned.parameters())

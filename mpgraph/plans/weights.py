@@ -54,6 +54,10 @@ class _Safetensors(Mapping):
     def __getitem__(self, key):
         return self._where[key].get_tensor(key)
 
+    def shape(self, key) -> tuple:
+        """A tensor's shape, from the file's header (nothing read)."""
+        return tuple(self._where[key].get_slice(key).get_shape())
+
     def __iter__(self):
         return iter(self._where)
 
@@ -185,8 +189,8 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     layout the plan gave it, and moved to ``device`` (default: the device it was traced for, or
     the one its tensors are on). Tensors are read lazily from safetensors: one at a time in
     memory besides the result. A value that would be inf in the dtype the plan stored its
-    tensor in (1e5 in float16) is a ``WeightOverflowError`` naming it, before anything is
-    written. With ``strict``, a tensor of the module with no value (still
+    tensor in (1e5 in float16) is a ``WeightOverflowError`` naming it; every error (a wrong
+    shape, a missing tensor with ``strict``) is raised before anything is written. With ``strict``, a tensor of the module with no value (still
     meta) afterwards is an error naming it, and so are weights none of whose names the module
     has (a checkpoint under another prefix: nothing would be loaded). A decoder takes the causal LM's own names (its
     ``state_dict()``, its checkpoint), and its two graphs keep sharing what they shared
@@ -296,8 +300,22 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
                 moves.append((paths, t))
             continue
         entries.append((t, paths, keys, *found))
-    # a value that would be inf in the dtype the plan stored its tensor in (1e5 in float16) is
-    # an error before anything is written: tensors with values are checked first (a low one's
+    # an error is raised before anything is written (a module left holding two checkpoints'
+    # tensors would compute neither's answer): a tensor left without a value, a wrong shape ...
+    if missing and strict:
+        raise ValueError(f"{len(missing)} tensors of the converted module have no value in the "
+                         f"weights: {', '.join(missing[:10])}"
+                         + (" ..." if len(missing) > 10 else "") + " (non-persistent buffers, such as rotary inv_freq, are not in "
+                           "checkpoints: build them for real beside meta parameters, or pass "
+                           "them in a dict; a checkpoint's shards: pass them all in one call, or "
+                           "load them one call each with strict=False); nothing was loaded")
+    for t, paths, keys, source, key in entries:
+        shape = _shape_of(source, key)
+        if shape != tuple(t.shape):
+            raise ValueError(f"weight {key}: shape {shape}, the converted module has "
+                             f"{tuple(t.shape)}; nothing was loaded")
+    # ... a value that would be inf in the dtype the plan stored its tensor in (1e5 in float16):
+    # tensors with values are checked first (a low one's
     # weights read twice: the check, then the load); tensors without (meta: the plan made
     # without weights) as they are read, set only once all of them are
     check_fits(((_named(key, paths), source[key], t.dtype) for t, paths, keys, source, key
@@ -306,9 +324,6 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
     pending = []
     for t, paths, keys, source, key in sorted(entries, key=lambda e: not is_abstract(e[0])):
         value = source[key]
-        if tuple(value.shape) != tuple(t.shape):
-            raise ValueError(f"weight {key}: shape {tuple(value.shape)}, the converted module "
-                             f"has {tuple(t.shape)}")
         if is_abstract(t):
             check_fits([(_named(key, paths), value, t.dtype)], "load_weights",
                        "nothing was loaded")
@@ -327,14 +342,17 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
         replace_tensors(gm, paths, placed)
     if traced is not None and isinstance(gm, torch.fx.GraphModule) and str(target) != traced:
         _retarget_devices(gm, traced, target)
-    if missing and strict:
-        raise ValueError(f"{len(missing)} tensors of the converted module have no value in the "
-                         f"weights: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else "")
-                         + " (non-persistent buffers, such as rotary inv_freq, are not in "
-                           "checkpoints: build them for real beside meta parameters, or pass "
-                           "them in a dict)")
     log.info("loaded %d tensors onto %s", loaded, target)
     return used
+
+
+def _shape_of(source: Mapping, key: str) -> tuple:
+    """The shape of ``source[key]``, without reading a safetensors file's tensor."""
+    if isinstance(source, _ModelOf):
+        return _shape_of(source.source, source.resolve(key))
+    if isinstance(source, _Safetensors):
+        return source.shape(key)
+    return tuple(source[key].shape)
 
 
 def _low(t: torch.Tensor) -> bool:
