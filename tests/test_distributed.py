@@ -66,6 +66,7 @@ def _worker(rank, port, wrap, out_dir):
         if wrap == "fsdp2":
             result["sharded_inference"] = _sharded_inference(rank)
             result["sharded_stacks"] = _sharded_stacks()
+            result["load_after_sharding"] = _load_after_sharding()
         torch.save(result, os.path.join(out_dir, f"{wrap}.{rank}.pt"))
         dist.barrier()
     except BaseException:
@@ -120,6 +121,32 @@ def _sharded_inference(rank):
         got, want = model(ids), plain(ids)
     return {"max_abs": float((got.float() - want.float()).abs().max()),
             "dtypes": sorted({str(p.dtype) for p in plain.parameters()})}
+
+
+def _load_after_sharding():
+    """FSDP2's meta-init order on a module planned on meta, fully_shard before the weights:
+    load_weights put plain tensors in place of FSDP's DTensors, silently, and the forward failed
+    inside FSDP ('Parameter' object has no attribute '_local_tensor'). It refuses now, and
+    set_model_state_dict, which it names, loads the shards: the outputs are the unsharded ones."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    real = Net().eval()
+    with torch.device("meta"):
+        meta = Net().eval()
+    ids = batch(99)[0]
+    options = dict(dtype=torch.bfloat16, strategy="rules", target="a100")
+    gm = fully_shard(mpgraph.convert(meta, ids, **options))
+    try:
+        mpgraph.load_weights(gm, real.state_dict())
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    gm.to_empty(device="cpu")
+    set_model_state_dict(gm, real.state_dict(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():
+        max_abs = (gm(ids).float() - mpgraph.convert(real, ids, **options)(ids).float()).abs().max()
+    return {"refused": refused, "max_abs": float(max_abs)}
 
 
 class QKV(nn.Module):
@@ -198,6 +225,9 @@ def test_converted_module_under_torch_distributed_matches_single_process(wrap, t
             assert r["sharded_inference"]["max_abs"] == 0.0, r["sharded_inference"]
             assert r["sharded_inference"]["dtypes"] == ["torch.bfloat16", "torch.float32"]
             assert r["sharded_stacks"] == {"stacks": 1, "max_abs": 0.0}, r["sharded_stacks"]
+            assert "sharded by FSDP" in r["load_after_sharding"]["refused"], r
+            assert "call load_weights before fully_shard" in r["load_after_sharding"]["refused"]
+            assert r["load_after_sharding"]["max_abs"] == 0.0, r["load_after_sharding"]
     assert single[-1] < single[0]
     for a, b in zip(ranks, single):  # the loss curve, step by step
         assert abs(a - b) <= loss_tol * abs(b), (ranks, single)
