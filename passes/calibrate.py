@@ -343,7 +343,9 @@ class Calibrate(Pass):
             if node in per_batch:
                 node.meta[RANGE] = ValueRange(max(per_batch[node]), smallest[node], bad[node],
                                               tuple(per_batch[node]))
-        gm.meta[RANGE] = count
+        # batches that measured values: none on a model without them (planned on the meta
+        # device, run as fakes), whose plan is not calibrated and must not say it was
+        gm.meta[RANGE] = count if per_batch else 0
         held = {name for name, _ in constant or ()}
         gm.meta[CONSTANT_INPUTS] = tuple(n for n in names if n in held)
         log.debug("calibrated %d values over %d batches", len(per_batch), count)

@@ -1,5 +1,6 @@
 """Planning without weights (meta device) and loading them later (safetensors)."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -272,3 +273,17 @@ def test_a_load_weights_error_writes_nothing(llama, tmp_path):
     with pytest.raises(ValueError, match=r"1 tensors .* no value.*norm\.weight.*nothing was loaded"):
         mpgraph.load_weights(planned, partial)
     assert all(p.is_meta for p in planned.parameters())
+
+
+def test_a_plan_on_meta_says_it_is_not_calibrated(llama):
+    """A run on fakes measures nothing: the plan said "calibrated on 1 batch" and warned that an
+    fp16 plan calibrated on one batch should be given calibration=, which a meta model refuses."""
+    real, meta, ids, _ = llama
+    options = dict(OPTIONS, dtype="fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning at all)
+        plan = mpgraph.convert(meta, ids, **options).plan
+    assert plan.calibration_batches == 0 and plan.safety_nodes
+    assert "(not calibrated: planned without values, on the meta device)" in plan.summary()
+    with pytest.warns(UserWarning, match="calibrated on one batch"):  # the real model's, as before
+        assert mpgraph.convert(real, ids, **options).plan.calibration_batches == 1

@@ -301,8 +301,10 @@ class Plan:
                          f"{self.range_nodes[0].dtype} by overrides or edits")
         if self.safety_nodes:
             text += (f"; {len(self.safety_nodes)} float32 nodes with numeric-safety findings "
-                     f"(calibrated on {self.calibration_batches} batch"
-                     f"{'es' if self.calibration_batches != 1 else ''})")
+                     + (f"(calibrated on {self.calibration_batches} batch"
+                        f"{'es' if self.calibration_batches != 1 else ''})"
+                        if self.calibration_batches else
+                        "(not calibrated: planned without values, on the meta device)"))
         if self.check and self.check.get("error") is None:
             text += "; dtypes checked, " + self.check.get("skipped", "values not checked")
         elif self.check and self.check.get("bound") is None:  # (no node low)
