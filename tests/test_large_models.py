@@ -287,3 +287,26 @@ def test_a_plan_on_meta_says_it_is_not_calibrated(llama):
     assert "(not calibrated: planned without values, on the meta device)" in plan.summary()
     with pytest.warns(UserWarning, match="calibrated on one batch"):  # the real model's, as before
         assert mpgraph.convert(real, ids, **options).plan.calibration_batches == 1
+
+
+def test_a_meta_model_reading_a_tensor_value_is_refused_at_capture():
+    """torch.export traces .item() of a meta buffer (an unbacked number), but the conversion's
+    runs on fakes cannot compute it: a PassError from CheckConversion quoting torch's
+    DataDependentOutputException, before."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+            self.register_buffer("temp", torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.fc(x) / self.temp.item()
+
+    x = torch.randn(4, 16)
+    mpgraph.convert(Scaled().eval(), x, **OPTIONS)  # (the materialised model converts)
+    with torch.device("meta"):
+        meta = Scaled().eval()
+    with pytest.raises(ValueError, match=r"Scaled's forward reads the value of a tensor \(item of "
+                       r"temp at test_large_models\.py:\d+: return self\.fc\(x\) / "
+                       r"self\.temp\.item\(\)\).*Convert the materialised model"):
+        mpgraph.convert(meta, x, **OPTIONS)

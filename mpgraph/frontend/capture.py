@@ -407,9 +407,35 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         args, kwargs = abstract.fake_inputs(args, kwargs)
     with _CAPTURE_LOCK, fake_mode(abstract):
         gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+    if abstract is not None:
+        _refuse_value_reads(gm, model)
     if evaluated is not None:  # (compared with the graph in eval mode: api._say_if_eval_differs)
         gm.meta[EVAL_OUTPUTS] = evaluated
     return gm
+
+
+def _refuse_value_reads(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """A model without values (the meta device) whose forward reads a tensor's value (``.item()``,
+    ``.tolist()``): torch.export traces it as an unbacked number, but conversion's runs on fakes
+    cannot compute it (a PassError from deep in torch's fake mode, late)."""
+    for node in gm.graph.nodes:
+        target = node.target
+        reads = (node.op == "call_method" and target in ("item", "tolist")) or (
+            node.op == "call_function" and (target is torch.ops.aten.item.default or
+                                            torch.Tag.data_dependent_output in
+                                            getattr(target, "tags", ())))
+        if not reads:
+            continue
+        found = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n\s*(.*)',
+                           node.meta.get("stack_trace") or "")
+        where = f" at {os.path.basename(found[-1][0])}:{found[-1][1]}: {found[-1][2].strip()}" \
+            if found else ""
+        read = node.args[0].name if node.args and isinstance(node.args[0], torch.fx.Node) else "?"
+        raise ValueError(f"{type(model).__name__}'s forward reads the value of a tensor "
+                         f"({node.name} of {read}{where}), which a model on the meta device does "
+                         "not have: its plan is made from shapes alone. Convert the materialised "
+                         "model, or compute with the tensor instead of its value (x / self.temp, "
+                         "not x / self.temp.item())")
 
 
 def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict):
