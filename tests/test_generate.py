@@ -526,6 +526,17 @@ def test_what_the_static_cache_cannot_do_is_refused_with_the_reason():
         decoder.generate(prompt(), max_length=PROMPT)
 
 
+def test_a_model_on_the_meta_device_is_refused_with_the_way_out():
+    """The static cache is built by running the model: on meta, that was torch's index_copy_
+    device error, with a fix that blamed the example inputs."""
+    with torch.device("meta"):
+        model = gpt2()
+    with pytest.raises(ValueError, match=r"convert_decoder needs the materialised model: "
+                                         r"GPT2LMHeadModel has tensors on the meta device "
+                                         r"\(transformer\.wte\.weight, \.\.\.\).*Load its weights"):
+        mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="bf16", target=GPU)
+
+
 def test_sliding_window_attention_within_its_window_converts_and_beyond_it_is_refused():
     """Mistral's config (sliding_window=4096) gave a sliding cache layer that convert_decoder
     refused at any length; within the window every slot stays in it, so the layers are full

@@ -40,7 +40,7 @@ import torch
 
 from mpgraph.api import convert
 from mpgraph.frontend.capture import in_inference_mode, outside_inference_mode
-from mpgraph.ir.fake import has_meta_tensors
+from mpgraph.ir.fake import has_meta_tensors, module_tensors
 from mpgraph.ir.graph import fetch_attr, is_inplace, set_attr
 from mpgraph.tools.cuda_graph import GraphedModule
 from mpgraph.ir.meta import dtype_name
@@ -483,12 +483,12 @@ def _decode_calibration(model, first: tuple, ids, max_cache_len: int) -> Optiona
     another token, at the last slot the model can take (its last position embedding, if fewer):
     one batch alone shows a single position, too small a range for the rotary angles, and its
     position input would count as constant. None (the example alone) where there is no second
-    slot or the model has no values (the meta device)."""
+    slot."""
     nxt, _, start, _ = first
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
     last = min(max_cache_len, limit if isinstance(limit, int) and limit > 0 else max_cache_len) - 1
-    if last <= int(start) or has_meta_tensors(model):
+    if last <= int(start):
         return None
     other = ids[:, :1].contiguous()
     vocab = getattr(config, "vocab_size", None)
@@ -535,6 +535,13 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     if max_cache_len <= length:
         raise ValueError(f"max_cache_len={max_cache_len} leaves no slot after the "
                          f"{length}-token example prompt")
+    if has_meta_tensors(model):  # (its static cache is built by a call of the model)
+        meta = next(name for name, t in module_tensors(model) if t.device.type == "meta")
+        raise ValueError(f"convert_decoder needs the materialised model: {type(model).__name__} "
+                         f"has tensors on the meta device ({meta}, ...), and the static cache "
+                         "is built by running it. Load its weights first (from_pretrained, or "
+                         "to_empty and load_state_dict), then convert_decoder; a decoder's "
+                         "load_weights replaces the weights of one converted already")
     step = StaticCacheStep(model, batch, max_cache_len)
     table = _learned_positions(model.config, model)
     if table is not None and length >= table[1]:  # (the decode graph's example: one more)
