@@ -8,6 +8,10 @@ class MpgraphError(Exception):
 
 # What a tracer's report says -> what to do about it (the causes users meet most)
 CAPTURE_FIXES = (
+    (("is wrapped by torch.distributed",),
+     "convert the unwrapped model (ddp.module, or the model before fully_shard), then wrap the "
+     "converted module: DistributedDataParallel(converted) or fully_shard(converted), on every "
+     "rank (README, torch.distributed)"),
     (("cannot be used as inputs to control flow", "data-dependent", "DataDependent"),
      "the code at the line named above reads a tensor's value in Python (a branch on it, `if "
      "x.sum() > 0:`, or `float(t)`, `.item()`), which no tracer captures as one graph. Write a "

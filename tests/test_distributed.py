@@ -62,7 +62,7 @@ def _worker(rank, port, wrap, out_dir):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         losses, held_out = _train(rank, wrap)
-        result = {"losses": losses, "held_out": held_out}
+        result = {"losses": losses, "held_out": held_out, "wrapped": _convert_wrapped(wrap)}
         if wrap == "fsdp2":
             result["sharded_inference"] = _sharded_inference(rank)
             result["sharded_stacks"] = _sharded_stacks()
@@ -87,6 +87,18 @@ def _wrapped(gm, wrap):
         # (see examples/large_models.md)
         return fully_shard(gm, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
     return fully_shard(gm)
+
+
+def _convert_wrapped(wrap):
+    """convert() of the wrapped model (the wrong order): the error says to convert the model,
+    then wrap; before, torch.export's compiler.disable (DDP) or deepcopy's (FSDP2) error came with
+    advice to split the model or make deepcopy work."""
+    try:
+        mpgraph.convert(_wrapped(Net(), wrap), batch(0)[0], dtype=torch.bfloat16,
+                        strategy="rules", target="a100")
+    except mpgraph.CaptureError as e:
+        return str(e)
+    return ""
 
 
 def _train(rank, wrap):
@@ -211,6 +223,10 @@ def test_converted_module_under_torch_distributed_matches_single_process(wrap, t
             pytest.fail(f"{wrap} workers did not finish in 180 s")
     results = [torch.load(tmp_path / f"{wrap}.{r}.pt") for r in range(WORLD)]
     ranks = results[0]["losses"]
+    for r in results:
+        assert "is wrapped by torch.distributed" in r["wrapped"], r["wrapped"]
+        assert "fix: convert the unwrapped model (ddp.module, or the model before fully_shard), " \
+               "then wrap the converted module" in r["wrapped"], r["wrapped"]
     assert results[1]["losses"] == ranks  # the all-reduced mean is the same number on both ranks
     single, single_out = _single_process_losses()
     # Stated tolerances. DDP and plain FSDP2 compute what one process computes (measured here:

@@ -391,6 +391,11 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
             "torch.fx nor torch.export traces into. Convert the model built with the eager "
             "module in its place (script it after converting, or not at all: the converted "
             "module runs under torch.compile)")})
+    wrapped = _distributed_wrapper(model)
+    if wrapped:  # (deepcopy, torch.export's compiler.disable: errors that name neither)
+        raise CaptureError({"torch.distributed": (
+            f"{wrapped} is wrapped by torch.distributed, whose hooks and sharded parameters "
+            "(DTensors) no tracer captures")})
     args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))
     has_inputs = example_inputs is not None or example_kwargs is not None
     try:
@@ -412,6 +417,23 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     if evaluated is not None:  # (compared with the graph in eval mode: api._say_if_eval_differs)
         gm.meta[EVAL_OUTPUTS] = evaluated
     return gm
+
+
+def _distributed_wrapper(model: torch.nn.Module) -> Optional[str]:
+    """What of ``model`` a torch.distributed wrapper holds (DistributedDataParallel, FSDP's
+    fully_shard or FullyShardedDataParallel, parameters sharded as DTensors), else None."""
+    from mpgraph.ir.modules import _is_dtensor
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed import fsdp
+    kinds = tuple(k for k in (torch.nn.parallel.DistributedDataParallel,
+                              getattr(fsdp, "FSDPModule", None),
+                              getattr(fsdp, "FullyShardedDataParallel", None)) if k is not None)
+    for path, m in model.named_modules():
+        if isinstance(m, kinds):
+            return f"{path or 'the model'} ({type(m).__name__})"
+    sharded = next((name for name, p in model.named_parameters() if _is_dtensor(p)), None)
+    return f"the model's parameter {sharded} (a DTensor)" if sharded else None
 
 
 def _refuse_value_reads(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
