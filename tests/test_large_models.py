@@ -310,3 +310,16 @@ def test_a_meta_model_reading_a_tensor_value_is_refused_at_capture():
                        r"temp at test_large_models\.py:\d+: return self\.fc\(x\) / "
                        r"self\.temp\.item\(\)\).*Convert the materialised model"):
         mpgraph.convert(meta, x, **OPTIONS)
+
+
+def test_a_size_1_guard_kept_by_a_meta_plan_says_why_and_the_way_out(llama):
+    """A plan on meta cannot test the guards that exclude a size of 1 (no values), so it keeps
+    them: batch 1 was refused with advice to convert at batch 1 (a graph for batch 1 only)."""
+    real, meta, ids, direct = llama
+    planned = mpgraph.load_weights(mpgraph.convert(meta, ids, **OPTIONS), real.state_dict())
+    with torch.no_grad():
+        with pytest.raises(mpgraph.InputMismatchError, match=r"size\(\)\[0\] != 1\. It was planned "
+                           r"on the meta device.*plan=module\.plan"):
+            planned(ids[:1])
+        again = mpgraph.convert(real, ids, plan=planned.plan)
+        assert torch.equal(again(ids[:1]).last_hidden_state, direct(ids[:1]).last_hidden_state)

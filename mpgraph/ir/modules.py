@@ -1387,6 +1387,11 @@ def guard_error(module: torch.nn.Module, message: str) -> "InputMismatchError":
         why = (f"The model's code fixed dimension {static.group(2)} of {static.group(1)} at the "
                f"example's {static.group(3)} (a layer's size, a reshape, a check of its own): "
                "convert with an example of the size you call it with")
+    elif module.meta.get(TRACED_ON) and condition.endswith("!= 1"):
+        why = ("It was planned on the meta device, where a guard that excludes only a size of 1 "
+               "cannot be tested (no values to compare the size-1 run with): each such guard "
+               "stays. Convert the materialised model to run size 1 (mpgraph.convert(model, "
+               "example, plan=module.plan) keeps the plan, and waives the guards its test passes)")
     else:
         why = ("The code the graph was traced through branches on this size (the model's own, "
                "or a library's it calls: if x.shape[0] == 1: ...), and the graph holds the "
