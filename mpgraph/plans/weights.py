@@ -190,8 +190,9 @@ def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.d
     the one its tensors are on). Tensors are read lazily from safetensors: one at a time in
     memory besides the result. A value that would be inf in the dtype the plan stored its
     tensor in (1e5 in float16) is a ``WeightOverflowError`` naming it; every error (a wrong
-    shape, a missing tensor with ``strict``) is raised before anything is written. With ``strict``, a tensor of the module with no value (still
-    meta) afterwards is an error naming it, and so are weights none of whose names the module
+    shape, a missing tensor with ``strict``) is raised before anything is written. With
+    ``strict``, a tensor of the module with no value (still meta) afterwards is an error naming
+    it, and so are weights none of whose names the module
     has (a checkpoint under another prefix: nothing would be loaded). A decoder takes the causal LM's own names (its
     ``state_dict()``, its checkpoint), and its two graphs keep sharing what they shared
     (``ConvertedDecoder.load_weights``).
@@ -311,7 +312,8 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
     if missing and strict:
         raise ValueError(f"{len(missing)} tensors of the converted module have no value in the "
                          f"weights: {', '.join(missing[:10])}"
-                         + (" ..." if len(missing) > 10 else "") + " (non-persistent buffers, such as rotary inv_freq, are not in "
+                         + (" ..." if len(missing) > 10 else "")
+                         + " (non-persistent buffers, such as rotary inv_freq, are not in "
                            "checkpoints: build them for real beside meta parameters, or pass "
                            "them in a dict; a checkpoint's shards: pass them all in one call, or "
                            "load them one call each with strict=False); nothing was loaded")
