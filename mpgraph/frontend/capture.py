@@ -422,7 +422,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
 def _distributed_wrapper(model: torch.nn.Module) -> Optional[str]:
     """What of ``model`` a torch.distributed wrapper holds (DistributedDataParallel, FSDP's
     fully_shard or FullyShardedDataParallel, parameters sharded as DTensors), else None."""
-    from mpgraph.ir.modules import _is_dtensor
+    from mpgraph.ir.modules import is_dtensor
     if not torch.distributed.is_available():
         return None
     from torch.distributed import fsdp
@@ -432,7 +432,7 @@ def _distributed_wrapper(model: torch.nn.Module) -> Optional[str]:
     for path, m in model.named_modules():
         if isinstance(m, kinds):
             return f"{path or 'the model'} ({type(m).__name__})"
-    sharded = next((name for name, p in model.named_parameters() if _is_dtensor(p)), None)
+    sharded = next((name for name, p in model.named_parameters() if is_dtensor(p)), None)
     return f"the model's parameter {sharded} (a DTensor)" if sharded else None
 
 

@@ -370,7 +370,7 @@ def overflow_absmax(value, dtype: torch.dtype) -> Optional[float]:
     top = torch.finfo(dtype).max
     from mpgraph.ir.fake import is_abstract
     v = value.detach()
-    if _is_dtensor(v):
+    if is_dtensor(v):
         v = v.to_local()  # (this rank's shard: each rank checks its own)
     if is_abstract(v) or v.numel() == 0:
         return None
@@ -635,7 +635,7 @@ class FusedWeights:
                               dtype=stack.dtype if stack is not None else members[0][3].dtype)
             sharded = False
             for path, start, stop, t in members:
-                if _is_dtensor(t):  # FSDP2's shard: the whole weight, gathered
+                if is_dtensor(t):  # FSDP2's shard: the whole weight, gathered
                     t, sharded = t.full_tensor(), True
                 new[start:stop].copy_(t)
             if leaf in owner._buffers:
@@ -695,7 +695,7 @@ def _watch(root: torch.nn.Module, paths: list) -> tuple:
     return root, list(links.values()), tensors
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # (a torch built without distributed)
@@ -705,7 +705,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def _rows_of(t: torch.Tensor, stack: torch.Tensor, start: int) -> bool:
     """Whether ``t`` is the view of ``stack``'s rows from ``start``."""
-    return not _is_dtensor(t) and t.dtype == stack.dtype and t.device == stack.device \
+    return not is_dtensor(t) and t.dtype == stack.dtype and t.device == stack.device \
         and t.stride() == stack.stride() \
         and t.data_ptr() == stack.data_ptr() + start * stack.stride(0) * stack.element_size()
 
@@ -788,7 +788,7 @@ def in_layout(t: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.Tensor:
 def _off_plan(t, dtype: torch.dtype, layout: str) -> bool:
     """Whether ``t`` (a module's tensor) is in another dtype or layout than the plan's (FSDP's
     shards, DTensors, are FSDP's to place)."""
-    return isinstance(t, torch.Tensor) and not t.is_meta and not _is_dtensor(t) \
+    return isinstance(t, torch.Tensor) and not t.is_meta and not is_dtensor(t) \
         and (t.dtype != dtype or bool(layout and planned_layout(t) != layout))
 
 
@@ -1124,7 +1124,7 @@ class ConvertedModule(torch.fx.GraphModule):
         read a meta operand as uninitialised memory (garbage or NaN, no error). Walked on each
         call until every tensor is real, then never again (a flag)."""
         empty = [path for path, t in module_tensors(self)
-                 if (t.to_local() if _is_dtensor(t) else t).is_meta]
+                 if (t.to_local() if is_dtensor(t) else t).is_meta]
         if empty:
             raise MissingWeightsError(
                 f"{len(empty)} tensors of the converted module have no value (it was planned on "

@@ -16,7 +16,7 @@ import torch
 
 from mpgraph.ir.fake import TRACED_ON, is_abstract, module_tensors, replace_tensors, tensor_groups
 from mpgraph.ir.meta import WEIGHTS
-from mpgraph.ir.modules import _is_dtensor, check_fits, refresh_fused
+from mpgraph.ir.modules import check_fits, is_dtensor, refresh_fused
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
                only: Optional[set] = None) -> set:
     """load_weights' work on one module (the paths in ``only``, where given); returns the keys
     of the weights it used, as the weights name them."""
-    sharded = [path for path, t in module_tensors(gm) if _is_dtensor(t)]
+    sharded = [path for path, t in module_tensors(gm) if is_dtensor(t)]
     if sharded:  # (a plain tensor in place of FSDP's DTensor breaks its forward)
         raise ValueError(f"the module's tensors are sharded by FSDP (DTensors: {sharded[0]}, ...): "
                          "load_weights cannot write into shards; call load_weights before "
