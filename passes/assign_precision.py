@@ -214,8 +214,9 @@ class AssignPrecision(Pass):
         for key in self.overrides:
             if key not in self._matched and key not in warned:
                 warned.add(key)
-                log.warning("override %r matched no node (keys: node names, module paths or "
-                            "globs, 'op:<glob>', 'class:<op class>')", key)
+                log.warning("override %r matched no node that decides a precision (keys: node "
+                            "names, 'node:<name>', module paths or globs, 'op:<glob>', "
+                            "'class:<op class>')", key)
         self._estimate(gm)
         return PassResult(gm, False)
 
@@ -306,11 +307,12 @@ class AssignPrecision(Pass):
             self._override(node)  # (a key that matches is not warned about as matching nothing)
             return Decision(FP32, self.keep_fp32, pinned=True)
         forced, why = self._override(node) or (None, "")
-        if forced is not None and node.target is operator.getitem and inputs \
-                and inputs[0] not in stored and isinstance(inputs[0].meta.get(TENSOR), (tuple, list)) \
-                and dec[inputs[0]].dtype != forced:
-            # an item of a multi-output op (chunk, split, max) is that op's output as it is, in
-            # its dtype: a cast of one item is a decision about the op or the item's readers
+        # an item of a multi-output op (chunk, split, max) is that op's output as it is, in its
+        # dtype: a cast of one item is a decision about the op or about the item's readers
+        item = node.target is operator.getitem and inputs and inputs[0] not in stored \
+            and isinstance(inputs[0].meta.get(TENSOR), (tuple, list)) \
+            and is_float32_tensor(node.meta[TENSOR])
+        if forced is not None and item and dec[inputs[0]].dtype != forced:
             made = dec[inputs[0]].dtype
             # (a saved plan's items follow an edit of their op without a word)
             if node.name not in self.from_plan or "edited to" in self.from_plan[node.name][1]:
@@ -335,7 +337,7 @@ class AssignPrecision(Pass):
                     return dataclasses.replace(natural, reason=why, pinned=True)
             return Decision(forced, why, pinned=True)
         region = fp32_region(node)
-        if region is not None:
+        if region is not None and not item:  # (an item: its readers in the region are float32)
             return Decision(FP32, f"in the model's {region} region: float32, as its author "
                                   "keeps it", pinned=True)
 

@@ -252,8 +252,8 @@ def test_override_that_matches_nothing_is_warned_once_per_convert(caplog):
     with caplog.at_level(logging.WARNING, logger="mpgraph"):
         mpgraph.convert(model, x, overrides={"encoder.layr.*": "fp32"}, target=GPU)
     assert [r.getMessage() for r in caplog.records].count(
-        "override 'encoder.layr.*' matched no node (keys: node names, module paths or globs, "
-        "'op:<glob>', 'class:<op class>')") == 1
+        "override 'encoder.layr.*' matched no node that decides a precision (keys: node names, "
+        "'node:<name>', module paths or globs, 'op:<glob>', 'class:<op class>')") == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mpgraph"):  # another convert: warned again
         mpgraph.convert(model, x, overrides={"encoder.layr.*": "fp32"}, target=GPU)

@@ -1137,3 +1137,76 @@ def test_a_torch_autocast_disabled_region_of_the_model_stays_float32():
                                           "region: float32, as its author keeps it")
     with torch.no_grad():
         assert relative_l2(fast(x), model(x)) < 4e-3
+
+
+_FP32_ONLY = torch.autocast("cpu", enabled=False)  # one instance, a decorator on two helpers
+
+
+@_FP32_ONLY
+def _scaled(h):
+    return h.float() * 2
+
+
+@_FP32_ONLY
+def _shifted(h):
+    return _scaled(h) + 1  # the same autocast instance entered twice, nested
+
+
+class _Decorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(_shifted(self.a(x)))
+
+
+class _AskedLow(nn.Module):
+    """An autocast its author enabled, for a GPU: on a machine without one torch turns it off
+    itself, which is not the author keeping the region float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.autocast("cuda", dtype=torch.float16):
+            h = torch.relu(self.a(x))
+        return self.b(h)
+
+
+class _ItemsInRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(64, 128), nn.Linear(64, 64)
+
+    def forward(self, x):
+        parts = self.fc(x).chunk(2, -1)
+        with torch.autocast("cpu", enabled=False):
+            h = parts[0].float() * torch.sigmoid(parts[1].float())
+        return self.out(h)
+
+
+def test_autocast_regions_are_exact_nested_decorators_enabled_ones_and_items_read_inside():
+    """Review of the region tags: a decorator instance entered twice, nested, left a region
+    open in torch.fx's global node meta (every later conversion in the process planned float32
+    with that reason); an autocast enabled for a device this machine lacks was read as
+    enabled=False; an item of a chunk made outside and read inside was pinned apart from it (a
+    ConversionError)."""
+    import torch.fx.traceback as fx_traceback
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    fast = mpgraph.convert(_Decorated().eval(), (x,), dtype="fp16", target=GPU, strategy="rules")
+    dtypes = {r.name: r.dtype for r in fast.plan.compute_nodes}
+    assert dtypes["a"] == dtypes["b"] == "float16" and dtypes["mul"] == dtypes["add"] == "float32"
+    assert not fx_traceback.current_meta.get("custom")
+    asked = mpgraph.convert(_AskedLow().eval(), (x,), dtype="fp16", target=GPU, strategy="rules")
+    assert {r.name: r.dtype for r in asked.plan.compute_nodes} \
+        == {"a": "float16", "relu": "float16", "b": "float16"}
+    model = _ItemsInRegion().eval()
+    items = mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules")
+    dtypes = {r.name: r.dtype for r in items.plan.compute_nodes}
+    assert dtypes["chunk"] == dtypes["getitem"] == dtypes["getitem_1"] == "float16"
+    assert dtypes["sigmoid"] == dtypes["mul"] == "float32" and dtypes["out"] == "float16"
+    with torch.no_grad():
+        assert rel_err(items(x), model(x)) < 4e-3

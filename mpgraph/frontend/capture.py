@@ -29,8 +29,8 @@ from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
-from mpgraph.ir.meta import (FP32_REGION, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, OBSERVED, READS_TRAINING,
-                             STATIC_SHAPES)
+from mpgraph.ir.meta import (CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, FP32_REGION, OBSERVED,
+                             READS_TRAINING, STATIC_SHAPES)
 from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
 from mpgraph.ir.fake import fake_mode, is_abstract
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
@@ -183,42 +183,61 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
 
 class _AutocastOff:
     """While torch.fx traces a model: its own ``with torch.autocast(device, enabled=False):``
-    regions (code its author keeps in float32: a rotary embedding's angles, a loss, a router)
-    tag each node made inside (``node.meta["custom"][FP32_REGION]``). symbolic_trace runs
-    through the context manager and records nothing of it: the region was planned low,
-    silently. (torch.export records the region as one wrap_with_autocast call, kept float32.)"""
+    regions (code its author keeps in float32: a rotary embedding's angles, a loss, a router),
+    for the tracer to tag each node made inside (``node.meta["custom"][FP32_REGION]``).
+    symbolic_trace runs through the context manager and records nothing of it: the region was
+    planned low, silently. (torch.export records it as one wrap_with_autocast call, float32.)
+    One entry per autocast entered: its region, None for one the author enabled (code in it is
+    planned), or the enclosing region where what the author asked cannot be told."""
 
     def __init__(self):
         self._owner = threading.get_ident()
+        self._stack: list[Optional[str]] = []
+
+    @property
+    def region(self) -> Optional[str]:
+        return self._stack[-1] if self._stack else None
 
     @contextlib.contextmanager
     def watching(self):
-        import torch.fx.traceback as fx_traceback
         cls = torch.amp.autocast_mode.autocast
-        enter, leave = cls.__enter__, cls.__exit__
+        init, enter, leave = cls.__init__, cls.__enter__, cls.__exit__
         watcher = self
+
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            # what the author asked: torch turns off an autocast for a device it does not have
+            # (autocast("cuda", dtype=torch.float16) planned for an A100 on a CPU machine)
+            self.__dict__["_mpgraph_enabled"] = bool(kwargs.get(
+                "enabled", args[2] if len(args) > 2 else True))
 
         def __enter__(self):
             out = enter(self)
-            if not self._enabled and threading.get_ident() == watcher._owner:
-                region = fx_traceback.annotate(
-                    {FP32_REGION: f"torch.autocast({self.device!r}, enabled=False)"})
-                region.__enter__()
-                self.__dict__["_mpgraph_region"] = region
+            if threading.get_ident() == watcher._owner:
+                asked = self.__dict__.get("_mpgraph_enabled", _asked(self))
+                watcher._stack.append(watcher.region if asked is None else None if asked
+                                      else f"torch.autocast({self.device!r}, enabled=False)")
             return out
 
         def __exit__(self, *exc):
             out = leave(self, *exc)
-            region = self.__dict__.pop("_mpgraph_region", None)
-            if region is not None:
-                region.__exit__(None, None, None)
+            if threading.get_ident() == watcher._owner and watcher._stack:
+                watcher._stack.pop()
             return out
 
-        cls.__enter__, cls.__exit__ = __enter__, __exit__
+        cls.__init__, cls.__enter__, cls.__exit__ = __init__, __enter__, __exit__
         try:
             yield self
         finally:
-            cls.__enter__, cls.__exit__ = enter, leave
+            cls.__init__, cls.__enter__, cls.__exit__ = init, enter, leave
+            self._stack.clear()
+
+
+def _asked(autocast) -> Optional[bool]:
+    """Whether an autocast made before the trace (a decorator) was asked enabled: its flag where
+    this machine has its device (torch keeps what was asked), None where it cannot be told."""
+    here = autocast.device == "cpu" or (autocast.device == "cuda" and torch.cuda.is_available())
+    return autocast._enabled if here else None
 
 
 @contextlib.contextmanager
@@ -546,15 +565,15 @@ class _Tracer(torch.fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         self._thread = threading.get_ident()
-        with _AutocastOff().watching():
+        self._regions = _AutocastOff()
+        with self._regions.watching():
             return super().trace(root, concrete_args)
 
     def create_node(self, *args, **kwargs):
-        import torch.fx.traceback as fx_traceback
         node = super().create_node(*args, **kwargs)
-        region = (fx_traceback.current_meta.get("custom") or {}).get(FP32_REGION)
-        if region is not None:
-            node.meta.setdefault("custom", {})[FP32_REGION] = region
+        regions = getattr(self, "_regions", None)
+        if regions is not None and regions.region is not None:
+            node.meta.setdefault("custom", {})[FP32_REGION] = regions.region
         return node
 
     # torch.fx patches nn.Module for the whole process while it traces: a module another thread
