@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 import transformers as hf
 from conftest import ConvBnReluPool, kernels_only
 from large_models import build, save_checkpoint
@@ -227,6 +228,31 @@ def test_calling_a_module_with_tensors_still_meta_is_an_error_naming_them(llama)
                                    state["layers.0.mlp.down_proj.weight"]})
     with torch.no_grad():
         assert torch.equal(planned(ids).last_hidden_state, direct(ids).last_hidden_state)
+
+
+def test_a_tensor_the_forward_creates_on_meta_is_named_as_such():
+    """A constant the forward builds (torch.tensor([...]), torch.ones(...)) stays meta in a meta
+    plan and is in no checkpoint: the missing-weights error told the user to load it."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc(x) * torch.tensor([0.5, 2.0]).repeat(32) + torch.ones(64)
+
+    torch.manual_seed(0)
+    real = Scaled().eval()
+    with torch.device("meta"):
+        meta = Scaled().eval()
+    planned = mpgraph.convert(meta, (torch.randn(4, 64, device="meta"),), dtype="bf16",
+                              target="a100")
+    with pytest.raises(ValueError, match=r"holds 2 tensor\(s\) its forward creates "
+                       r".*_tensor_constant0.*register each as a buffer.*nothing was loaded"):
+        mpgraph.load_weights(planned, real.state_dict())
+    with pytest.raises(mpgraph.MissingWeightsError, match=r"holds 2 tensor\(s\) its forward "
+                       r"creates .*_tensor_constant0.*register each as a buffer"):
+        planned(torch.randn(4, 64))
 
 
 def test_a_name_in_two_files_is_an_error_and_an_index_decides_where_each_name_is(llama, tmp_path):

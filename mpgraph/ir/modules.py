@@ -1125,6 +1125,14 @@ class ConvertedModule(torch.fx.GraphModule):
         call until every tensor is real, then never again (a flag)."""
         empty = [path for path, t in module_tensors(self)
                  if (t.to_local() if is_dtensor(t) else t).is_meta]
+        made = [path for path in empty if path.split(".")[-1].startswith("_tensor_constant")]
+        if made:  # (a tensor the forward builds, torch.tensor([...]): in no checkpoint)
+            raise MissingWeightsError(
+                f"the converted module holds {len(made)} tensor(s) its forward creates "
+                f"(torch.tensor(...), torch.ones(...) in the model's code: {', '.join(made[:5])}), "
+                "which a model on the meta device computes without values: register each as a "
+                "buffer of the model (then load it with the weights), or convert the materialised "
+                "model")
         if empty:
             raise MissingWeightsError(
                 f"{len(empty)} tensors of the converted module have no value (it was planned on "

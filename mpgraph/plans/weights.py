@@ -309,6 +309,14 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
         entries.append((t, paths, keys, *found))
     # an error is raised before anything is written (a module left holding two checkpoints'
     # tensors would compute neither's answer): a tensor left without a value, a wrong shape ...
+    made = [p for p in missing if p.split(".")[-1].startswith("_tensor_constant")]
+    if made:  # (torch.tensor([...]) in the forward: no checkpoint holds it)
+        raise ValueError(f"the converted module holds {len(made)} tensor(s) its forward creates "
+                         f"(torch.tensor(...), torch.ones(...) in the model's code: "
+                         f"{', '.join(made[:5])}), which a model on the meta device computes "
+                         "without values: register each as a buffer of the model (then load it "
+                         "with the weights), or convert the materialised model; nothing was "
+                         "loaded")
     if missing and strict:
         raise ValueError(f"{len(missing)} tensors of the converted module have no value in the "
                          f"weights: {', '.join(missing[:10])}"
