@@ -54,17 +54,25 @@ def test_cpu_micro_benchmark_times_cpu_float32_whatever_the_caller_s_defaults(mo
     from mpgraph.cost import device
     timed = []
 
+    precisions = []
+
     def best_time(fn, repeats):  # what each timed call computes (one matmul size a dtype)
         timed.append(fn())
+        precisions.append(torch.get_float32_matmul_precision())
         return 1.0
     monkeypatch.setattr(device, "_best_time", best_time)
-    default = torch.get_default_dtype()
+    default, precision = torch.get_default_dtype(), torch.get_float32_matmul_precision()
     try:
         torch.set_default_dtype(torch.float64)
+        # ("medium" lets oneDNN run float32 matmuls in bf16: not float32's rate)
+        torch.set_float32_matmul_precision("medium")
         with torch.device("meta"):
             data = device._measure_cpu()
+        assert torch.get_float32_matmul_precision() == "medium"  # the caller's, put back
     finally:
         torch.set_default_dtype(default)
+        torch.set_float32_matmul_precision(precision)
+    assert precisions[:3] == ["highest"] * 3
     tensors = [t for r in timed for t in (r if isinstance(r, list) else [r])]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
     assert [t.dtype for t in timed[:3]] == [torch.float32, torch.bfloat16, torch.float16]
@@ -74,7 +82,7 @@ def test_cpu_micro_benchmark_times_cpu_float32_whatever_the_caller_s_defaults(mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     spec = device.measure_cpu()
     path = next((tmp_path / "mpgraph").glob("cpu-*.json"))
-    for bad in ({"fp32": 1.4e14, "bf16": 1.4e14, "fp16": 1.4e14, "vector": 1e12},
+    for bad in ({"fp32": 1.4e16, "bf16": 1.4e16, "fp16": 1.4e16, "vector": 1e12},
                 {"fp32": "x", "bf16": 1e9, "fp16": 1e9, "vector": 1e9}, None):
         held = json.loads(path.read_text())
         path.write_text(json.dumps({**held, "peak": bad}))
@@ -82,6 +90,10 @@ def test_cpu_micro_benchmark_times_cpu_float32_whatever_the_caller_s_defaults(mo
         assert json.loads(path.read_text())["peak"] == spec.peak
     path.write_text(json.dumps({**held, "bandwidth": 0}))
     assert device.measure_cpu().bandwidth == spec.bandwidth
+    # a fast CPU's figures are kept (a matrix unit's float32 on one thread: 5 TFLOP/s)
+    fast = {"fp32": 5e12, "bf16": 2e13, "fp16": 2e13, "vector": 1e11}
+    path.write_text(json.dumps({**held, "peak": fast}))
+    assert device.measure_cpu().peak == fast
     # figures no CPU has (a context the benchmark did not pin) are planned with but not cached
     path.unlink()
     monkeypatch.setattr(device, "_best_time", lambda fn, repeats: 1e-9)

@@ -90,10 +90,18 @@ def _measure_cpu() -> dict:
     from torch.utils._python_dispatch import _disable_current_modes
     peak = {}
     cpu, fp32 = torch.device("cpu"), torch.float32
+    # (float32 as float32: "medium"/"high" let oneDNN run float32 matmuls in bf16, and the cache
+    # key does not hold the setting)
+    precision = torch.get_float32_matmul_precision()
     with torch.no_grad(), _disable_current_modes(), torch.device("cpu"), \
             torch.autocast("cpu", enabled=False):
-        for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            peak[key] = _matmul_rate(dtype)
+        try:
+            torch.set_float32_matmul_precision("highest")
+            for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                               ("fp16", torch.float16)):
+                peak[key] = _matmul_rate(dtype)
+        finally:
+            torch.set_float32_matmul_precision(precision)
         x = torch.empty(16 * 1024 * 1024, device=cpu, dtype=fp32)  # 64 MB
         y = torch.empty_like(x)
         t = _best_time(lambda: y.copy_(x), 5)
@@ -107,9 +115,10 @@ def _measure_cpu() -> dict:
     return {"peak": peak, "bandwidth": bandwidth, "launch": launch}
 
 
-# no CPU core runs float32 matmuls at 1 TFLOP/s (an AVX-512 core at 4 GHz peaks at 0.26): a
-# figure above this per thread was not timed on this CPU (meta tensors "ran" at 136 TFLOP/s)
-MAX_FP32_PER_THREAD = 1e12
+# no CPU core runs float32 matmuls at 10 TFLOP/s (an AVX-512 core at 4 GHz peaks at 0.26, an
+# Apple M-series core's matrix unit at about 2): a figure above this per thread was not timed
+# on this CPU (meta tensors "ran" at 136 TFLOP/s on 2 threads)
+MAX_FP32_PER_THREAD = 1e13
 
 
 def _plausible(data) -> bool:
