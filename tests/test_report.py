@@ -661,3 +661,20 @@ def test_summary_counts_a_node_edited_to_the_other_low_dtype_as_an_edit(tmp_path
     summary = mpgraph.convert(model, x, plan=mpgraph.Plan.load(path)).plan.summary()
     assert "1 nodes in bfloat16 by overrides or edits" in summary
     assert "overflows" not in summary
+
+
+def test_a_plan_file_with_a_node_twice_or_a_dtype_edited_to_null_is_refused(tmp_path):
+    # before: a node twice loaded and failed later as "the plan says float16, the conversion
+    # gave float32"; a dtype edited to null was shown as an edit and then decided anew, silently
+    model, x = _blocks()
+    path = str(tmp_path / "plan.json")
+    mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan.save(path)
+    saved = json.load(open(path))
+    head = next(n for n in saved["nodes"] if n["name"] == "head")
+    json.dump({**saved, "nodes": saved["nodes"] + [dict(head, dtype="float32")]}, open(path, "w"))
+    with pytest.raises(ValueError, match=r"is not a valid plan: node head has 2 records"):
+        mpgraph.Plan.load(path)
+    json.dump({**saved, "nodes": [dict(n, dtype=None) if n["name"] == "head" else n
+                                  for n in saved["nodes"]]}, open(path, "w"))
+    with pytest.raises(ValueError, match=r"node head: dtype edited to null from 'float16'"):
+        mpgraph.Plan.load(path)

@@ -429,6 +429,13 @@ def _validate(data: dict, source: str) -> None:
         for key in _TEXT_FIELDS:  # (what the passes read as text: a reason the plan applies)
             if key in d and not isinstance(d[key], str) and not (key == "module" and d[key] is None):
                 fail(f"node {name}: {key} must be a string, got {d[key]!r}")
+        if d["dtype"] is None and d.get("decided") is not None:  # (the conversion decided it)
+            fail(f"node {name}: dtype edited to null from {d['decided']!r}: a node that computes "
+                 "in floating point is float32 or the plan's low dtype")
+    names = [d["name"] for d in data["nodes"]]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        fail(f"node {twice} has {names.count(twice)} records (one a node)")
     for w in data["weights"]:
         if w.get("dtype") not in LOW_DTYPES + ("float32",):
             fail(f"weight {w.get('name')!r}: dtype {w.get('dtype')!r} is not a float dtype")
