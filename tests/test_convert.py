@@ -237,3 +237,22 @@ def test_converted_code_reads_weights_from_the_dicts_that_hold_them():
         want = other.body[2](other.body[1](torch.zeros(4, 16) + other.body[0].bias)) + 2.0
         torch.testing.assert_close(gm(x), want)
         torch.testing.assert_close(copy.deepcopy(gm)(x), want)
+
+
+def test_a_tokenizer_s_batch_encoding_is_taken_as_keyword_arguments():
+    """What a tokenizer returns (transformers.BatchEncoding, a UserDict, not a dict) was passed
+    as one positional argument: torch's "embedding(): argument 'indices' must be Tensor, not
+    BatchEncoding" came out of the capture."""
+    from conftest import GPU, small_bert
+    from mpgraph.numerics import relative_l2
+    from transformers import BatchEncoding
+    model = small_bert()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    encoded = BatchEncoding({"input_ids": ids, "attention_mask": mask})
+    fast = mpgraph.convert(model, encoded, target=GPU, dtype="fp16")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = fast(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert relative_l2(got, want) < 4e-3

@@ -1,6 +1,7 @@
 """Small helpers over torch.fx graphs shared by several passes."""
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import inspect
@@ -36,14 +37,15 @@ class Call(NamedTuple):
 
 
 def as_call(batch: Any, kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
-    """Inputs as (args tuple, kwargs dict): a tensor, a tuple/list of arguments, a dict of
-    keyword arguments, a Call, or None (no positional arguments); ``kwargs`` are added."""
+    """Inputs as (args tuple, kwargs dict): a tensor, a tuple/list of arguments, a dict (any
+    mapping) of keyword arguments, a Call, or None (no positional arguments); ``kwargs`` are
+    added."""
     extra = dict(kwargs or {})
     if batch is None:
         return (), extra
     if isinstance(batch, Call):
         return tuple(batch.args), {**batch.kwargs, **extra}
-    if isinstance(batch, dict):
+    if isinstance(batch, collections.abc.Mapping):  # (a tokenizer's BatchEncoding: a UserDict)
         return (), {**batch, **extra}
     if isinstance(batch, (tuple, list)):
         return tuple(batch), extra
