@@ -681,7 +681,7 @@ def test_decode_calibration_stays_within_the_model_s_positions():
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert decoder.generate(ids, max_new_tokens=6).shape == want.shape
     # past the table: a clear error, not an IndexError from inside the graph (probe 41b)
-    with pytest.raises(ValueError, match=r"exceed the model's learned position table "
+    with pytest.raises(ValueError, match=r"exceed the model's position table "
                                          r"\(transformer\.wpe: 30 positions"):
         decoder.generate(ids, max_new_tokens=30 - PROMPT + 1)
 
@@ -986,3 +986,48 @@ def test_the_output_holds_no_cache_and_another_call_s_cache_is_refused_with_the_
             f"generate({name}=...): the decoder keeps its own static cache (decoder.cache), "
             "filled from the prompt on every call: pass the whole sequence as the prompt "
             "instead; run it with the HF model's own generate")
+
+
+def test_a_fixed_position_table_in_a_buffer_bounds_generation_with_a_clear_error():
+    """GPT-J's sin/cos table is a buffer, not a parameter: the table was not found, and a
+    generation past it failed with an IndexError from inside the graph, losing every token."""
+    torch.manual_seed(0)
+    model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=30)).eval()
+    ids = prompt(rows=1)
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(decoder.generate(ids, max_new_tokens=6), want)
+    with pytest.raises(ValueError, match=r"exceed the model's position table \(transformer\."
+                                         r"rotary_emb\.embed_positions: 30 positions"):
+        decoder.generate(ids, max_new_tokens=30 - PROMPT + 1)
+
+
+def test_generate_inside_a_generate_on_one_decoder_is_refused_and_a_compiled_lm_converts():
+    """One decoder has one static cache: a streamer (or another thread) calling generate during
+    a generate overwrote it under the first call, whose tokens came out wrong, silently. And a
+    torch.compile'd LM was refused as 'not a transformers causal LM'."""
+    model = gpt2()
+    ids = prompt(rows=1)
+    decoder = mpgraph.convert_decoder(torch.compile(model), ids, max_cache_len=SLOTS)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(decoder.generate(ids, max_new_tokens=6), want)
+
+    class Nested:
+        def __init__(self):
+            self.calls = 0
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 3:
+                decoder.generate(ids, max_new_tokens=2)
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"this decoder is already generating .* one "
+                                           r"decoder per thread"):
+        decoder.generate(ids, max_new_tokens=6, streamer=Nested())
+    assert torch.equal(decoder.generate(ids, max_new_tokens=6), want)  # usable again

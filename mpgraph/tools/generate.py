@@ -33,7 +33,9 @@ import dataclasses
 import functools
 import inspect
 import logging
+import threading
 import warnings
+import weakref
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -193,12 +195,19 @@ def _learned_positions(config, module) -> Optional[tuple[str, int]]:
     limit = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None)
     if not isinstance(limit, int):
         return None
-    for name, t in module.named_parameters():
+    # a learned table is a parameter (GPT-2's wpe, OPT's embed_positions); a fixed one a buffer
+    # (GPT-J's and CodeGen's sin/cos embed_positions, XGLM's sinusoids), read past its end as
+    # an IndexError deep in the graph
+    tensors = [(n, t, True) for n, t in module.named_parameters()] \
+        + [(n, t, False) for n, t in module.named_buffers()]
+    for name, t, param in tensors:
         owner, _, leaf = name.rpartition(".")
         last = owner.rpartition(".")[2]
-        if leaf == "weight" and t.dim() == 2 and ("pos" in last or last == "wpe") \
-                and limit <= t.shape[0] <= limit + 2:
-            return owner.removeprefix("model."), limit  # (the cache step holds the model)
+        named = (leaf == "weight" and ("pos" in last or last == "wpe")) if param \
+            else ("pos" in leaf or "pos" in last)
+        if named and t.dim() == 2 and limit <= t.shape[0] <= limit + 2:
+            # (the cache step holds the model)
+            return (owner if param else name).removeprefix("model."), limit
     return None
 
 
@@ -519,6 +528,9 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     """
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(convert_decoder, locals())
+    if type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod  # torch.compile's wrapper: the model it compiles is the LM
     refused = sorted(set(convert_options) & {"plan", "example_kwargs", "mode"})
     if refused:
         raise ValueError(f"convert_decoder does not take {refused}: the two graphs have their "
@@ -545,7 +557,7 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     step = StaticCacheStep(model, batch, max_cache_len)
     table = _learned_positions(model.config, model)
     if table is not None and length >= table[1]:  # (the decode graph's example: one more)
-        raise ValueError(f"the {length}-token example prompt fills the model's learned position "
+        raise ValueError(f"the {length}-token example prompt fills the model's position "
                          f"table ({table[0]}: {table[1]} positions), leaving none for a "
                          "generated token: give a shorter example prompt")
     step.training = model.training  # a new Module says "training"; the model's flag, unchanged
@@ -703,8 +715,8 @@ def _generation_config(rules, generation_config, kwargs: dict, ids: torch.Tensor
                                            ids.shape[1], ids)
 
 
-def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
-             max_new_tokens: Optional[int] = None, *,
+def _generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
+              max_new_tokens: Optional[int] = None, *,
              attention_mask: Optional[torch.Tensor] = None, generation_config=None,
              logits_processor=None, stopping_criteria=None, prefix_allowed_tokens_fn=None,
              synced_gpus: Optional[bool] = None, streamer=None, tokenizer=None,
@@ -801,7 +813,7 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     table = _position_table(decoder) if length + new > 1 else None
     real = int(given.sum(dim=1).max())  # positions count real tokens: left padding takes none
     if table is not None and real + new > table[1]:
-        raise ValueError(f"{real} prompt tokens + {new} new tokens exceed the model's learned "
+        raise ValueError(f"{real} prompt tokens + {new} new tokens exceed the model's "
                          f"position table ({table[0]}: {table[1]} positions; positions past it "
                          "do not exist, as in HF's generate): generate fewer tokens")
     # the processors and criteria see the prompt's rows only, as HF's; the graphs take the
@@ -877,3 +889,28 @@ def generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if return_logits:
         return GenerateOutput(ids, torch.stack(kept))
     return ids
+
+
+# the decoders generating now: one has one static cache, which a second call while the first
+# runs (another thread, a streamer or processor calling generate) would overwrite under it
+_BUSY: "weakref.WeakKeyDictionary[ConvertedDecoder, threading.Lock]" = weakref.WeakKeyDictionary()
+_BUSY_LOCK = threading.Lock()
+
+
+@functools.wraps(_generate)
+def generate(decoder, *args, **kwargs):
+    if not isinstance(decoder, ConvertedDecoder):
+        return _generate(decoder, *args, **kwargs)  # (its TypeError)
+    with _BUSY_LOCK:
+        busy = _BUSY.setdefault(decoder, threading.Lock())
+    if not busy.acquire(blocking=False):
+        raise RuntimeError(
+            "this decoder is already generating (in another thread, or a streamer, logits "
+            "processor or stopping criterion called generate during a generate): it has one "
+            "static KV cache, which a second call would overwrite under the first (wrong tokens, "
+            "silently). Convert one decoder per thread (mpgraph.convert_decoder), or call "
+            "generate after the first returns")
+    try:
+        return _generate(decoder, *args, **kwargs)
+    finally:
+        busy.release()
