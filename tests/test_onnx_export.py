@@ -325,6 +325,23 @@ def test_dimensions_the_capture_fixed_stay_static_in_the_file(tmp_path):
     assert relative_l2(got, want) < 1e-2
 
 
+def test_an_image_size_guarded_through_its_patch_count_stays_static():
+    """Dinov2's guard is on the patch count, size // 8: it holds at 33 for 32 and breaks at 31,
+    and the probe tried one larger only, so the file declared height and width free and failed
+    inside onnxruntime at 48x48 (the 17-token position table fixed in it)."""
+    from transformers import Dinov2Config, Dinov2Model
+    from mpgraph.tools.onnx_export import auto_dynamic_shapes
+    torch.manual_seed(0)
+    model = Dinov2Model(Dinov2Config(image_size=32, patch_size=8, hidden_size=64,
+                                     num_hidden_layers=1, num_attention_heads=4)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    fast = mpgraph.convert(model, (x,), target="a100", check=False)
+    with pytest.raises(mpgraph.InputMismatchError):
+        fast(torch.randn(2, 3, 31, 31))
+    spec = auto_dynamic_shapes(fast, (x,), {})
+    assert len(spec) == 1 and sorted(spec[0]) == [0], spec  # the batch alone stays free
+
+
 def test_a_bf16_file_on_the_cpu_provider_is_an_error_that_says_bf16(tmp_path):
     """export_onnx validates a bf16 file by emulating it (the CPU provider has no bf16 Gemm);
     ort_session on it then raised onnxruntime's raw NOT_IMPLEMENTED for 'node_linear'."""

@@ -200,13 +200,16 @@ def _guarded_dims(gm: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset:
     try:
         for size in sorted(set(sizes.values())):
             group = {key for key, n in sizes.items() if n == size}
-            failing = broken(group, 1)
+            smaller = -1 if size > 2 else 2  # (not down to 1, a size torch specialises)
+            # one larger, one smaller, twice the size: a guard on size // patch (Dinov2's,
+            # BEiT's patch count) holds at 33 for 32, and breaks at 31 and 64
+            delta, failing = next(((d, f) for d in (1, smaller, size) if (f := broken(group, d))),
+                                  (1, set()))
             if not failing:
                 continue
-            held = {key for key in group if len(broken(group - {key}, 1)) < len(failing)}
+            held = {key for key in group if len(broken(group - {key}, delta)) < len(failing)}
             rest = group - held
-            smaller = -1 if size > 2 else 2  # (not down to 1, a size torch specialises)
-            if rest and broken(rest, 1) and broken(rest, smaller):
+            if rest and (broken(rest, 1) or broken(rest, size)) and broken(rest, smaller):
                 held |= rest
             fixed |= held
     except Exception as e:  # noqa: BLE001 (a guard that reads values: no finding)
