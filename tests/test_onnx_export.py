@@ -2,6 +2,7 @@
 import functools
 import os
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -577,3 +578,19 @@ def test_a_rotary_decoder_exports_with_the_optimiser_and_runs_at_other_batch_siz
     with torch.no_grad():
         want = model(other, use_cache=False).last_hidden_state
     assert relative_l2(out, want) < 1e-2
+
+
+def test_a_batch_1_example_says_the_file_takes_batch_1_only(tmp_path):
+    """torch.export keeps a size of 1 static: a batch-1 example gave a file that refused batch 4
+    inside onnxruntime ('Got: 4 Expected: 1'), where the README says batch and sequence stay
+    dynamic, without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    with pytest.warns(UserWarning, match=r"the example's input has batch 1: the file takes "
+                                         r"batch 1 only .* batch 2 or more"):
+        export_onnx(model, torch.randn(1, 4, 16), tmp_path / "one.onnx")
+    assert mpgraph.ort_session(tmp_path / "one.onnx").get_inputs()[0].shape[0] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="the float16 plan was calibrated on one batch")
+        export_onnx(model, torch.randn(2, 4, 16), tmp_path / "two.onnx")
