@@ -713,7 +713,7 @@ def test_the_position_table_counts_real_tokens_and_bad_ids_are_named():
         decoder.generate(ids.masked_fill(ids == ids.max(), 100), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"forced_tokens holds token id -1"):
         decoder.generate(ids, max_new_tokens=2, forced_tokens=torch.full((2, 2), -1))
-    with pytest.raises(ValueError, match=r"the 30-token example prompt fills the model's learned "
+    with pytest.raises(ValueError, match=r"the 30-token example prompt fills the model's "
                                          r"position table \(transformer\.wpe: 30 positions\)"):
         mpgraph.convert_decoder(model, prompt(rows=1, length=30), max_cache_len=SLOTS)
     with pytest.raises(TypeError, match=r"GPT2Model has no language-model head .* the "
