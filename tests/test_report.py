@@ -602,6 +602,18 @@ class _SwiGLU(nn.Module):
         return self.down(F.silu(a) * b)
 
 
+def _edited_plan(model, x, tmp_path, node: str, dtype: str) -> "mpgraph.Plan":
+    """The model's fp16 rules plan for an A100, saved, one node's dtype edited, loaded."""
+    path = str(tmp_path / "plan.json")
+    mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan.save(path)
+    saved = json.load(open(path))
+    for n in saved["nodes"]:
+        if n["name"] == node:
+            n["dtype"] = dtype
+    json.dump(saved, open(path, "w"))
+    return mpgraph.Plan.load(path)
+
+
 def test_an_item_of_a_multi_output_op_takes_its_dtype_under_overrides_and_edited_plans(
         caplog, tmp_path):
     # before: an item decided apart from its op (an override, or a saved plan whose chunk was
@@ -618,14 +630,7 @@ def test_an_item_of_a_multi_output_op_takes_its_dtype_under_overrides_and_edited
                "comes out in its dtype (float32); decide chunk" in r.getMessage()
                for r in caplog.records)
     assert relative_l2(gm(x), ref) < 4e-3
-    path = str(tmp_path / "plan.json")
-    mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan.save(path)
-    saved = json.load(open(path))
-    for n in saved["nodes"]:
-        if n["name"] == "chunk":
-            n["dtype"] = "float32"
-    json.dump(saved, open(path, "w"))
-    edited = mpgraph.convert(model, x, plan=mpgraph.Plan.load(path))
+    edited = mpgraph.convert(model, x, plan=_edited_plan(model, x, tmp_path, "chunk", "float32"))
     assert [edited.plan.node(n).dtype for n in ("chunk", "getitem", "getitem_1", "silu")] \
         == ["float32", "float32", "float32", "float16"]
     assert relative_l2(edited(x), ref) < 4e-3
@@ -651,14 +656,8 @@ def test_diff_of_two_versions_of_a_model_pairs_nodes_by_module_not_by_name():
 def test_summary_counts_a_node_edited_to_the_other_low_dtype_as_an_edit(tmp_path):
     # before: "1 nodes in bfloat16 where float16 overflows" for a node the user edited
     model, x = _blocks()
-    path = str(tmp_path / "plan.json")
-    mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan.save(path)
-    saved = json.load(open(path))
-    for n in saved["nodes"]:
-        if n["name"] == "head":
-            n["dtype"] = "bfloat16"
-    json.dump(saved, open(path, "w"))
-    summary = mpgraph.convert(model, x, plan=mpgraph.Plan.load(path)).plan.summary()
+    edited = _edited_plan(model, x, tmp_path, "head", "bfloat16")
+    summary = mpgraph.convert(model, x, plan=edited).plan.summary()
     assert "1 nodes in bfloat16 by overrides or edits" in summary
     assert "overflows" not in summary
 
