@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CalibrationError
 from mpgraph.numerics import float_leaves
-from mpgraph.ir.graph import as_call, flat_inputs, mutated_nodes, run_recording
+from mpgraph.ir.graph import as_call, flat_inputs, is_batch_encoding, mutated_nodes, run_recording
 from mpgraph.ir.meta import (CONSTANT_INPUTS, OBSERVED, RANGE, REFERENCE, TENSOR, Reference,
                              TensorInfo, ValueRange)
 from mpgraph.passes.infra import Pass, PassResult
@@ -239,7 +239,7 @@ class Calibrate(Pass):
 
     def __init__(self, batches: Iterable, progress: Optional[bool] = None,
                  example: Optional[tuple[tuple, dict]] = None):
-        if isinstance(batches, (torch.Tensor, dict)):
+        if isinstance(batches, (torch.Tensor, dict)) or is_batch_encoding(batches):
             raise CalibrationError("calibration must be an iterable of batches (e.g. a list of "
                                    "input tensors or tuples), not one batch")
         self.batches = batches

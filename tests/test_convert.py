@@ -243,6 +243,7 @@ def test_a_tokenizer_s_batch_encoding_is_taken_as_keyword_arguments():
     """What a tokenizer returns (transformers.BatchEncoding, a UserDict, not a dict) was passed
     as one positional argument: torch's "embedding(): argument 'indices' must be Tensor, not
     BatchEncoding" came out of the capture."""
+    import collections
     from conftest import GPU, small_bert
     from mpgraph.numerics import relative_l2
     from transformers import BatchEncoding
@@ -256,3 +257,12 @@ def test_a_tokenizer_s_batch_encoding_is_taken_as_keyword_arguments():
         want = model(input_ids=ids, attention_mask=mask).last_hidden_state
         got = fast(input_ids=ids, attention_mask=mask).last_hidden_state
     assert relative_l2(got, want) < 4e-3
+    with pytest.raises(mpgraph.CalibrationError, match="not one batch"):
+        mpgraph.convert(model, encoded, target=GPU, dtype="fp16", calibration=encoded)
+
+    class TakesABatch(nn.Module):  # another mapping is what a forward(self, batch) takes whole
+        def forward(self, batch):
+            return batch["x"] * 2
+    x = torch.randn(2, 4)
+    fast = mpgraph.convert(TakesABatch(), collections.UserDict(x=x))
+    assert torch.equal(fast(collections.UserDict(x=x)), x * 2)

@@ -82,7 +82,15 @@ def test_cpu_micro_benchmark_times_cpu_float32_whatever_the_caller_s_defaults(mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     spec = device.measure_cpu()
     path = next((tmp_path / "mpgraph").glob("cpu-*.json"))
-    for bad in ({"fp32": 1.4e16, "bf16": 1.4e16, "fp16": 1.4e16, "vector": 1e12},
+    threads = torch.get_num_threads()
+    torch.set_num_threads(16)  # (meta "ran" at 136 TFLOP/s whatever the thread count)
+    try:
+        assert not device._plausible({"peak": {"fp32": 1.36e14, "bf16": 1.4e14, "fp16": 1.4e14,
+                                               "vector": 1e12}, "bandwidth": 5.5e13,
+                                      "launch": 1e-6})
+    finally:
+        torch.set_num_threads(threads)
+    for bad in ({"fp32": 1.36e14, "bf16": 1.4e14, "fp16": 1.4e14, "vector": 1e12},
                 {"fp32": "x", "bf16": 1e9, "fp16": 1e9, "vector": 1e9}, None):
         held = json.loads(path.read_text())
         path.write_text(json.dumps({**held, "peak": bad}))

@@ -341,6 +341,16 @@ def test_an_image_size_guarded_through_its_patch_count_stays_static():
         fast(torch.randn(2, 3, 31, 31))
     spec = auto_dynamic_shapes(fast, (x,), {})
     assert len(spec) == 1 and sorted(spec[0]) == [0], spec  # the batch alone stays free
+    # a bound is no fix: a BERT's sequence past half its position table (twice it is refused,
+    # shorter ones run) stays free
+    from transformers import BertConfig, BertModel
+    bert = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=100,
+                                max_position_embeddings=32)).eval()
+    ids = torch.randint(0, 100, (2, 20))
+    fast = mpgraph.convert(bert, (ids,), target="a100", check=False)
+    spec = auto_dynamic_shapes(fast, (ids,), {})
+    assert len(spec) == 1 and sorted(spec[0]) == [0, 1], spec
 
 
 def test_a_bf16_file_on_the_cpu_provider_is_an_error_that_says_bf16(tmp_path):

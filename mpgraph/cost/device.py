@@ -119,6 +119,7 @@ def _measure_cpu() -> dict:
 # Apple M-series core's matrix unit at about 2): a figure above this per thread was not timed
 # on this CPU (meta tensors "ran" at 136 TFLOP/s on 2 threads)
 MAX_FP32_PER_THREAD = 1e13
+MAX_FP32 = 5e13  # (and no CPU at 50 TFLOP/s of float32 whatever its threads)
 
 
 def _plausible(data) -> bool:
@@ -130,7 +131,7 @@ def _plausible(data) -> bool:
     return (isinstance(peak, dict)
             and all(positive(peak.get(k)) for k in ("fp32", "bf16", "fp16", "vector"))
             and positive(data.get("bandwidth")) and positive(data.get("launch"))
-            and peak["fp32"] <= MAX_FP32_PER_THREAD * torch.get_num_threads())
+            and peak["fp32"] <= min(MAX_FP32_PER_THREAD * torch.get_num_threads(), MAX_FP32))
 
 
 def isa_caps() -> str:

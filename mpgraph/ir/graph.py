@@ -37,19 +37,26 @@ class Call(NamedTuple):
 
 
 def as_call(batch: Any, kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
-    """Inputs as (args tuple, kwargs dict): a tensor, a tuple/list of arguments, a dict (any
-    mapping) of keyword arguments, a Call, or None (no positional arguments); ``kwargs`` are
-    added."""
+    """Inputs as (args tuple, kwargs dict): a tensor, a tuple/list of arguments, a dict (or a
+    tokenizer's BatchEncoding) of keyword arguments, a Call, or None (no positional arguments);
+    ``kwargs`` are added."""
     extra = dict(kwargs or {})
     if batch is None:
         return (), extra
     if isinstance(batch, Call):
         return tuple(batch.args), {**batch.kwargs, **extra}
-    if isinstance(batch, collections.abc.Mapping):  # (a tokenizer's BatchEncoding: a UserDict)
+    if isinstance(batch, dict) or is_batch_encoding(batch):
         return (), {**batch, **extra}
     if isinstance(batch, (tuple, list)):
         return tuple(batch), extra
     return (batch,), extra
+
+
+def is_batch_encoding(value) -> bool:
+    """A tokenizer's output (transformers.BatchEncoding, a UserDict, not a dict): keyword
+    arguments, as ``model(**tokenizer(...))`` takes it. (Another mapping may be what a
+    ``forward(self, batch)`` takes whole.)"""
+    return isinstance(value, collections.abc.Mapping) and type(value).__name__ == "BatchEncoding"
 
 
 def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -893,7 +893,7 @@ def _generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
 
 # the decoders generating now: one has one static cache, which a second call while the first
 # runs (another thread, a streamer or processor calling generate) would overwrite under it
-_BUSY: "weakref.WeakKeyDictionary[ConvertedDecoder, threading.Lock]" = weakref.WeakKeyDictionary()
+_BUSY: "weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock]" = weakref.WeakKeyDictionary()
 _BUSY_LOCK = threading.Lock()
 
 
@@ -901,8 +901,8 @@ _BUSY_LOCK = threading.Lock()
 def generate(decoder, *args, **kwargs):
     if not isinstance(decoder, ConvertedDecoder):
         return _generate(decoder, *args, **kwargs)  # (its TypeError)
-    with _BUSY_LOCK:
-        busy = _BUSY.setdefault(decoder, threading.Lock())
+    with _BUSY_LOCK:  # (by its graphs, which hold the cache: a copy.copy shares them)
+        busy = _BUSY.setdefault(decoder.prefill, threading.Lock())
     if not busy.acquire(blocking=False):
         raise RuntimeError(
             "this decoder is already generating (in another thread, or a streamer, logits "

@@ -212,15 +212,14 @@ def _guarded_dims(gm: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset:
         for size in sorted(set(sizes.values())):
             group = {key for key, n in sizes.items() if n == size}
             smaller = -1 if size > 2 else 2  # (not down to 1, a size torch specialises)
-            # one larger, one smaller, twice the size: a guard on size // patch (Dinov2's,
-            # BEiT's patch count) holds at 33 for 32, and breaks at 31 and 64
-            delta, failing = next(((d, f) for d in (1, smaller, size) if (f := broken(group, d))),
-                                  (1, set()))
-            if not failing:
-                continue
-            held = {key for key in group if len(broken(group - {key}, delta)) < len(failing)}
+            failing = broken(group, 1)
+            held = {key for key in group if len(broken(group - {key}, 1)) < len(failing)} \
+                if failing else set()
             rest = group - held
-            if rest and (broken(rest, 1) or broken(rest, size)) and broken(rest, smaller):
+            # refused smaller and larger: one larger, or twice the size for a guard on
+            # size // patch (Dinov2's, BEiT's patch count: holds at 33 for 32, breaks at 31 and
+            # 64); refused on one side only, a bound (a sequence past half the position table)
+            if rest and broken(rest, smaller) and (broken(rest, 1) or broken(rest, size)):
                 held |= rest
             fixed |= held
     except Exception as e:  # noqa: BLE001 (a guard that reads values: no finding)
@@ -301,10 +300,11 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
         dynamic_shapes = auto_dynamic_shapes(converted, args, kwargs)
         # (torch.export keeps a size of 1 static: a batch-1 example's file takes batch 1 only)
-        ones = [name for name, x in zip(_input_names(converted, args, kwargs),
-                                        [*args, *kwargs.values()])
-                if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == 1]
-        if ones:
+        batched = [(name, x) for name, x in zip(_input_names(converted, args, kwargs),
+                                                [*args, *kwargs.values()])
+                   if isinstance(x, torch.Tensor) and x.dim() >= 2]
+        ones = [name for name, x in batched if x.shape[0] == 1]
+        if ones and len(ones) == len(batched):  # (a (1, n) bias beside a batch is no batch)
             import warnings
             warnings.warn(f"the example's {', '.join(ones)} {'has' if len(ones) == 1 else 'have'} "
                           "batch 1: the file takes batch 1 only (torch.export keeps a size of 1 "
