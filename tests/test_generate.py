@@ -1033,3 +1033,13 @@ def test_generate_inside_a_generate_on_one_decoder_is_refused_and_a_compiled_lm_
                                            r"decoder per thread"):
         decoder.generate(ids, max_new_tokens=6, streamer=Nested())
     assert torch.equal(decoder.generate(ids, max_new_tokens=6), want)  # usable again
+
+
+def test_a_decoder_of_a_model_given_in_bf16_says_bf16():
+    """Its repr said dtype=float32 where every weight is bfloat16 (the warning said bf16)."""
+    model = copy.deepcopy(gpt2()).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="computes in bfloat16"):
+        decoder = mpgraph.convert_decoder(model, prompt(rows=1), max_cache_len=SLOTS)
+    assert "dtype=bfloat16" in repr(decoder)
+    assert "dtype=float32" in repr(mpgraph.convert_decoder(gpt2(), prompt(rows=1),
+                                                           max_cache_len=SLOTS))

@@ -419,8 +419,10 @@ class ConvertedDecoder:
                 f"sharing: {self.sharing}")
 
     def __repr__(self) -> str:
-        plan = self.prefill.plan  # (its low dtype where a node has it; float32 where none does)
-        dtype = plan.dtype if plan.low_nodes else torch.float32
+        plan = self.prefill.plan  # (its low dtype where a node has it; else its weights' dtype:
+        # a model given in bf16 computes in bf16 with no node planned low)
+        dtype = plan.dtype if plan.low_nodes else next(
+            (p.dtype for p in self.prefill.parameters() if p.is_floating_point()), torch.float32)
         return (f"ConvertedDecoder(batch_size={self.batch_size}, max_cache_len="
                 f"{self.max_cache_len}, dtype={dtype_name(dtype)}, "
                 f"cache={dtype_name(self.cache_dtype)})")
