@@ -28,7 +28,7 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, run_recording, seede
                               target_name, weight_copy_paths)
 from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, TrainingFlag,
                                 WeightCopies, planned_layout, refuse_hooks)
-from mpgraph.ir.meta import (CONSTANT_INPUTS, EVAL_OUTPUTS, FUSED, OP_CLASS, PRECISION,
+from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, FUSED, OP_CLASS, PRECISION,
                              READS_TRAINING, REFERENCE, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
@@ -658,7 +658,6 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
                 keep_fp32 = (("the overrides" if theirs else "the tolerance search's pins")
                              + f" keep every matmul/conv in float32 ({', '.join(keys)})")
         else:
-            from mpgraph.ir.meta import COST
             # nodes faster alone, kept float32 by their casts: not 'no node is faster'
             faster = sum(1 for n in gm.graph.nodes if n.op.startswith("call_")
                          and (c := n.meta.get(COST)) is not None and c.t_low < c.t_fp32)

@@ -695,6 +695,19 @@ def _watch(root: torch.nn.Module, paths: list) -> tuple:
     return root, list(links.values()), tensors
 
 
+def forward_constants(paths: list) -> Optional[str]:
+    """Why a meta plan's tensors its forward creates (torch.tensor([...]): torch.export's
+    ``_tensor_constant*``) among ``paths`` have no value, and the way out; None if none is."""
+    made = [path for path in paths if path.split(".")[-1].startswith("_tensor_constant")]
+    if not made:  # (in no checkpoint: loading cannot give them a value)
+        return None
+    return (f"the converted module holds {len(made)} tensor(s) its forward creates "
+            f"(torch.tensor(...), torch.ones(...) in the model's code: {', '.join(made[:5])}), "
+            "which a model on the meta device computes without values: register each as a "
+            "buffer of the model (then load it with the weights), or convert the materialised "
+            "model")
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -1125,14 +1138,9 @@ class ConvertedModule(torch.fx.GraphModule):
         call until every tensor is real, then never again (a flag)."""
         empty = [path for path, t in module_tensors(self)
                  if (t.to_local() if is_dtensor(t) else t).is_meta]
-        made = [path for path in empty if path.split(".")[-1].startswith("_tensor_constant")]
-        if made:  # (a tensor the forward builds, torch.tensor([...]): in no checkpoint)
-            raise MissingWeightsError(
-                f"the converted module holds {len(made)} tensor(s) its forward creates "
-                f"(torch.tensor(...), torch.ones(...) in the model's code: {', '.join(made[:5])}), "
-                "which a model on the meta device computes without values: register each as a "
-                "buffer of the model (then load it with the weights), or convert the materialised "
-                "model")
+        made = forward_constants(empty)
+        if made:
+            raise MissingWeightsError(made)
         if empty:
             raise MissingWeightsError(
                 f"{len(empty)} tensors of the converted module have no value (it was planned on "

@@ -16,7 +16,7 @@ import torch
 
 from mpgraph.ir.fake import TRACED_ON, is_abstract, module_tensors, replace_tensors, tensor_groups
 from mpgraph.ir.meta import WEIGHTS
-from mpgraph.ir.modules import check_fits, is_dtensor, refresh_fused
+from mpgraph.ir.modules import check_fits, forward_constants, is_dtensor, refresh_fused
 
 log = logging.getLogger(__name__)
 
@@ -309,14 +309,9 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
         entries.append((t, paths, keys, *found))
     # an error is raised before anything is written (a module left holding two checkpoints'
     # tensors would compute neither's answer): a tensor left without a value, a wrong shape ...
-    made = [p for p in missing if p.split(".")[-1].startswith("_tensor_constant")]
-    if made:  # (torch.tensor([...]) in the forward: no checkpoint holds it)
-        raise ValueError(f"the converted module holds {len(made)} tensor(s) its forward creates "
-                         f"(torch.tensor(...), torch.ones(...) in the model's code: "
-                         f"{', '.join(made[:5])}), which a model on the meta device computes "
-                         "without values: register each as a buffer of the model (then load it "
-                         "with the weights), or convert the materialised model; nothing was "
-                         "loaded")
+    made = forward_constants(missing)
+    if made:
+        raise ValueError(f"{made}; nothing was loaded")
     if missing and strict:
         raise ValueError(f"{len(missing)} tensors of the converted module have no value in the "
                          f"weights: {', '.join(missing[:10])}"

@@ -11,13 +11,13 @@ the weights are large, and every check reads the file by path.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
@@ -172,16 +172,6 @@ def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
     return dynamic_spec(gm, args, kwargs, _guarded_dims(gm, args, kwargs))
 
 
-def _input_names(gm: torch.nn.Module, args: tuple, kwargs: dict) -> list[str]:
-    """A name for each positional and keyword input: the forward's parameter names."""
-    try:
-        params = [n for n in inspect.signature(gm.forward).parameters]
-    except (TypeError, ValueError):
-        params = []
-    return [params[i] if i < len(params) else f"input {i}" for i in range(len(args))] \
-        + list(kwargs)
-
-
 def _guarded_dims(gm: torch.nn.Module, args: tuple, kwargs: dict) -> frozenset:
     """(leaf, dim) pairs of the inputs' tensors (pytree order of (args, kwargs)) that the
     module's input guard (mpgraph.ir.modules.InputGuard: torch.export's asserts from the
@@ -300,12 +290,12 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
         dynamic_shapes = auto_dynamic_shapes(converted, args, kwargs)
         # (torch.export keeps a size of 1 static: a batch-1 example's file takes batch 1 only)
-        batched = [(name, x) for name, x in zip(_input_names(converted, args, kwargs),
-                                                [*args, *kwargs.values()])
+        params = _forward_names(converted)
+        named = [(params[i] if i < len(params) else f"input {i}", x) for i, x in enumerate(args)]
+        batched = [(name, x) for name, x in named + list(kwargs.items())
                    if isinstance(x, torch.Tensor) and x.dim() >= 2]
         ones = [name for name, x in batched if x.shape[0] == 1]
         if ones and len(ones) == len(batched):  # (a (1, n) bias beside a batch is no batch)
-            import warnings
             warnings.warn(f"the example's {', '.join(ones)} {'has' if len(ones) == 1 else 'have'} "
                           "batch 1: the file takes batch 1 only (torch.export keeps a size of 1 "
                           "static); export with an example of batch 2 or more for a dynamic "
