@@ -301,6 +301,26 @@ def test_a_load_weights_error_writes_nothing(llama, tmp_path):
     assert all(p.is_meta for p in planned.parameters())
 
 
+def test_a_shared_load_checks_the_second_module_before_writing_the_first():
+    """A decoder's two graphs load as one: a tensor only the second stores in float16 (1e5
+    overflows it) was found after the first graph had been written, "nothing was loaded" false."""
+    from mpgraph.plans.weights import load_weights_shared
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    x = torch.randn(4, 16)
+    options = dict(dtype="fp16", target="a100", strategy="rules")
+    first = mpgraph.convert(model, x, overrides={"2": "fp32"}, **options)
+    second = mpgraph.convert(model, x, **options)
+    assert dict(first.named_parameters())["2.weight"].dtype == torch.float32
+    assert torch.float16 in {p.dtype for n, p in second.named_parameters() if n.startswith("2.")}
+    before = {k: v.clone() for k, v in first.state_dict().items()}
+    weights = {k: v + 1 for k, v in model.state_dict().items()}
+    weights["2.weight"] = torch.full((16, 16), 1e5)
+    with pytest.raises(mpgraph.WeightOverflowError, match=r"2\.weight.*nothing was loaded"):
+        load_weights_shared(first, second, (weights,), share=lambda: ["2.weight", "2.bias"])
+    assert all(torch.equal(v, before[k]) for k, v in first.state_dict().items())
+
+
 def test_a_plan_on_meta_says_it_is_not_calibrated(llama):
     """A run on fakes measures nothing: the plan said "calibrated on 1 batch" and warned that an
     fp16 plan calibrated on one batch should be given calibration=, which a meta model refuses."""

@@ -221,6 +221,13 @@ def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights
     if there != target:
         raise ValueError(f"the decoder's graphs are on {there}: load_weights cannot move them "
                          f"to {target} (convert_decoder on that device)")
+    # every check of both graphs before anything is written: the tensors ``second`` will
+    # likely keep of its own (absent from ``first``, or another shape or dtype there) too
+    mine = dict(module_tensors(first))
+    likely = {path for path, t in module_tensors(second)
+              if path not in mine or mine[path].shape != t.shape or mine[path].dtype != t.dtype}
+    if likely:  # (``first``'s own load checks all of its tensors before writing one)
+        _load_into(second, sources, target, strict, only=likely, check_only=True)
     used = _load_into(first, sources, target, strict)
     _nothing_matched(sources, used, strict)  # (before the graphs part: nothing changed yet)
     own = set(share()) & {path for path, _ in module_tensors(second)}
@@ -272,9 +279,10 @@ def _warn_unused(sources: list, used: set) -> None:
 
 
 def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict: bool,
-               only: Optional[set] = None) -> set:
+               only: Optional[set] = None, check_only: bool = False) -> set:
     """load_weights' work on one module (the paths in ``only``, where given); returns the keys
-    of the weights it used, as the weights name them."""
+    of the weights it used, as the weights name them. ``check_only``: every check (values of
+    tensors without one read for it), nothing written."""
     sharded = [path for path, t in module_tensors(gm) if is_dtensor(t)]
     if sharded:  # (a plain tensor in place of FSDP's DTensor breaks its forward)
         raise ValueError(f"the module's tensors are sharded by FSDP (DTensors: {sharded[0]}, ...): "
@@ -332,6 +340,11 @@ def _load_into(gm: torch.nn.Module, sources: list, target: torch.device, strict:
     check_fits(((_named(key, paths), source[key], t.dtype) for t, paths, keys, source, key
                 in entries if not is_abstract(t) and _low(t)), "load_weights",
                "nothing was loaded")  # (a generator: one tensor read at a time)
+    if check_only:
+        check_fits(((_named(key, paths), source[key], t.dtype) for t, paths, keys, source, key
+                    in entries if is_abstract(t) and _low(t)), "load_weights",
+                   "nothing was loaded")
+        return set()
     pending = []
     for t, paths, keys, source, key in sorted(entries, key=lambda e: not is_abstract(e[0])):
         value = source[key]
