@@ -148,7 +148,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              mode="train" if opts.train else "inference", tolerance=report,
                              dtype_choice=chosen)
     if not record.low_nodes and (found := _computes_low(model)):
-        record = dataclasses.replace(record, kept_fp32=None, warning=(
+        record = dataclasses.replace(record, kept_fp32=None, computes_in=found, warning=(
             f"{type(model).__name__} computes in {found}, not float32: mpgraph decides which of "
             "a model's float32 nodes run in low precision, and this model's weights are not "
             "float32; it is returned as it computes. Convert model.float() to plan its mixed "

@@ -93,6 +93,9 @@ class Plan:
     # nodes whose "dtype" a hand edit of the saved file changed: {name: the dtype it was decided
     # in}. The casts, weights, estimate and check above are those of the plan before the edit
     edited: dict = field(default_factory=dict)
+    # the model's own low dtype where none of its parameters is float32 (loaded in bf16): it is
+    # returned as it computes, its float32 nodes (an upcast RMSNorm, rotary) kept float32
+    computes_in: Optional[str] = None
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
@@ -209,7 +212,7 @@ class Plan:
                    calibration_batches=data.get("calibration_batches", 0),
                    tolerance=data.get("tolerance"), mode=data.get("mode", "inference"),
                    check=data.get("check"), dtype_choice=data.get("dtype_choice"),
-                   edited=edited)
+                   edited=edited, computes_in=data.get("computes_in"))
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -275,9 +278,13 @@ class Plan:
         # a model that computes in fp16/bf16 itself: none of its nodes has a float32 value (it
         # said "converted 0/0 nodes", "vs float32 (all float32)")
         ops = sum(r.op_class not in ("input", "output") for r in self.nodes)
-        if not self.compute_nodes and ops:
-            text += (f"kept the model's own dtypes: none of its {ops} nodes computes in float32 "
-                     f"(no casts, no weight stored); captured with {self.capture}")
+        if (not self.compute_nodes or self.computes_in) and ops:
+            own = (f"it computes in {self.computes_in}, its parameters' dtype (the "
+                   f"{len(self.compute_nodes)} of its {ops} nodes that compute in float32 kept "
+                   "there; " if self.compute_nodes else
+                   f"none of its {ops} nodes computes in float32 (")
+            text += (f"kept the model's own dtypes: {own}no casts, no weight stored); captured "
+                     f"with {self.capture}")
             if self.check and self.check.get("error") is not None:
                 text += (f"; checked: error {self.check['error']:.2g} vs the model as it "
                          "computes")
@@ -367,7 +374,7 @@ class Plan:
             "format": PLAN_FORMAT,
             "dtype": dtype_name(self.dtype), "capture": self.capture,
             "keep_io_types": self.keep_io_types, "target": self.target, "strategy": self.strategy,
-            "kept_fp32": self.kept_fp32, "warning": self.warning,
+            "kept_fp32": self.kept_fp32, "warning": self.warning, "computes_in": self.computes_in,
             "calibration_warning": self.calibration_warning, "estimate": jsonable(self.estimate),
             "summary": self.summary(),
             "mode": self.mode,
