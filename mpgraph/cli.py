@@ -55,6 +55,11 @@ def _calibrate(args) -> int:
         print(f"wrote {path}: host {data['host_per_node_s'] * 1e6:.2f} us a node; efficiency "
               + ", ".join(f"{k} {v:.2f}" for k, v in data["efficiency"].items()))
         return 0
+    if args.target is not None:  # (it was ignored: the table measured this machine, silently)
+        print(f"mpgraph: calibrate --target {args.target} needs --gpu (a GPU's calibration file "
+              "is written on that GPU); without --gpu the cost table is measured on this "
+              "machine, which needs no target", file=sys.stderr)
+        return 2
     if not args.factory:
         print("mpgraph: calibrate needs a factory (FILE.py:name), or --gpu", file=sys.stderr)
         return 2

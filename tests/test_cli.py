@@ -112,6 +112,10 @@ def test_cli_calibrate_names_a_factory_model_that_is_not_a_module(tmp_path, caps
     factory.write_text("import torch\ndef build():\n    return 'model', torch.randn(2)\n")
     assert cli.main(["calibrate", f"{factory}:build"]) == 2
     assert "mpgraph: error: calibrate expects a torch.nn.Module, got str" in capsys.readouterr().err
+    # --target without --gpu was ignored: the table of this machine, measured silently
+    assert cli.main(["calibrate", f"{factory}:build", "--target", "a100"]) == 2
+    assert ("mpgraph: calibrate --target a100 needs --gpu (a GPU's calibration file is written "
+            "on that GPU)") in capsys.readouterr().err
 
 
 def test_cli_names_a_missing_module_and_a_size_below_one_without_a_traceback(capsys):
