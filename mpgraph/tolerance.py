@@ -24,7 +24,7 @@ import torch.fx
 from mpgraph.errors import CalibrationError, ToleranceError
 from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, input_nodes, is_inplace,
                               is_view, mutated_nodes, run_recording, seeded, state_kept)
-from mpgraph.ir.simulate import run_simulated
+from mpgraph.ir.simulate import SimulatingInterpreter, run_simulated
 from mpgraph.numerics import float_leaves, relative_l2, worst_error
 from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name, is_inserted_cast
 
@@ -51,11 +51,22 @@ def _call(gm, call, simulate: bool = False):
     return run(gm, *call, lambda node, value: None)
 
 
+class _Unrounded(SimulatingInterpreter):
+    """A converted graph computed in float32 from its stored weights, nothing rounded: the
+    float32 graph where there is no other (a failed value check's)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, on_node):
+        super().__init__(gm, on_node, rounding=False)
+
+
 def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
-              low: torch.dtype, simulate: bool = False) -> dict[str, float]:
+              low: torch.dtype, simulate: bool = False,
+              unrounded: bool = False) -> dict[str, float]:
     """Error each low-precision node adds, on one batch: node name -> its share of the worst
     output's relative error (``_shares``), or, where that cannot be had (an output that is
-    inf, a graph autograd cannot run), the relative error it adds locally (``_local``)."""
+    inf, a graph autograd cannot run), the relative error it adds locally (``_local``).
+    ``unrounded``: ``base`` is ``converted`` itself, computed in float32 (``_Unrounded``)."""
+    runner = _Unrounded if unrounded else RecordingInterpreter
     conv: dict[str, torch.Tensor] = {}
 
     def keep(node, value):
@@ -70,7 +81,7 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
     # (a view or a value written in place shares its storage with another node)
     written = mutated_nodes(base.graph, base)
     try:
-        shares = _shares(base, call, conv, low_nodes, output, written)
+        shares = _shares(base, call, conv, low_nodes, output, written, runner)
     except Exception as e:  # noqa: BLE001 (a ranking only: the local one serves as well)
         log.info("tolerance: error shares not computed (%s: %s); ranking by local errors",
                  type(e).__name__, e)
@@ -78,14 +89,14 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
     if shares and max(shares.values()) > 0:
         unranked = [name for name in low_nodes if name not in shares]
         if unranked:  # (views and values written in place: their local error, the same scale)
-            local = _local(base, converted, call, conv, unranked, written)
+            local = _local(base, converted, call, conv, unranked, written, runner)
             shares.update({name: local.get(name, 0.0) for name in unranked})
         return shares
-    return _local(base, converted, call, conv, low_nodes, written)
+    return _local(base, converted, call, conv, low_nodes, written, runner)
 
 
-def _shares(base, call, conv: dict, low_nodes: list, output,
-            written: set) -> Optional[dict[str, float]]:
+def _shares(base, call, conv: dict, low_nodes: list, output, written: set,
+            runner=RecordingInterpreter) -> Optional[dict[str, float]]:
     """Each low node's share of the worst output's relative error, to first order.
 
     A node's own rounding d (its value in the converted run minus what float32 computes from
@@ -104,7 +115,7 @@ def _shares(base, call, conv: dict, low_nodes: list, output,
              and not is_view(n) and n not in written and not is_inplace(n, base)}
     own: dict[str, torch.Tensor] = {}
 
-    class Fed(RecordingInterpreter):
+    class Fed(runner):
         """The float32 graph, each low node's result replaced by its converted value."""
         def run_node(self, n):
             result = super().run_node(n)
@@ -121,7 +132,7 @@ def _shares(base, call, conv: dict, low_nodes: list, output,
 
     probes: dict[str, torch.Tensor] = {}
 
-    class Probed(RecordingInterpreter):
+    class Probed(runner):
         """The float32 graph with a zero added to each low node's result, to differentiate by."""
         def run_node(self, n):
             result = super().run_node(n)
@@ -171,8 +182,8 @@ def _shares(base, call, conv: dict, low_nodes: list, output,
     return shares if all(map(math.isfinite, shares.values())) else None
 
 
-def _local(base, converted, call, conv: dict, low_nodes: list,
-           written: set) -> dict[str, float]:
+def _local(base, converted, call, conv: dict, low_nodes: list, written: set,
+           runner=RecordingInterpreter) -> dict[str, float]:
     """Each low node's relative error minus the largest among its activation inputs: its own
     rounding, including that of its low-precision weights, without what it merely passes on."""
     ref: dict[str, torch.Tensor] = {}
@@ -185,7 +196,9 @@ def _local(base, converted, call, conv: dict, low_nodes: list,
             ref[node.name] = value.clone() if is_inplace(node, base) or node in written \
                 else value
 
-    run_recording(base, *call, keep)
+    flat = fresh(flat_inputs(base, *call))
+    with torch.no_grad(), seeded(), state_kept(base):
+        runner(base, keep).run(*flat, enable_io_processing=False)
     err = {name: relative_l2(value, ref[name]) for name, value in conv.items()
            if name in ref and value.shape == ref[name].shape}
     added = {}

@@ -37,7 +37,8 @@ from mpgraph.errors import ConversionError, ValueCheckError
 from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import CALLS, input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
-from mpgraph.numerics import discrete_mismatches, float_leaf_positions, output_errors, rounding
+from mpgraph.numerics import (discrete_mismatches, float_leaf_positions, output_errors,
+                              relative_l2, rounding)
 from mpgraph.ir.meta import (CHECK, COST, OP_CLASS, PRECISION, RANGE, REFERENCE, TENSOR, TensorInfo,
                              dtype_name, is_float32_tensor, is_inserted_cast, planned_dtype)
 from mpgraph.passes.infra import Pass, PassResult
@@ -160,17 +161,32 @@ class CheckConversion(Pass):
                 f"costs a float32 forward of {flops / 1e9:.0f} GFLOP (check='values', or the "
                 f"CLI's --check values, runs it)")
 
-    def _absmax(self, gm, args, kwargs) -> dict:
-        """Every float node's output magnitude on the batch, from another run of the converted
-        graph: only a failed check needs them (to say where values part), so only it pays."""
-        absmax = {}
+    def _parting(self, gm, args, kwargs) -> dict:
+        """Every float node's output on the batch, from two more runs of the converted graph
+        (only a failed check needs them, to say where values part, so only it pays): node ->
+        (its absmax, its relative L2 against the same graph computed in float32 from the
+        stored weights, nothing rounded). The second finds rounding that a normalisation
+        hides from magnitudes (``GroupNorm(c(x) + 100)`` in fp16: the add's rounding, which
+        named the node after the norm, then the norm, and never the add)."""
+        exact: dict = {}
+
+        def keep(node, value):
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                exact[node] = value.detach().float().clone()
+
+        run_simulated(gm, args, kwargs, keep, rounding=False)
+        parting = {}
 
         def record(node, value):
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-                absmax[node] = float(value.detach().abs().float().nan_to_num(math.inf).max())
+                absmax = float(value.detach().abs().float().nan_to_num(math.inf).max())
+                ref = exact.pop(node, None)
+                error = relative_l2(value.detach().float(), ref) \
+                    if ref is not None and ref.shape == value.shape else 0.0
+                parting[node] = (absmax, error)
 
         (run_simulated if self.simulate else run_recording)(gm, args, kwargs, record)
-        return absmax
+        return parting
 
     def _check_values(self, gm, outputs, reference) -> None:
         low = _low_dtype(gm)  # (None: nothing in low precision, the float32 graph checked as one)
@@ -191,8 +207,14 @@ class CheckConversion(Pass):
             return
         # (errors count the float outputs; the message, as the other checks, counts every leaf)
         worst = float_leaf_positions(outputs)[errors.index(error)]
-        where, names = _first_parting(gm, self._absmax(gm, reference.args, reference.kwargs),
+        where, names = _first_parting(gm, self._parting(gm, reference.args, reference.kwargs),
                                       bound, worst)
+        causes = _causes(gm, (reference.args, reference.kwargs), low, self.simulate, error,
+                         bound)
+        if causes:  # (a rounding a normalisation amplifies shows first after the norm)
+            names = [name for name, _ in causes]
+            where += "; the rounding that accounts for it, to first order: " + ", ".join(
+                f"{name}'s ({share:.2g} of the {error:.3g})" for name, share in causes)
         keep = ", ".join(f"{name!r}: 'fp32'" for name in names[:3]) or "'<node or module>': 'fp32'"
         raise ValueCheckError(
             f"the converted module's output {worst} differs from float32 by {error:.3g} (relative "
@@ -311,29 +333,61 @@ def _ancestors(node: torch.fx.Node) -> set:
     return seen
 
 
-def _first_parting(gm, absmax: dict, bound: float,
+def _first_parting(gm, parting: dict, bound: float,
                    output: Optional[int] = None) -> tuple[str, list[str]]:
     """Where values part: the first node (graph order) that the failing output reads, directly
     or not, whose output magnitude parts from the float32 run's on the same batch (Calibrate's
-    absmax of batch 0) by more than the bound, or turns inf/NaN; and the low-precision values
-    to keep in float32 there (the node itself, or where it computes in float32, the low values
-    it is computed from)."""
+    absmax of batch 0) by more than the bound, or turns inf/NaN, or whose values part from the
+    graph's own computed in float32 by more than the bound (``_parting``); and the
+    low-precision values to keep in float32 there (the node itself, or where it computes in
+    float32, the low values it is computed from)."""
     out = _output_node(gm, output) if output is not None else None
     upstream = _ancestors(out) if out is not None else None
     for node in gm.graph.nodes:
         seen = node.meta.get(RANGE)
-        if node not in absmax or seen is None or not seen.batch_absmax \
-                or is_inserted_cast(node) or (upstream is not None and node not in upstream):
+        if node not in parting or is_inserted_cast(node) \
+                or (upstream is not None and node not in upstream):
             continue
-        want, got = seen.batch_absmax[0], absmax[node]
-        if not math.isfinite(got) or abs(got - want) > bound * max(want, 1e-30):
+        got, error = parting[node]
+        want = seen.batch_absmax[0] if seen is not None and seen.batch_absmax else None
+        if want is not None and (not math.isfinite(got) or abs(got - want) > bound * max(want, 1e-30)):
             where = (f"values first part at node {node.name} ({target_name(node)}): absmax "
                      f"{got:.4g}, float32 {want:.4g}")
-            low = _low_sources(node)
-            if low and low != [node.name]:
-                where += f", computed in float32 from {', '.join(low)}, kept in low precision"
-            return where, low
+        elif error > bound:
+            where = (f"values first part at node {node.name} ({target_name(node)}): relative L2 "
+                     f"{error:.3g} from what the graph computes there in float32")
+        else:
+            continue
+        low = _low_sources(node)
+        if low and low != [node.name]:
+            where += f", computed in float32 from {', '.join(low)}, kept in low precision"
+        return where, low
     return "no single node's magnitude parts (the outputs differ in their values' placement)", []
+
+
+def _causes(gm, call, low: torch.dtype, simulate: bool, error: float,
+            bound: float) -> list[tuple[str, float]]:
+    """The low-precision nodes whose rounding accounts for the error (the tolerance search's
+    attribution, against the graph computed in float32): the fewest, largest first (at most
+    3), whose shares bring the rest under the bound or make 80% of all (first order: a
+    rounding a LayerNorm turns into a constant row is charged a third of it); [] where no
+    three do (the error spread thin: the first parting and tolerance= say more)."""
+    from mpgraph.tolerance import attribute
+    try:
+        shares = attribute(gm, gm, call, low, simulate, unrounded=True)
+    except Exception as e:  # noqa: BLE001 (advice only: the first parting names a node anyway)
+        log.info("CheckConversion: error not attributed (%s: %s)", type(e).__name__, e)
+        return []
+    ranked = sorted(((n, s) for n, s in shares.items() if s > 0 and math.isfinite(s)),
+                    key=lambda item: -item[1])
+    total = sum(share for _, share in ranked)
+    causes, left = [], error
+    for name, share in ranked[:3]:
+        causes.append((name, share))
+        left -= share
+        if left <= bound or sum(s for _, s in causes) >= 0.8 * total:
+            return causes
+    return []
 
 
 def _low_sources(node: torch.fx.Node) -> list[str]:

@@ -1,6 +1,7 @@
 """Patterns of hand-written models that converted without an error and computed something else
 than the model, or failed with an internal error (the adversarial probe of stop 38): each test
 states what the model returns and asserts the converted module returns the same."""
+import re
 import pytest
 import torch
 import torch.nn as nn
@@ -250,10 +251,49 @@ def test_a_failed_value_check_names_what_the_failing_output_reads_and_following_
     assert "values first part at node binary_cross_entropy (binary_cross_entropy): absmax " \
         in message
     assert "computed in float32 from fc, kept in low precision" in message
-    assert "(keep it in float32: overrides={'fc': 'fp32'}" in message
-    fast = mpgraph.convert(model, (x,), dtype=torch.bfloat16, strategy="rules",
-                           overrides={"fc": "fp32"})  # what it says
-    assert fast.plan.check["error"] < fast.plan.check["bound"]
+    # (the attribution: sigmoid's rounding, which the loss's log amplifies, is enough to keep)
+    assert "the rounding that accounts for it, to first order: sigmoid's" in message
+    assert "(keep it in float32: overrides={'sigmoid': 'fp32'}" in message
+    for keep in ("sigmoid", "fc"):  # what it says, and the node it names as the source
+        fast = mpgraph.convert(model, (x,), dtype=torch.bfloat16, strategy="rules",
+                               overrides={keep: "fp32"})
+        assert fast.plan.check["error"] < fast.plan.check["bound"]
+
+
+class OffsetBeforeNorm(nn.Module):
+    """A large offset added in low precision before a normalisation: its rounding is what the
+    norm (which takes the offset away again) amplifies."""
+    def __init__(self, norm: str):
+        super().__init__()
+        if norm == "group":
+            self.a, self.n, self.b = nn.Conv2d(8, 32, 3, padding=1), nn.GroupNorm(8, 32), \
+                nn.Conv2d(32, 8, 1)
+        else:
+            self.a, self.n, self.b = nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32)
+        self.scale = 1.0 if norm == "group" else 0.01
+
+    def forward(self, x):
+        return self.b(nn.functional.silu(self.n(self.a(x) * self.scale + 100.0)))
+
+
+@pytest.mark.parametrize("norm", ["group", "layer"])
+def test_a_failed_value_check_names_the_rounding_a_normalisation_amplifies(norm):
+    """By magnitudes, the values first part after the norm: the message advised the conv after
+    it, then the norm, then the conv before it (GroupNorm), or the norm then the Linear
+    (LayerNorm, where the rows come out constant) — never the add, whose float32 alone passes."""
+    torch.manual_seed(0)
+    model = OffsetBeforeNorm(norm).eval()
+    x = torch.randn(2, 8, 16, 16) if norm == "group" else torch.randn(4, 32)
+    with pytest.raises(mpgraph.ValueCheckError) as caught:
+        mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules")
+    message = str(caught.value)
+    assert re.search(r"the rounding that accounts for it, to first order: add's \([\d.e-]+ of "
+                     r"the [\d.e-]+\)", message), message
+    assert "(keep it in float32: overrides={'add': 'fp32'}" in message
+    fast = mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules",
+                           overrides={"add": "fp32"})  # what it says: enough
+    assert fast.plan.check["error"] <= fast.plan.check["bound"]
+    assert {r.name for r in fast.plan.low_nodes} >= {"a", "b"}
 
 
 class DataWrites(nn.Module):
