@@ -418,3 +418,10 @@ def test_an_export_right_after_new_weights_computes_with_them_and_convert_refuse
     with pytest.raises(TypeError, match=r"this module is what mpgraph.convert returned: .* "
                                         r"mpgraph.convert\(model, inputs, plan=fast.plan\)"):
         mpgraph.convert(fast, x, target=GPU, strategy="rules")
+    # a head put on the converted module converted silently: a new fp16 plan kept its bf16
+    # weights and reported its error against the converted backbone, not float32
+    wrapped = nn.Sequential(fast, nn.Linear(fast(x).shape[-1], 4))
+    with pytest.raises(TypeError, match=r"submodule '0' of Sequential is what mpgraph.convert "
+                                        r"returned: .* Build the model with the original "
+                                        r"\(float32\) module at '0'"):
+        mpgraph.convert(wrapped, x, dtype="fp16", target=GPU, strategy="rules")
