@@ -7,6 +7,7 @@ import inspect
 import itertools
 import logging
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
@@ -164,6 +165,16 @@ def _check_gradients(gm, args, kwargs) -> None:
     names it."""
     if not any(p.requires_grad for p in gm.parameters()):
         return
+    reentrant = _reentrant_checkpoint(gm)
+    if reentrant:  # (an output computed before it keeps its gradient: the check below passed)
+        raise ConversionError(
+            "mode='train': torch.utils.checkpoint(..., use_reentrant=True) was captured as a "
+            f"region under no_grad (nodes {', '.join(reentrant[:3])}"
+            + (" ..." if len(reentrant) > 3 else "") + "): what it computes, and what follows "
+            "it, carries no gradient, so its parameters would silently not train. Use "
+            "checkpoint(..., use_reentrant=False) (HF: gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})), or convert the parts "
+            "around the region and call them from your own forward")
     with torch.enable_grad(), seeded(), state_kept(gm):
         got = float_leaves(gm(*fresh(args), **fresh(kwargs)))
     if got and not any(g.requires_grad for g in got):
@@ -177,6 +188,16 @@ def _check_gradients(gm, args, kwargs) -> None:
                "is captured that way)" if regions else "")
             + ". Use checkpoint(..., use_reentrant=False), or convert the parts around the "
             "region and call them from your own forward")
+
+
+_REENTRANT = re.compile(r'torch[/\\]utils[/\\]checkpoint\.py", line \d+, in forward\b')
+
+
+def _reentrant_checkpoint(gm) -> list[str]:
+    """Nodes torch.export traced inside a reentrant checkpoint (CheckpointFunction.forward, in
+    their stack trace; the non-reentrant one leaves no such frame)."""
+    return [n.name for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if _REENTRANT.search(n.meta.get("stack_trace") or "")]
 
 
 def _refuse_converted(model) -> None:

@@ -470,9 +470,34 @@ def test_train_conversions_that_would_not_train_are_clear_errors():
         mpgraph.convert(Classifier(checkpointed=True).train(), (x,), dtype="bf16", target=GPU,
                         strategy="rules", mode="train")
     assert str(caught.value).startswith(
-        "mode='train': none of the converted module's outputs carries a gradient, so training "
-        "it would change nothing (torch.export captured 2 regions of the forward under no_grad")
-    assert "Use checkpoint(..., use_reentrant=False)" in str(caught.value)
+        "mode='train': torch.utils.checkpoint(..., use_reentrant=True) was captured as a region "
+        "under no_grad (nodes ")
+    assert "its parameters would silently not train. Use checkpoint(..., use_reentrant=False)" \
+        in str(caught.value)
+    # an auxiliary loss computed before the region kept its gradient, so the check passed and
+    # the checkpointed block and the head after it got grad None, silently
+    with pytest.raises(mpgraph.ConversionError, match=r"use_reentrant=True\) was captured"):
+        mpgraph.convert(DeepSupervision().train(), (x, torch.randint(0, 4, (16,))),
+                        dtype="bf16", target=GPU, strategy="rules", mode="train")
+    fast = mpgraph.convert(DeepSupervision(reentrant=False).train(),
+                           (x, torch.randint(0, 4, (16,))), dtype="bf16", target=GPU,
+                           strategy="rules", mode="train")  # (the non-reentrant one trains)
+    sum(fast(x, torch.randint(0, 4, (16,)))).backward()
+    assert all(p.grad is not None for p in fast.parameters())
+
+
+class DeepSupervision(nn.Module):
+    def __init__(self, reentrant=True):
+        super().__init__()
+        self.inp, self.aux, self.head = nn.Linear(32, 64), nn.Linear(64, 4), nn.Linear(64, 4)
+        self.block = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        self.reentrant = reentrant
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        aux = nn.functional.cross_entropy(self.aux(h), y)
+        b = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return aux, nn.functional.cross_entropy(self.head(b), y)
 
 
 def test_a_dtype_change_that_changes_nothing_is_no_error():
