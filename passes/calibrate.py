@@ -85,8 +85,9 @@ def _seen_before(earlier: set, batch) -> bool:
     leaves, spec = pytree.tree_flatten(batch)
     try:
         key = (str(spec), *((tuple(t.shape), t.dtype, str(t.device),
-                             float(t.sum(dtype=torch.float64)),
-                             float(t.double().square().sum()) if t.is_floating_point() else 0.0)
+                             float(t.detach().sum(dtype=torch.float64)),
+                             float(t.detach().double().square().sum())
+                             if t.is_floating_point() else 0.0)
                             if isinstance(t, torch.Tensor) and not is_abstract(t) else repr(t)
                             for t in leaves))
     except Exception:  # noqa: BLE001 - (a leaf without a sum: never a repeat)

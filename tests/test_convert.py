@@ -266,3 +266,20 @@ def test_a_tokenizer_s_batch_encoding_is_taken_as_keyword_arguments():
     x = torch.randn(2, 4)
     fast = mpgraph.convert(TakesABatch(), collections.UserDict(x=x))
     assert torch.equal(fast(collections.UserDict(x=x)), x * 2)
+
+
+def test_an_example_input_that_requires_grad_converts_without_torch_s_warning():
+    """An example that requires grad (saliency maps, FGSM) printed torch's "Converting a
+    tensor with requires_grad=True to a scalar" from the calibration's batch fingerprint."""
+    import warnings
+    x = torch.randn(2, 8).requires_grad_()
+    always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # (torch warns once a process: an earlier test may have)
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # (an error filter: a warning
+            warnings.simplefilter("always")  # raised inside a try the fingerprint has)
+            fast = convert_rules(nn.Sequential(nn.Linear(8, 8)), (x,), dtype="bf16")
+    finally:
+        torch.set_warn_always(always)
+    assert not [str(w.message) for w in caught if "requires_grad" in str(w.message)]
+    assert x.grad is None and fast(x).requires_grad
