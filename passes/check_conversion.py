@@ -169,12 +169,19 @@ class CheckConversion(Pass):
         hides from magnitudes (``GroupNorm(c(x) + 100)`` in fp16: the add's rounding, which
         named the node after the norm, then the norm, and never the add)."""
         exact: dict = {}
+        held = [0]
 
-        def keep(node, value):
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+        def keep(node, value):  # (up to a budget: a large model's every activation is GBs)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() \
+                    and held[0] < _PARTING_BYTES:
                 exact[node] = value.detach().float().clone()
+                held[0] += exact[node].numel() * 4
 
-        run_simulated(gm, args, kwargs, keep, rounding=False)
+        try:
+            run_simulated(gm, args, kwargs, keep, rounding=False)
+        except Exception as e:  # noqa: BLE001 (magnitudes alone then: a packed CPU Linear)
+            log.info("CheckConversion: no float32 run of the graph (%s: %s)", type(e).__name__, e)
+            exact.clear()
         parting = {}
 
         def record(node, value):
@@ -331,6 +338,9 @@ def _ancestors(node: torch.fx.Node) -> set:
             seen.add(n)
             stack += n.all_input_nodes
     return seen
+
+
+_PARTING_BYTES = 1 << 30  # float32 values a failed check keeps to say where values part
 
 
 def _first_parting(gm, parting: dict, bound: float,

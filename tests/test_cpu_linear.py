@@ -446,3 +446,19 @@ def test_training_and_gpu_tables_price_no_packed_time(packing):
     costs = Measured(CostTable(torch.device("cpu"), entries), Roofline(measure_cpu()),
                      (torch.bfloat16,), keys={node: "k"})  # packs=False: a training plan's
     assert costs.packed_s(node, fast) is None and costs.node_cost(node, fast, torch.bfloat16).t_low == 2e-4
+
+
+def test_a_failed_value_check_of_packed_linears_names_the_rounding(packing):
+    """The failed check's float32 run of the graph (where values part, which rounding accounts
+    for it) goes through packed Linears too."""
+    class OffsetBeforeNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.n, self.b = nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.b(F.silu(self.n(self.a(x) * 0.01 + 100.0)))
+    torch.manual_seed(0)
+    with pytest.raises(mpgraph.ValueCheckError) as caught:
+        _bf16(OffsetBeforeNorm().eval(), torch.randn(8, 64))
+    assert "(keep it in float32: overrides={'add': 'fp32'}" in str(caught.value)
