@@ -1,6 +1,7 @@
 """Patterns of hand-written models that converted without an error and computed something else
 than the model, or failed with an internal error (the adversarial probe of stop 38): each test
 states what the model returns and asserts the converted module returns the same."""
+import copy
 import re
 import pytest
 import torch
@@ -1275,3 +1276,42 @@ def test_autocast_regions_are_exact_nested_decorators_enabled_ones_and_items_rea
     assert dtypes["sigmoid"] == dtypes["mul"] == "float32" and dtypes["out"] == "float16"
     with torch.no_grad():
         assert rel_err(items(x), model(x)) < 4e-3
+
+
+def _weight_normed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16)).eval()
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    return model, torch.randn(8, 64)
+
+
+def test_parametrized_layers_of_the_converted_module_are_its_own():
+    """pS F1/F7: torch's parametrize keys ``cached()``'s slot by the module a parametrization
+    was registered on, and deep copies share that module's class and property: inside
+    ``with parametrize.cached():`` the user's model computed with the converted module's float16
+    weight (a dtype RuntimeError), a float32 conversion given other weights silently computed
+    with the model's (error 0.93), and ``remove_parametrizations`` on the converted module
+    deleted the property of the user's model (AttributeError on its next call)."""
+    from torch.nn.utils import parametrize
+    model, x = _weight_normed()
+    fast = convert_rules(model, (x,), dtype="fp16")
+    with torch.no_grad():
+        want = model(x)
+        with parametrize.cached():
+            assert rel_err(fast(x), want) < TOL[torch.float16]
+            assert torch.equal(model(x), want)
+        with parametrize.cached():
+            model(x)
+            assert rel_err(fast(x), want) < TOL[torch.float16]
+        tuned = {k: v + 0.1 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        fast32 = mpgraph.convert(model, (x,))
+        fast32.load_state_dict(tuned)
+        other, _ = _weight_normed()
+        other.load_state_dict(tuned)
+        with parametrize.cached():
+            model(x)
+            assert rel_err(fast32(x), other(x)) < 1e-6
+        parametrize.remove_parametrizations(fast32.get_submodule("0"), "weight")
+        assert torch.equal(model(x), want) and parametrize.is_parametrized(model[0], "weight")
+        copied = copy.deepcopy(fast)  # (a copy of the converted module owns its own too)
+        assert type(copied.get_submodule("0")) is not type(fast.get_submodule("0"))

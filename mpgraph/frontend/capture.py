@@ -31,7 +31,7 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
 from mpgraph.ir.meta import (CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, FP32_REGION, OBSERVED,
                              READS_TRAINING, STATIC_SHAPES)
-from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard
+from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard, own_parametrizations
 from mpgraph.ir.fake import fake_mode, is_abstract
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.op_table import MODULE_TABLE
@@ -422,6 +422,28 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
     except Exception as e:
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
+    own_parametrizations(work)
+    with _parametrizations_uncached():
+        return _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract,
+                             observe, dynamic, training)
+
+
+@contextlib.contextmanager
+def _parametrizations_uncached():
+    """torch's ``parametrize.cached()`` off while the copy is traced and run (a convert inside
+    the user's ``with cached():``): the trace would leave its Proxy in the cache, where the copy's
+    next read, the eager run it is compared with, found it. The caller's cache is put back."""
+    from torch.nn.utils import parametrize
+    saved = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = saved
+
+
+def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, observe,
+                  dynamic, training):
     evaluated = _trains_alike(work, args, kwargs) \
         if training and not model.training and has_inputs and abstract is None else None
     if evaluated is not None:

@@ -953,6 +953,7 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
     module = copy.deepcopy(module, {id(t): t for _, t in itertools.chain(
         module.named_parameters(remove_duplicate=False),
         module.named_buffers(remove_duplicate=False))})
+    own_parametrizations(module)
     todo, seen = [], set()
     for sub, owner in module.named_modules(remove_duplicate=False):
         for store in (owner._parameters, owner._buffers):
@@ -976,6 +977,36 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
             if source.startswith(prefix + ".") or copy_path.startswith(prefix + "."):
                 copies.invalidate(source)
     return module  # (registered in place of the caller's)
+
+
+def own_parametrizations(root: torch.nn.Module) -> None:
+    """Give each parametrized submodule of ``root`` (a deep copy) a class and properties of its
+    own. torch.nn.utils.parametrize makes one class per parametrized module, whose property keys
+    ``parametrize.cached()``'s slot by the module it was registered on: deep copies keep that
+    class, so a copy read and wrote its original's slot (the user's model computed with the
+    converted module's float16 weight, or the other way round) and ``remove_parametrizations``
+    on the copy deleted the original's property. Copies of a module owned here own theirs."""
+    from torch.nn.utils import parametrize
+    for module in root.modules():
+        if parametrize.is_parametrized(module):
+            _own_parametrizations(module)
+
+
+def _own_parametrizations(module: torch.nn.Module) -> None:
+    from torch.nn.utils import parametrize
+    module.__class__ = parametrize.type_before_parametrizations(module)
+    parametrize._inject_new_class(module)
+    for name in module.parametrizations:
+        parametrize._inject_property(module, name)
+    deepcopy = type(module).__deepcopy__  # (torch's, or the module class's own)
+
+    def owned_deepcopy(self, memo):
+        fresh = id(self) not in memo
+        replica = deepcopy(self, memo)
+        if fresh:
+            _own_parametrizations(replica)
+        return replica
+    type(module).__deepcopy__ = owned_deepcopy
 
 
 class ConvertedModule(torch.fx.GraphModule):
