@@ -1315,3 +1315,40 @@ def test_parametrized_layers_of_the_converted_module_are_its_own():
         assert torch.equal(model(x), want) and parametrize.is_parametrized(model[0], "weight")
         copied = copy.deepcopy(fast)  # (a copy of the converted module owns its own too)
         assert type(copied.get_submodule("0")) is not type(fast.get_submodule("0"))
+
+
+@pytest.mark.parametrize("kind", ["cayley", "householder", "matrix_exp"])
+def test_parametrizations_of_torch_layers_compute_in_float32(kind):
+    """pS F4: a parametrized nn.Linear was one call whose originals were stored in float16 and
+    whose weight was recomputed from them in float16 on every call, which the check simulated
+    in float32: orthogonal's cayley/householder raised "lu_cpu"/"orgqr_cpu" not implemented for
+    'Half' on every call, matrix_exp returned NaN, behind a check that passed. Traced into, the
+    parametrization runs in float32 and the layer's matmul in float16 reads its result."""
+    from torch.nn.utils.parametrizations import orthogonal
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16)).eval()
+    orthogonal(model[0], orthogonal_map=kind, use_trivialization=kind != "matrix_exp")
+    x = torch.randn(8, 64)
+    fast = convert_rules(model, (x,), dtype="fp16")
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) < TOL[torch.float16]
+    dtypes = {r.target: r.dtype for r in fast.plan.compute_nodes}
+    assert dtypes["0.parametrizations.weight"] == "float32" and dtypes["linear"] == "float16"
+    assert fast.get_parameter("0.parametrizations.weight.original").dtype == torch.float32
+
+
+def test_parametrized_layer_of_the_converted_module_takes_assignments():
+    """pS F7: ``fast.layer.weight = W`` on a weight_norm layer raised torch's right_inverse
+    dtype ValueError (its originals were float16); now it takes effect as on the model. And a
+    conversion inside ``with parametrize.cached():`` failed its check (the trace's weight
+    stayed in the cache)."""
+    from torch.nn.utils import parametrize
+    model, x = _weight_normed()
+    with parametrize.cached():
+        fast = convert_rules(model, (x,), dtype="fp16")
+    w = torch.randn(64, 64) / 8
+    model[0].weight = w.clone()
+    fast.get_submodule("0").weight = w.clone()
+    with torch.no_grad():
+        assert torch.allclose(fast.get_submodule("0").weight, model[0].weight)
+        assert rel_err(fast(x), model(x)) < TOL[torch.float16]

@@ -583,6 +583,14 @@ class _Tracer(torch.fx.Tracer):
         # unknown op, kept float32 whole with every matmul in it
         if not self.whole and _composite(m):
             return False
+        # a parametrized layer (torch.nn.utils.parametrize: weight_norm, orthogonal, ...) as
+        # one call stored its originals in the call's dtype and recomputed its weight from them
+        # there on every call, which the check simulated in float32 (orthogonal's linalg has
+        # no float16 kernel: every call failed, matrix_exp gave NaN): traced into, the
+        # parametrization is a call of its own (an unknown op: float32) and the layer's op
+        # reads its result through a planned cast, as for a custom module's parametrization
+        if torch.nn.utils.parametrize.is_parametrized(m):
+            return False
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root, concrete_args=None):
@@ -652,8 +660,28 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple = (), kwargs: Optional[d
             for m, saved in buffers:
                 m._buffers.clear()
                 m._buffers.update(saved)
-        return ConvertedModule.wrap(torch.fx.GraphModule(tracer.root, graph,
-                                                         type(model).__name__))
+        gm = ConvertedModule.wrap(torch.fx.GraphModule(tracer.root, graph,
+                                                       type(model).__name__))
+        _keep_parametrized(gm, model)
+        return gm
+
+
+def _keep_parametrized(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """The parametrized modules the graph traced into, whole in ``gm`` (the copy's own, with
+    the tensors and parametrizations the graph reads): fx left bare modules holding those,
+    where ``fast.layer.weight`` read nothing and an assignment to it changed nothing."""
+    from torch.nn.utils import parametrize
+    kept = []
+    for path, m in model.named_modules():
+        if not path or not parametrize.is_parametrized(m) \
+                or any(path.startswith(p + ".") for p in kept):
+            continue
+        try:
+            gm.get_submodule(path)
+        except AttributeError:  # (the graph reads nothing of it)
+            continue
+        gm.set_submodule(path, m)
+        kept.append(path)
 
 
 def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
