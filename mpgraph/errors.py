@@ -12,6 +12,12 @@ CAPTURE_FIXES = (
      "convert the unwrapped model (ddp.module, or the model before fully_shard), then wrap the "
      "converted module: DistributedDataParallel(converted) or fully_shard(converted), on every "
      "rank (README, torch.distributed)"),
+    (("no module call is left to run it on",),
+     "a training conversion computes the whole forward as ATen ops, with no submodule call for a "
+     "backward hook to run on: remove the hook before converting (handle.remove()), register "
+     "it on the model itself (the model's own backward hooks are kept on the converted "
+     "module), or keep that submodule out of the converted graph (convert the parts before "
+     "and after it and call it, hooked, from your own forward)"),
     (("cannot be used as inputs to control flow", "data-dependent", "DataDependent"),
      "the code at the line named above reads a tensor's value in Python (a branch on it, `if "
      "x.sum() > 0:`, or `float(t)`, `.item()`), which no tracer captures as one graph. Write a "

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import mpgraph
 from mpgraph.numerics import relative_l2
-from conftest import convert_rules
+from conftest import convert_rules, rel_err
+from mpgraph.errors import CaptureError
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -402,3 +403,31 @@ def test_a_padded_transformer_encoder_in_eval_mode_is_not_taken_for_a_training_b
         warnings.simplefilter("always")
         convert_rules(Encoder().eval(), (x, mask), dtype=torch.bfloat16, mode="train")
     assert not [w for w in caught if "converted with mode='train'" in str(w.message)]
+
+
+def test_a_backward_hook_a_training_conversion_would_drop_is_an_error_the_models_own_is_kept():
+    """pS F6: mode="train" inlines every submodule (torch.export), so a full backward hook on a
+    leaf nn.Linear was silently dropped: the gradients the optimizer saw were off by a relative
+    11.0. Now that is a CaptureError naming the hook and the module; the model's own backward
+    hook is kept on the converted module and runs in its backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)).train()
+    x = torch.randn(4, 32)
+    calls = []
+
+    def scale(module, grad_input, grad_output):
+        calls.append(module)
+        return tuple(None if g is None else -0.1 * g for g in grad_input)
+
+    handle = model[2].register_full_backward_hook(scale)
+    with pytest.raises(CaptureError, match=r"backward hook scale on '2' \(Linear\) of "
+                                           r"Sequential is not in the converted graph"):
+        convert_rules(model, x, dtype=BF16, mode="train")
+    handle.remove()
+    model.register_full_backward_hook(scale)
+    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(xa).sum().backward()
+    fast(xb).sum().backward()
+    assert calls[0] is model and calls[1] is fast
+    assert rel_err(xb.grad, xa.grad) < 2e-2

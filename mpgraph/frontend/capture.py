@@ -31,7 +31,8 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
 from mpgraph.ir.meta import (CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, FP32_REGION, OBSERVED,
                              READS_TRAINING, STATIC_SHAPES)
-from mpgraph.ir.modules import CallSignature, ConvertedModule, InputGuard, own_parametrizations
+from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, keep_backward_hooks,
+                                own_parametrizations)
 from mpgraph.ir.fake import fake_mode, is_abstract
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.op_table import MODULE_TABLE
@@ -651,7 +652,9 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple = (), kwargs: Optional[d
     # a forward that assigns to a buffer (self.n += 1) leaves the traced value (a Proxy) there:
     # the buffers are put back before the graph module takes its attributes from the model
     buffers = [(m, dict(m._buffers)) for m in model.modules()]
-    with _quiet(), opaque_functions("inference"):
+    with _quiet(), opaque_functions("inference"), warnings.catch_warnings():
+        # (torch's, from a hooked submodule given proxies: _say_what_hooks_do says what it means)
+        warnings.filterwarnings("ignore", "For backward hooks to be called")
         tracer = _Tracer(whole)
         try:
             graph = tracer.trace(model, concrete_args=_absent_nones(model, args, kwargs or {})
@@ -937,22 +940,45 @@ def reads_training(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def _users_hooks(module: torch.nn.Module) -> list:
+_FORWARD = ("_forward_hooks", "_forward_pre_hooks")
+_BACKWARD = ("_backward_hooks", "_backward_pre_hooks")
+
+
+def _users_hooks(module: torch.nn.Module, kinds: tuple = _FORWARD + _BACKWARD) -> list:
     """The hooks on a module, but those transformers installs itself on its first call to
     collect hidden states and attentions (what the traced forward returns anyway)."""
-    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values(),
-             *module._backward_hooks.values(), *module._backward_pre_hooks.values()]
+    hooks = [hook for kind in kinds for hook in getattr(module, kind).values()]
     return [h for h in hooks if not (getattr(h, "__module__", None) or "").startswith(
         "transformers.utils.output_capturing")]
 
 
-def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
-    """Hooks on modules the graph does not call ran while the model was traced: what they
-    compute is in the graph, but they do not run again (a hook that appends to a list, counts
-    calls or prints did so at conversion only). That is said, once."""
+def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module, train: bool) -> None:
+    """Forward hooks on modules the graph does not call ran while the model was traced: what
+    they compute is in the graph, but they do not run again (a hook that appends to a list,
+    counts calls or prints did so at conversion only). That is said, once. Backward hooks ran
+    not at all: the model's own are kept on the converted module (keep_backward_hooks), but a
+    submodule's have no module call left to run on, so gradients would differ from the
+    model's: an error in a training conversion, a warning in an inference one."""
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    hooked = [path or type(model).__name__ for path, m in model.named_modules()
-              if _users_hooks(m) and not any(path == c or path.startswith(c + ".") for c in called)]
+    inlined = [(path, m) for path, m in model.named_modules()
+               if not any(path == c or path.startswith(c + ".") for c in called)]
+    hooked = [path or type(model).__name__ for path, m in inlined if _users_hooks(m, _FORWARD)]
+    dropped = [f"{getattr(h, '__name__', None) or type(h).__name__} on {path!r} "
+               f"({type(m).__name__})" for path, m in inlined if path
+               for h in _users_hooks(m, _BACKWARD)]
+    if dropped:
+        text = (f"backward hook{'s' if len(dropped) > 1 else ''} {', '.join(dropped[:3])}"
+                f"{' ...' if len(dropped) > 3 else ''} of {type(model).__name__} "
+                f"{'are' if len(dropped) > 1 else 'is'} not in the converted graph: "
+                f"{'torch.export inlines every submodule' if train else 'fx traced through it'}"
+                ", so no module call is left to run it on, and gradients through the converted "
+                "module are not changed by it")
+        if train:
+            raise CaptureError({"backward hooks": text})
+        warnings.warn(text + ". Keep that submodule out of the converted graph (convert the "
+                      "parts before and after it and call it, hooked, from your own forward), "
+                      "or register the hook on the model itself (the model's own backward hooks "
+                      "are kept on the converted module)", UserWarning, stacklevel=5)
     fast_path = [path for path, m in model.named_modules()
                  if isinstance(m, torch.nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False)
                  and not any(path == c or path.startswith(c + ".") for c in called)]
@@ -965,7 +991,7 @@ def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None
                       "(real positions agree). Build it with enable_nested_tensor=False to compare "
                       "outputs whole", UserWarning, stacklevel=5)
     if hooked:
-        warnings.warn(f"hooks on {', '.join(hooked[:5])}{' ...' if len(hooked) > 5 else ''} of "
+        warnings.warn(f"forward hooks on {', '.join(hooked[:5])}{' ...' if len(hooked) > 5 else ''} of "
                       f"{type(model).__name__} ran while it was traced: what they compute is in "
                       "the converted graph, but they do not run on its calls (their Python side "
                       "effects, such as appending to a list, happened at conversion only)",
@@ -1279,7 +1305,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         gm.meta[CAPTURE] = name
         _keep_persistence(gm, model)
         _keep_aliases(gm, model)
-        _say_what_hooks_do(gm, work)
+        _say_what_hooks_do(gm, work, export_only)
+        keep_backward_hooks(gm, work)
         readers = reads_training(work)
         if readers:
             gm.meta[READS_TRAINING] = (tuple(readers), bool(work.training))

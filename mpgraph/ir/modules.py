@@ -1533,5 +1533,15 @@ def _keep_call_hooks(new: torch.nn.Module, old: torch.nn.Module) -> None:
     for attr in _CALL_HOOKS:
         if attr in old.__dict__:
             setattr(new, attr, type(old.__dict__[attr])(old.__dict__[attr]))
+    keep_backward_hooks(new, old)
+
+
+def keep_backward_hooks(new: torch.nn.Module, old: torch.nn.Module) -> None:
+    """``old``'s backward hooks (full or not, and pre-hooks) on ``new`` too: no tracer records
+    one (they act on gradients, not on the forward's values), so the model's own are kept on
+    the module that converts it, where they run on its calls as on the model's."""
+    for attr in ("_backward_hooks", "_backward_pre_hooks"):
+        if attr in old.__dict__:
+            setattr(new, attr, type(old.__dict__[attr])(old.__dict__[attr]))
     if old.__dict__.get("_is_full_backward_hook") is not None:
         new._is_full_backward_hook = old._is_full_backward_hook
