@@ -53,6 +53,29 @@ _METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch
                   "bool": torch.bool}
 
 
+def _hooked_leaf(node: torch.fx.Node, gm: torch.fx.GraphModule, low: torch.dtype
+                 ) -> Optional[str]:
+    """Why a layer the graph calls whole stays float32, if its forward hooks or pre-hooks make it
+    so: the converted module runs them on its calls, and in the model they see float32 tensors
+    and may compute in float32 (activation steering's ``out + v``, ``out.float()``); in low
+    precision such a hook would hand a float32 value to a reader planned low."""
+    if node.op != "call_module":
+        return None
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    module = gm.get_submodule(node.target)
+    hooks = [h for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+             if not isinstance(h, (WeightNorm, SpectralNorm))  # (torch's, they keep the dtype)
+             and not (getattr(h, "__module__", None) or "").startswith("transformers.")]
+    if not hooks:
+        return None
+    names = ", ".join(getattr(h, "__name__", None) or type(h).__name__ for h in hooks[:3])
+    return (f"{type(module).__name__} {node.target!r} has forward hooks or pre-hooks ({names}) that see "
+            f"float32 tensors in the model and may compute in float32: kept float32, as the "
+            f"model runs it (overrides={{{node.target!r}: {dtype_name(low)!r}}} runs it in "
+            f"{dtype_name(low)} where the hooks keep the dtype)")
+
+
 def explicit_dtype(node: torch.fx.Node):
     """The dtype the node's own code asks for: a torch.dtype, ('like', node) for ``x.dtype``, or None."""
     if node.op == "call_method" and node.target in _METHOD_DTYPES:
@@ -340,6 +363,10 @@ class AssignPrecision(Pass):
         if region is not None and not item:  # (an item: its readers in the region are float32)
             return Decision(FP32, f"in the model's {region} region: float32, as its author "
                                   "keeps it", pinned=True)
+
+        hooked = _hooked_leaf(node, gm, self.low)
+        if hooked and not item:
+            return Decision(FP32, hooked, pinned=True)
 
         if node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, gm):
             self_dtype = dec[node.args[0]].dtype

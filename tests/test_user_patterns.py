@@ -1400,3 +1400,27 @@ def test_backward_hooks_on_the_model_are_kept_and_a_traced_through_modules_are_s
     assert not [w for w in caught if "what they compute is in the converted graph"
                 in str(w.message) or "For backward hooks" in str(w.message)]
 
+
+def test_a_leaf_whose_forward_hook_computes_in_float32_is_planned_float32_and_says_why():
+    """pS F2: a forward hook on an nn.Linear the graph calls whole that adds a float32 tensor
+    (activation steering) or a pre-hook multiplying by one made every fp16/bf16 plan fail with
+    an unexplained ConversionError (produced float32, plan says float16); with check=False each
+    call raised torch's dtype error. The converted module runs the layer's hooks, which see
+    float32 in the model: the layer is planned float32, with that reason."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 8)).eval()
+    steer = torch.randn(64)
+    model[2].register_forward_hook(lambda module, inputs, out: out + steer)
+    model[4].register_forward_pre_hook(lambda module, inputs: (inputs[0] * torch.ones(64),))
+    x = torch.randn(4, 32)
+    for dtype in ("fp16", "bf16"):
+        fast = mpgraph.convert(model, (x,), dtype=dtype, target=GPU, strategy="rules")
+        nodes = {r.name: r for r in fast.plan.compute_nodes}
+        assert nodes["_0"].dtype != "float32"
+        for name, target in (("_2", "2"), ("_4", "4")):
+            assert nodes[name].dtype == "float32"
+            assert f"Linear '{target}' has forward hooks or pre-hooks (<lambda>)" \
+                in nodes[name].reason
+        with torch.no_grad():
+            assert rel_err(fast(x), model(x)) < TOL[fast.plan.dtype]
