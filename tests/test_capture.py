@@ -245,3 +245,40 @@ def test_a_wrapper_around_a_huggingface_model_goes_straight_to_torch_export(bert
     gm = mpgraph.capture(Classifier(bert).eval(), (token_ids[0],))
     assert gm.meta[CAPTURE] == "torch.export"
     assert "symbolic_trace failed" not in caplog.text
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, mask=None):
+        h = F.relu(self.fc(x))
+        return self.out(h if mask is None else h * mask)
+
+
+class _StarWrapper(nn.Module):
+    """The usual model wrapper: ``forward(self, *args, **kwargs)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _Masked()
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def test_a_star_args_wrapper_given_keywords_converts():
+    """pS F3: a ``forward(self, *args, **kwargs)`` wrapper given example_kwargs failed capture
+    ("multiple values for argument 'mask'", an IndexError with two positional tensors):
+    _explicit_keywords rewrote the forward as ``def forward(mask)``, dropping the positional
+    arguments, so torch.export bound x to mask."""
+    torch.manual_seed(0)
+    model = _StarWrapper().eval()
+    x, mask = torch.randn(4, 16), (torch.rand(4, 16) > 0.3).float()
+    fast = mpgraph.convert(model, (x,), example_kwargs={"mask": mask})
+    with torch.no_grad():
+        assert relative_l2(fast(x, mask=mask), model(x, mask=mask)) < 1e-5
+        x3, mask3 = torch.randn(3, 16), torch.ones(3, 16)
+        assert relative_l2(fast(x3, mask=mask3), model(x3, mask=mask3)) < 1e-5

@@ -254,12 +254,17 @@ def _explicit_keywords(model: torch.nn.Module, args: tuple, kwargs: dict):
     original = model.forward
     named = [n for n in params if params[n].kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    names = list(dict.fromkeys(named[:len(args)] + list(kwargs)))  # what the call gives
-    if not all(n.isidentifier() for n in names):
+    positional = named[:len(args)]  # what the call gives: these, the rest of args, the keywords
+    # the arguments past the named ones go to the forward's *args (a wrapper's
+    # forward(self, *args, **kwargs)): kept as *args, not dropped
+    star = next((n for n in params if params[n].kind == inspect.Parameter.VAR_POSITIONAL), None)
+    star = [f"*{star}"] if star and len(args) > len(named) else []
+    keywords = [n for n in kwargs if n not in positional]
+    if not all(n.isidentifier() for n in positional + keywords):
         yield
         return
-    source = (f"def forward({', '.join(names)}):\n"
-              f"    return call({', '.join(f'{n}={n}' for n in names)})\n")
+    source = (f"def forward({', '.join(positional + star + keywords)}):\n"
+              f"    return call({', '.join(positional + star + [f'{n}={n}' for n in keywords])})\n")
     space = {"call": original}
     exec(source, space)  # noqa: S102 - a signature built from the model's own parameter names
     model.forward = space["forward"]
