@@ -12,6 +12,10 @@ CAPTURE_FIXES = (
      "convert the unwrapped model (ddp.module, or the model before fully_shard), then wrap the "
      "converted module: DistributedDataParallel(converted) or fully_shard(converted), on every "
      "rank (README, torch.distributed)"),
+    (("calls torch.autograd.grad",),
+     "convert the network the forward differentiates (mpgraph.convert(model.net, ...)) and take "
+     "the gradient outside the converted graph: in your own forward, around the converted "
+     "module, torch.autograd.grad runs through it"),
     (("no module call is left to run it on",),
      "a training conversion computes the whole forward as ATen ops, with no submodule call for a "
      "backward hook to run on: remove the hook before converting (handle.remove()), register "

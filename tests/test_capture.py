@@ -1,4 +1,5 @@
 import inspect
+import re
 
 import pytest
 import torch
@@ -282,3 +283,31 @@ def test_a_star_args_wrapper_given_keywords_converts():
         assert relative_l2(fast(x, mask=mask), model(x, mask=mask)) < 1e-5
         x3, mask3 = torch.randn(3, 16), torch.ones(3, 16)
         assert relative_l2(fast(x3, mask=mask3), model(x3, mask=mask3)) < 1e-5
+
+
+class _Energy(nn.Module):
+    """Forces as the gradient of an energy, taken in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, pos):
+        pos = pos.clone().requires_grad_(True)
+        with torch.enable_grad():
+            energy = self.net(pos).sum()
+            forces = -torch.autograd.grad(energy, pos)[0]
+        return energy.detach(), forces.detach()
+
+
+def test_autograd_grad_in_the_forward_is_a_capture_error_naming_it_and_the_way_out():
+    """pS F5: torch.autograd.grad in the forward (energy -> forces, a PINN's residual) was a
+    CaptureError quoting torch's internals ("element 0 of tensors does not require grad",
+    "Please file an issue on github") with the generic fix."""
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(_Energy().eval(), (torch.randn(8, 3),))
+    text = str(caught.value)
+    assert re.search(r"_Energy's forward calls torch\.autograd\.grad \(test_capture\.py:\d+: "
+                     r"forces = -torch\.autograd\.grad\(energy, pos\)\[0\]\)", text)
+    assert "take the gradient outside the converted graph" in text
+    assert "file an issue" not in text

@@ -930,6 +930,41 @@ def _names(code) -> set:
     return names
 
 
+def _differentiates(model: torch.nn.Module) -> Optional[str]:
+    """Where a module's own forward (user code) calls torch.autograd.grad, as "file:line: code",
+    or None: a gradient inside the forward (forces from an energy, a PINN's residual) is a
+    backward pass neither tracer captures, and their reports then quote torch's internals."""
+    import dis
+    import linecache
+
+    def calls(code, glob):
+        last = None
+        for ins in dis.get_instructions(code):
+            if (ins.argval == "grad" and (last == "autograd"
+                                          or glob.get(last) is torch.autograd)) or (
+                    ins.opname == "LOAD_GLOBAL" and glob.get(ins.argval) is torch.autograd.grad):
+                line = ins.positions.lineno if ins.positions else None
+                return line or code.co_firstlineno
+            last = ins.argval if isinstance(ins.argval, str) else None
+        for const in code.co_consts:  # nested functions and comprehensions
+            if hasattr(const, "co_code"):
+                line = calls(const, glob)
+                if line:
+                    return line
+        return None
+
+    for m in model.modules():
+        forward = getattr(type(m), "forward", None)
+        code = getattr(forward, "__code__", None)
+        if code is None or type(m).__module__.startswith(("torch.", "transformers.")):
+            continue
+        line = calls(code, forward.__globals__)
+        if line:
+            text = linecache.getline(code.co_filename, line).strip()
+            return f"{os.path.basename(code.co_filename)}:{line}: {text}"
+    return None
+
+
 def reads_training(model: torch.nn.Module) -> list[str]:
     """Paths of the modules whose own forward (user code: not torch's or transformers', whose
     dropout and batch norm the converted module follows) reads ``self.training``: a Python
@@ -1329,6 +1364,12 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     eager = _eager_failure(work, args, kwargs, state) if has_inputs else None
     if eager:  # the tracers' reports blame what the model does with these very inputs
         reports = {EAGER: eager, **reports}
+    grad = _differentiates(work)
+    if grad:  # (the tracers' reports quote torch's internals, "file an issue", not the cause)
+        reports = {"torch.autograd.grad": (
+            f"{type(model).__name__}'s forward calls torch.autograd.grad ({grad}): a gradient "
+            "taken inside the forward is a backward pass, which no tracer captures as part of a "
+            "forward graph")}
     error = CaptureError(reports)
     error.exception = failure  # (not chained: its text is torch's long debugging narration)
     raise error
