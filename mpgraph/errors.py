@@ -16,6 +16,13 @@ CAPTURE_FIXES = (
      "convert the network the forward differentiates (mpgraph.convert(model.net, ...)) and take "
      "the gradient outside the converted graph: in your own forward, around the converted "
      "module, torch.autograd.grad runs through it"),
+    (("that its graph never reads",),
+     "keep such a template out of the module's tensors (hold it in a plain list: "
+     "functional_call takes it from there), or materialise it (to_empty(device=...))"),
+    (("calls torch.vmap",),
+     "convert the member model (mpgraph.convert(members[0], ...), one plan for all: plan=) and "
+     "run the ensemble over the converted members in your own forward, or vmap outside the "
+     "converted graph"),
     (("no module call is left to run it on",),
      "a training conversion computes the whole forward as ATen ops, with no submodule call for a "
      "backward hook to run on: remove the hook before converting (handle.remove()), register "

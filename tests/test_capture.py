@@ -311,3 +311,42 @@ def test_autograd_grad_in_the_forward_is_a_capture_error_naming_it_and_the_way_o
                      r"forces = -torch\.autograd\.grad\(energy, pos\)\[0\]\)", text)
     assert "take the gradient outside the converted graph" in text
     assert "file an issue" not in text
+
+
+class _Ensemble(nn.Module):
+    """torch's ensembling tutorial in a module: stacked members' parameters, vmapped over
+    functional_call on a template copy of a member (on the meta device in the tutorial)."""
+
+    def __init__(self, template_device):
+        super().__init__()
+        import copy
+        from torch.func import stack_module_state
+        members = [nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)) for _ in range(3)]
+        params, _ = stack_module_state(members)
+        self.names = list(params)
+        self.params = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(v)
+                                        for k, v in params.items()})
+        self.base = copy.deepcopy(members[0]).to(template_device)
+
+    def forward(self, x):
+        from torch.func import functional_call
+        p = {k: self.params[k.replace(".", "_")] for k in self.names}
+        return torch.vmap(lambda pp, xx: functional_call(self.base, pp, (xx,)),
+                          in_dims=(0, None))(p, x).mean(0)
+
+
+@pytest.mark.parametrize("template", ["meta", "cpu"])
+def test_a_vmap_ensemble_is_a_capture_error_naming_vmap_not_a_model_planned_on_meta(template):
+    """pS F8: with the tutorial's meta-device template (never read for values) the model was
+    taken for one planned on the meta device: "converted" unchecked, then every call a
+    MissingWeightsError asking to load the template's tensors. With a real template it was a
+    CaptureError with the generic fix. Both now name torch.vmap and the way out; the meta
+    template is named too."""
+    torch.manual_seed(0)
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(_Ensemble(template).eval(), (torch.randn(4, 8),))
+    text = str(caught.value)
+    assert re.search(r"_Ensemble's forward calls torch\.vmap \(test_capture\.py:\d+: ", text)
+    assert "run the ensemble over the converted members" in text
+    assert ("holds tensors on the meta device (base.0.weight, base.0.bias, base.2.weight ...) "
+            "that its graph never reads" in text) == (template == "meta")

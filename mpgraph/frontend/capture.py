@@ -461,6 +461,7 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
         gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     if abstract is not None:
         _refuse_value_reads(gm, model)
+        _refuse_unread_meta(gm, model, work)
     if evaluated is not None:  # (compared with the graph in eval mode: api._say_if_eval_differs)
         gm.meta[EVAL_OUTPUTS] = evaluated
     return gm
@@ -505,6 +506,31 @@ def _refuse_value_reads(gm: torch.fx.GraphModule, model: torch.nn.Module) -> Non
                          "not have: its plan is made from shapes alone. Convert the materialised "
                          "model, or compute with the tensor instead of its value (x / self.temp, "
                          "not x / self.temp.item())")
+
+
+def _refuse_unread_meta(gm: torch.fx.GraphModule, model: torch.nn.Module,
+                        work: torch.nn.Module) -> None:
+    """A model with real parameters whose meta-device tensors the graph never reads (torch's
+    ensembling tutorial keeps a meta copy of a member as functional_call's template): it is not
+    a model without values, but planned as one it would be unchecked and refuse every call
+    until the tensors it never reads were loaded."""
+    from mpgraph.ir.fake import module_tensors
+    meta = [path for path, t in module_tensors(model) if t.device.type == "meta"]
+    real = [path for path, t in model.named_parameters() if t.device.type != "meta"]
+    if not meta or not real:
+        return
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+    called = [str(n.target) + "." for n in gm.graph.nodes if n.op == "call_module"]
+    if any(path in read or path.startswith(tuple(called)) for path in meta):
+        return
+    reports = {"the meta device": (
+        f"{type(model).__name__} holds tensors on the meta device ({', '.join(meta[:3])}"
+        f"{' ...' if len(meta) > 3 else ''}) that its graph never reads, beside real parameters "
+        f"({', '.join(real[:2])}{' ...' if len(real) > 2 else ''}): taken for a model without "
+        "values, it would be planned unchecked and refuse every call until tensors it never "
+        "reads were loaded")}
+    reports.update(_untraceable(work) or {})
+    raise CaptureError(reports)
 
 
 def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict):
@@ -930,23 +956,27 @@ def _names(code) -> set:
     return names
 
 
-def _differentiates(model: torch.nn.Module) -> Optional[str]:
-    """Where a module's own forward (user code) calls torch.autograd.grad, as "file:line: code",
-    or None: a gradient inside the forward (forces from an energy, a PINN's residual) is a
-    backward pass neither tracer captures, and their reports then quote torch's internals."""
+def _calls_in_forward(model: torch.nn.Module, name: str, *functions) -> Optional[str]:
+    """Where a module's own forward (user code, not torch's or transformers') calls one of
+    ``functions``, as "file:line: code", or None: found in its bytecode as ``<module>.<name>``
+    (torch.autograd.grad, torch.func.vmap, an alias of the module) or as a global holding the
+    function (``from torch.func import vmap``)."""
     import dis
     import linecache
+    owners = {getattr(f, "__module__", None) for f in functions} | {"torch"}
+
+    def owner(value) -> bool:
+        return getattr(value, "__name__", None) in owners or value in (torch.autograd, torch.func)
 
     def calls(code, glob):
         last = None
         for ins in dis.get_instructions(code):
-            if (ins.argval == "grad" and (last == "autograd"
-                                          or glob.get(last) is torch.autograd)) or (
-                    ins.opname == "LOAD_GLOBAL" and glob.get(ins.argval) is torch.autograd.grad):
-                line = ins.positions.lineno if ins.positions else None
-                return line or code.co_firstlineno
-            last = ins.argval if isinstance(ins.argval, str) else None
-        for const in code.co_consts:  # nested functions and comprehensions
+            value = glob.get(ins.argval) if isinstance(ins.argval, str) else None
+            if (ins.argval == name and (last in ("autograd", "func") or owner(last))) or (
+                    ins.opname == "LOAD_GLOBAL" and any(value is f for f in functions)):
+                return (ins.positions.lineno if ins.positions else None) or code.co_firstlineno
+            last = value if ins.opname == "LOAD_GLOBAL" and value is not None else ins.argval
+        for const in code.co_consts:  # nested functions, lambdas and comprehensions
             if hasattr(const, "co_code"):
                 line = calls(const, glob)
                 if line:
@@ -962,6 +992,24 @@ def _differentiates(model: torch.nn.Module) -> Optional[str]:
         if line:
             text = linecache.getline(code.co_filename, line).strip()
             return f"{os.path.basename(code.co_filename)}:{line}: {text}"
+    return None
+
+
+def _untraceable(model: torch.nn.Module) -> Optional[dict]:
+    """The report for a call in the forward that no tracer captures as one forward graph, if
+    there is one (the tracers' reports then quote torch's internals, not the cause)."""
+    where = _calls_in_forward(model, "grad", torch.autograd.grad)
+    if where:
+        return {"torch.autograd.grad": (
+            f"{type(model).__name__}'s forward calls torch.autograd.grad ({where}): a gradient "
+            "taken inside the forward is a backward pass, which no tracer captures as part of a "
+            "forward graph")}
+    where = _calls_in_forward(model, "vmap", torch.vmap, torch.func.vmap)
+    if where:
+        return {"torch.vmap": (
+            f"{type(model).__name__}'s forward calls torch.vmap ({where}): a vmapped "
+            "function (functional_call over stacked parameters) is not captured as one graph "
+            "mpgraph can plan")}
     return None
 
 
@@ -1364,12 +1412,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     eager = _eager_failure(work, args, kwargs, state) if has_inputs else None
     if eager:  # the tracers' reports blame what the model does with these very inputs
         reports = {EAGER: eager, **reports}
-    grad = _differentiates(work)
-    if grad:  # (the tracers' reports quote torch's internals, "file an issue", not the cause)
-        reports = {"torch.autograd.grad": (
-            f"{type(model).__name__}'s forward calls torch.autograd.grad ({grad}): a gradient "
-            "taken inside the forward is a backward pass, which no tracer captures as part of a "
-            "forward graph")}
+    reports = _untraceable(work) or reports  # (theirs quote torch's internals, not the cause)
     error = CaptureError(reports)
     error.exception = failure  # (not chained: its text is torch's long debugging narration)
     raise error
