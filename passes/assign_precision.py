@@ -70,9 +70,9 @@ def _hooked_leaf(node: torch.fx.Node, gm: torch.fx.GraphModule, low: torch.dtype
     if not hooks:
         return None
     names = ", ".join(getattr(h, "__name__", None) or type(h).__name__ for h in hooks[:3])
-    return (f"{type(module).__name__} {node.target!r} has forward hooks or pre-hooks ({names}) that see "
-            f"float32 tensors in the model and may compute in float32: kept float32, as the "
-            f"model runs it (overrides={{{node.target!r}: {dtype_name(low)!r}}} runs it in "
+    return (f"{type(module).__name__} {node.target!r} has forward hooks or pre-hooks ({names}) "
+            f"that see float32 tensors in the model and may compute in float32: kept float32, "
+            f"as the model runs it (overrides={{{node.target!r}: {dtype_name(low)!r}}} runs it in "
             f"{dtype_name(low)} where the hooks keep the dtype)")
 
 

@@ -350,3 +350,6 @@ def test_a_vmap_ensemble_is_a_capture_error_naming_vmap_not_a_model_planned_on_m
     assert "run the ensemble over the converted members" in text
     assert ("holds tensors on the meta device (base.0.weight, base.0.bias, base.2.weight ...) "
             "that its graph never reads" in text) == (template == "meta")
+    # the failed capture left no vmap level entered (every later random op failed: nn.Linear)
+    assert torch._C._functorch.maybe_current_level() is None
+    nn.Linear(2, 2)

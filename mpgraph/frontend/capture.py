@@ -457,8 +457,12 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
     if abstract is not None:
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
+    depth = len(torch._C._functorch.get_interpreter_stack() or ())
     with _CAPTURE_LOCK, fake_mode(abstract):
-        gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+        try:
+            gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+        finally:
+            _leave_transforms(depth)
     if abstract is not None:
         _refuse_value_reads(gm, model)
         _refuse_unread_meta(gm, model, work)
@@ -963,16 +967,14 @@ def _calls_in_forward(model: torch.nn.Module, name: str, *functions) -> Optional
     function (``from torch.func import vmap``)."""
     import dis
     import linecache
-    owners = {getattr(f, "__module__", None) for f in functions} | {"torch"}
-
-    def owner(value) -> bool:
-        return getattr(value, "__name__", None) in owners or value in (torch.autograd, torch.func)
+    modules = (torch, torch.autograd, torch.func)
 
     def calls(code, glob):
-        last = None
+        last = None  # what the instruction before loaded: a name, or a global's value
         for ins in dis.get_instructions(code):
             value = glob.get(ins.argval) if isinstance(ins.argval, str) else None
-            if (ins.argval == name and (last in ("autograd", "func") or owner(last))) or (
+            if (ins.argval == name and (last in ("autograd", "func")
+                                        or any(last is m for m in modules))) or (
                     ins.opname == "LOAD_GLOBAL" and any(value is f for f in functions)):
                 return (ins.positions.lineno if ins.positions else None) or code.co_firstlineno
             last = value if ins.opname == "LOAD_GLOBAL" and value is not None else ins.argval
@@ -1079,7 +1081,8 @@ def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module, train: 
                       "(real positions agree). Build it with enable_nested_tensor=False to compare "
                       "outputs whole", UserWarning, stacklevel=5)
     if hooked:
-        warnings.warn(f"forward hooks on {', '.join(hooked[:5])}{' ...' if len(hooked) > 5 else ''} of "
+        warnings.warn(f"forward hooks on {', '.join(hooked[:5])}"
+                      f"{' ...' if len(hooked) > 5 else ''} of "
                       f"{type(model).__name__} ran while it was traced: what they compute is in "
                       "the converted graph, but they do not run on its calls (their Python side "
                       "effects, such as appending to a list, happened at conversion only)",
@@ -1412,10 +1415,25 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     eager = _eager_failure(work, args, kwargs, state) if has_inputs else None
     if eager:  # the tracers' reports blame what the model does with these very inputs
         reports = {EAGER: eager, **reports}
-    reports = _untraceable(work) or reports  # (theirs quote torch's internals, not the cause)
+    else:  # (the tracers' reports quote torch's internals, not the cause)
+        reports = _untraceable(work) or reports
     error = CaptureError(reports)
     error.exception = failure  # (not chained: its text is torch's long debugging narration)
     raise error
+
+
+def _leave_transforms(depth: int) -> None:
+    """Pop the torch.func transforms (vmap, grad) a failed run left entered: an exception in a
+    vmapped forward run on capture's failure path (_eager_failure) left its level on
+    functorch's stack, and every later random op in the process failed ("vmap: called random
+    operation", nn.Linear(...) among them)."""
+    from torch._C import _functorch as functorch
+    leave = {functorch.TransformType.Vmap: functorch._vmap_decrement_nesting,
+             functorch.TransformType.Grad: functorch._grad_decrement_nesting,
+             functorch.TransformType.Jvp: functorch._jvp_decrement_nesting,
+             functorch.TransformType.Functionalize: functorch._func_decrement_nesting}
+    while len(functorch.get_interpreter_stack() or ()) > depth:
+        leave[functorch.peek_interpreter_stack().key()]()
 
 
 def _eager_failure(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict

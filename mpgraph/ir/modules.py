@@ -1533,7 +1533,8 @@ def _keep_call_hooks(new: torch.nn.Module, old: torch.nn.Module) -> None:
     for attr in _CALL_HOOKS:
         if attr in old.__dict__:
             setattr(new, attr, type(old.__dict__[attr])(old.__dict__[attr]))
-    keep_backward_hooks(new, old)
+    if old.__dict__.get("_is_full_backward_hook") is not None:
+        new._is_full_backward_hook = old._is_full_backward_hook
 
 
 def keep_backward_hooks(new: torch.nn.Module, old: torch.nn.Module) -> None:
