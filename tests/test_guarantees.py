@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import mpgraph
 from mpgraph.numerics import output_errors, relative_l2
 
-from conftest import GPU
+from conftest import GPU, rel_err
 
 
 class ResidualMLP(nn.Module):
@@ -831,6 +831,43 @@ def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warn
                      r"no weight stored\).*; checked: error [\d.e-]+ vs the model as it computes$",
                      summary), summary
     assert "vs float32" not in summary
+
+
+class LoraOnBf16(nn.Module):
+    """What peft builds by default: a bf16 base model, float32 LoRA adapters beside it."""
+    def __init__(self):
+        super().__init__()
+        self.base, self.out = nn.Linear(64, 64).bfloat16(), nn.Linear(64, 10).bfloat16()
+        self.a, self.b = nn.Linear(64, 4, bias=False), nn.Linear(4, 64, bias=False)
+
+    def forward(self, x):
+        r = self.base(x) + self.b(self.a(x.to(self.a.weight.dtype))) * 2.0
+        return self.out(torch.relu(r.to(torch.bfloat16)))
+
+
+def test_a_bf16_model_with_float32_adapters_is_planned_and_checked_as_it_computes():
+    """The add of the model's own bf16 value and the adapter's (planned fp16) was planned fp16,
+    where torch promotes bf16 with fp16 to float32: ConversionError "does not match its plan"
+    (mode='train': torch's AssertionError). And the summary said "kept all nodes in float32 ...
+    error 0 vs float32" of a model 0.0026 off float32, with no warning."""
+    torch.manual_seed(0)
+    model, x = LoraOnBf16().eval(), torch.randn(8, 64, dtype=torch.bfloat16)
+    warning = r"LoraOnBf16 holds bfloat16 parameters \(4 of 6\) beside float32 ones: .* the " \
+              r"check compares with the model as it computes, not float32"
+    for mode in ("inference", "train"):
+        with pytest.warns(UserWarning, match=warning):
+            fast = mpgraph.convert(model.train(mode == "train"), (x,), dtype="fp16", target=GPU,
+                                   strategy="rules", mode=mode)
+        add = fast.plan.node("add")
+        assert add.dtype == "float32" and "reads the model's own bfloat16 value" in add.reason
+        assert {r.module for r in fast.plan.low_nodes} >= {"a", "b"}  # (the adapters)
+        assert re.search(r"checked: error [\d.e-]+ vs the model as it computes \(bound",
+                         fast.plan.summary())
+        assert rel_err(fast(x), model(x)) == pytest.approx(fast.plan.check["error"], rel=1e-3)
+    with pytest.warns(UserWarning, match=warning):
+        summary = mpgraph.convert(model.eval(), (x,)).plan.summary()
+    assert "kept the model's own dtypes: it computes in bfloat16 where its parameters are (4 " \
+           "of 6) (the " in summary and "vs float32" not in summary
 
 
 class SumOfProjections(nn.Module):

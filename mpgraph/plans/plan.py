@@ -93,8 +93,10 @@ class Plan:
     # nodes whose "dtype" a hand edit of the saved file changed: {name: the dtype it was decided
     # in}. The casts, weights, estimate and check above are those of the plan before the edit
     edited: dict = field(default_factory=dict)
-    # the model's own low dtype where none of its parameters is float32 (loaded in bf16): it is
-    # returned as it computes, its float32 nodes (an upcast RMSNorm, rotary) kept float32
+    # the model's own low dtype where its parameters are low (loaded in bf16; or a bf16 base
+    # model with float32 LoRA adapters: "bfloat16 where its parameters are (6 of 10)"), as the
+    # summary says it: those parts compute as the model has them, and the check compares with
+    # the model as it computes, not float32
     computes_in: Optional[str] = None
 
     @classmethod
@@ -278,8 +280,8 @@ class Plan:
         # a model that computes in fp16/bf16 itself: none of its nodes has a float32 value (it
         # said "converted 0/0 nodes", "vs float32 (all float32)")
         ops = sum(r.op_class not in ("input", "output") for r in self.nodes)
-        if (not self.compute_nodes or self.computes_in) and ops:
-            own = (f"it computes in {self.computes_in}, its parameters' dtype (the "
+        if (not self.compute_nodes or (self.computes_in and not self.low_nodes)) and ops:
+            own = (f"it computes in {self.computes_in} (the "
                    f"{len(self.compute_nodes)} of its {ops} nodes that compute in float32 kept "
                    "there; " if self.compute_nodes else
                    f"none of its {ops} nodes computes in float32 (")
@@ -315,9 +317,12 @@ class Plan:
         if self.check and self.check.get("error") is None:
             text += "; dtypes checked, " + self.check.get("skipped", "values not checked")
         elif self.check and self.check.get("bound") is None:  # (no node low)
-            text += f"; checked: error {self.check['error']:.2g} vs float32 (all float32)"
+            text += (f"; checked: error {self.check['error']:.2g} vs "
+                     + ("the model as it computes" if self.computes_in else
+                        "float32 (all float32)"))
         elif self.check:
-            text += (f"; checked: error {self.check['error']:.2g} vs float32 (bound "
+            text += (f"; checked: error {self.check['error']:.2g} vs "
+                     f"{'the model as it computes' if self.computes_in else 'float32'} (bound "
                      f"{self.check['bound']:.2g})")
             differ = self.check.get("discrete") or {}
             if differ:
