@@ -425,3 +425,20 @@ def test_an_export_right_after_new_weights_computes_with_them_and_convert_refuse
                                         r"returned: .* Build the model with the original "
                                         r"\(float32\) module at '0'"):
         mpgraph.convert(wrapped, x, dtype="fp16", target=GPU, strategy="rules")
+
+
+# -- torch.compile of many converted modules ------------------------------------------------
+
+def test_each_converted_module_compiles_on_its_own_dynamo_budget():
+    # torch.compile traces ConvertedModule.__call__; with one code object shared by every
+    # converted module, the 9th compiled in a process ran eagerly (dynamo's recompile_limit, 8)
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    x = _x(4, 16)
+    fasts = [mpgraph.convert(MLP().eval(), x, target=GPU, strategy="rules", check=False)
+             for _ in range(10)]
+    with torch.no_grad():
+        for i, fast in enumerate(fasts):
+            before = counters["stats"]["unique_graphs"]
+            torch.compile(fast, backend="eager")(x)
+            assert counters["stats"]["unique_graphs"] == before + 1, f"module {i} ran eagerly"

@@ -1280,7 +1280,7 @@ class ConvertedModule(torch.fx.GraphModule):
             code = super().recompile()
         # GraphModule's own __call__ wrapper prints the generated code around any error raised
         # inside it to stderr, then raises it: this class's __call__ says what went wrong instead
-        type(self).__call__ = ConvertedModule.__call__
+        type(self).__call__ = _own_call()
         return code
 
     def _refuse(self, call: str):
@@ -1367,6 +1367,20 @@ class ConvertedModule(torch.fx.GraphModule):
         if dtype is not None and not self._holds_only(dtype):
             raise self._refuse(f".to({dtype})")
         return super().to(*args, **kwargs)
+
+
+def _own_call():
+    """``ConvertedModule.__call__`` with a code object of its own, for one module's class (fx
+    makes a class per instance): torch.compile traces ``__call__`` and keeps its compiled graphs
+    on the code object, at most ``recompile_limit`` (8) of them, so with one shared code object
+    the 9th converted module compiled in a process ran eagerly. Each module gets its own budget,
+    as a plain module's generated forward does."""
+    import types
+    shared = ConvertedModule.__call__
+    own = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__,
+                             shared.__defaults__, shared.__closure__)
+    own.__qualname__, own.__doc__ = shared.__qualname__, shared.__doc__
+    return own
 
 
 def _copy_tensors(copied: torch.nn.Module, source: torch.nn.Module) -> None:
