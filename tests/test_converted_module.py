@@ -442,3 +442,27 @@ def test_each_converted_module_compiles_on_its_own_dynamo_budget():
             before = counters["stats"]["unique_graphs"]
             torch.compile(fast, backend="eager")(x)
             assert counters["stats"]["unique_graphs"] == before + 1, f"module {i} ran eagerly"
+
+
+# -- an input in another float dtype than at conversion -------------------------------------
+
+@pytest.mark.parametrize("mode", ["eager", "compile", "fullgraph"])
+def test_an_input_in_another_float_dtype_is_refused_before_the_graph_runs(mode):
+    # under torch.compile the graph's failure on it was dynamo's TorchRuntimeError
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ConvBN().eval()
+    x = _x(2, 3, 8, 8)
+    fast = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules",
+                           overrides={"conv": "fp32"}, check=False)
+    run = fast if mode == "eager" else torch.compile(fast, backend="eager",
+                                                     fullgraph=mode == "fullgraph")
+    with torch.no_grad():
+        assert relative_l2(run(x), model(x)) < 4e-3
+        if mode == "fullgraph":  # (no exception leaves a fullgraph compile but dynamo's own)
+            with pytest.raises(Exception, match="mpgraph: a float input in another dtype"):
+                run(x.half())
+            return
+        with pytest.raises(TypeError, match="input x is float16, it was float32 when the model "
+                                            r"was converted.*x\.float\(\)"):
+            run(x.half())

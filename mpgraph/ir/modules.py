@@ -1129,6 +1129,13 @@ class ConvertedModule(torch.fx.GraphModule):
         signature = self.__dict__.get("call_signature")
         if signature is not None:
             args, kwargs = signature.check(args, kwargs)
+        wanted = self.__dict__.get("_input_dtypes")
+        if wanted:  # (under torch.compile: a guard on each input's dtype, which dynamo keeps)
+            for value in (*args, *kwargs.values()):  # (a tensor in a list: the except below)
+                if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                        and value.dtype not in wanted:
+                    self._refuse_input_dtypes(args, kwargs)
+                    break
         for names in self.__dict__.get("tied_parameters", ()):
             self._check_tied(names)
         copies = self.__dict__.get("weight_copies")
@@ -1149,12 +1156,8 @@ class ConvertedModule(torch.fx.GraphModule):
             if not changed:
                 off = self._inputs_off_dtype(args, kwargs)
                 if off:  # (the model's own cast of it, a branch on its dtype, was traced out)
-                    raise TypeError(
-                        "; ".join(f"input {name} is {dtype_name(got)}, it was {dtype_name(want)} "
-                                  "when the model was converted" for name, got, want in off[:3])
-                        + ": the converted graph computes with the dtypes it was converted "
-                        "with; pass it in that dtype (x.float()), or convert with an example "
-                        f"in this one ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+                    raise _off_dtype_error(
+                        off, f" ({type(e).__name__}: {str(e).splitlines()[0]})") from None
                 raise
             raise TypeError(
                 f"{', '.join(changed[:3])} {'is' if len(changed) == 1 else 'are'} not in the "
@@ -1181,6 +1184,17 @@ class ConvertedModule(torch.fx.GraphModule):
                 "position ids or rotary inv_freq, are in no checkpoint: build them for real "
                 "beside the meta parameters, or pass them in a dict)")
         self.__dict__["_has_values"] = True
+
+    @_compiler_disable(
+        "mpgraph: a float input in another dtype than the converted module was converted with "
+        "(the call raises a TypeError naming it): pass it in the dtype it was converted with")
+    def _refuse_input_dtypes(self, args: tuple, kwargs: dict) -> None:
+        """A TypeError naming the float inputs in another dtype than at conversion, before the
+        graph runs: the model's own cast of an input (or a branch on its dtype) was traced out,
+        and under torch.compile the graph's failure on them is dynamo's, not this module's."""
+        off = self._inputs_off_dtype(args, kwargs)
+        if off:
+            raise _off_dtype_error(off, "")
 
     def _inputs_off_dtype(self, args: tuple, kwargs: dict) -> list:
         """(placeholder, dtype given, dtype converted with) of float inputs whose dtype is not
@@ -1281,6 +1295,10 @@ class ConvertedModule(torch.fx.GraphModule):
         # GraphModule's own __call__ wrapper prints the generated code around any error raised
         # inside it to stderr, then raises it: this class's __call__ says what went wrong instead
         type(self).__call__ = _own_call()
+        # the float dtypes the inputs were converted with (checked on each call, in __call__)
+        self.__dict__["_input_dtypes"] = frozenset(
+            info.dtype for n in self.graph.nodes if n.op == "placeholder"
+            and isinstance(info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point)
         return code
 
     def _refuse(self, call: str):
@@ -1367,6 +1385,15 @@ class ConvertedModule(torch.fx.GraphModule):
         if dtype is not None and not self._holds_only(dtype):
             raise self._refuse(f".to({dtype})")
         return super().to(*args, **kwargs)
+
+
+def _off_dtype_error(off: list, detail: str) -> TypeError:
+    """The error for inputs ``(name, dtype given, dtype converted with)`` in another dtype."""
+    return TypeError(
+        "; ".join(f"input {name} is {dtype_name(got)}, it was {dtype_name(want)} when the model "
+                  "was converted" for name, got, want in off[:3])
+        + ": the converted graph computes with the dtypes it was converted with; pass it in that "
+        f"dtype (x.float()), or convert with an example in this one{detail}")
 
 
 def _own_call():
