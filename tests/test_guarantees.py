@@ -214,6 +214,25 @@ def test_degenerate_calibration_warns_and_the_guard_names_the_node_that_overflow
         assert not torch.isfinite(fast(real)).any()
 
 
+def test_the_guard_under_torch_compile_checks_outside_the_graph_and_fullgraph_says_so():
+    # fullgraph=True failed inside the guard's check with torch's "Could not guard on
+    # data-dependent expression" UserError
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Attention().eval()
+    fast = mpgraph.guard(mpgraph.convert(model, torch.zeros(2, 16, 64), dtype="fp16",
+                                         target=GPU, strategy="rules", check=False))
+    real, small = torch.randn(2, 16, 64) * 300, torch.randn(2, 16, 64)
+    with torch.no_grad():
+        compiled = torch.compile(fast, backend="eager")
+        assert relative_l2(compiled(small), model(small)) < 4e-3
+        with pytest.raises(mpgraph.NonFiniteError, match="first node that went non-finite"):
+            compiled(real)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"mpgraph.guard: .* compile without fullgraph=True"):
+            torch.compile(fast, backend="eager", fullgraph=True)(small)
+
+
 def test_the_guard_names_an_inserted_cast_that_overflows_in_a_copy_too():
     """Where the first inf is mpgraph's own cast of an input larger than fp16's range, float32
     has no inf at all: the guard's reference must not run that cast (it once did, saw the same

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import MpgraphError
 from mpgraph.ir.graph import run_recording, target_name
 from mpgraph.ir.meta import PRECISION, dtype_name, is_inserted_cast
+from mpgraph.ir.modules import _compiler_disable
 from mpgraph.ir.simulate import run_simulated
 from mpgraph.numerics import float_leaves
 
@@ -49,7 +50,13 @@ def guard(module: torch.fx.GraphModule, enabled: bool = True) -> torch.fx.GraphM
     return module
 
 
+@_compiler_disable((
+    "mpgraph.guard: the guard checks a converted module's outputs for inf/NaN (and then runs "
+    "it node by node) outside the compiled graph, after it (a graph break): compile without "
+    "fullgraph=True, or turn the guard off first (mpgraph.guard(module, enabled=False))"))
 def _check(module, args, kwargs, output):
+    # (a branch on the outputs' values: dynamo cannot keep it in a graph, fullgraph=True failed
+    # inside it with torch's "data-dependent expression" error)
     if all(bool(torch.isfinite(t).all()) for t in float_leaves(output)):
         return None
     culprit = first_nonfinite(module, args, kwargs)
