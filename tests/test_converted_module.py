@@ -466,3 +466,27 @@ def test_an_input_in_another_float_dtype_is_refused_before_the_graph_runs(mode):
         with pytest.raises(TypeError, match="input x is float16, it was float32 when the model "
                                             r"was converted.*x\.float\(\)"):
             run(x.half())
+
+
+# -- a value fixed at capture that the graph takes as an input (use_cache=False) ---------------
+
+def test_forward_and_torch_export_of_a_converted_hf_model_find_use_cache_fixed_at_capture():
+    # mpgraph converts a HuggingFace model with use_cache=False, which torch.export keeps a
+    # graph input: fast.forward(ids) and torch.export.export(fast, (ids,)) failed on a missing
+    # 'use_cache' (they bind against forward's signature, not __call__)
+    transformers = pytest.importorskip("transformers")
+    import inspect
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        vocab_size=100)).eval()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU, check=False)
+    assert str(inspect.signature(fast.forward)) == "(input_ids, use_cache=False)"
+    with torch.no_grad():
+        want = fast(ids).last_hidden_state
+        assert torch.equal(fast.forward(ids).last_hidden_state, want)
+        exported = torch.export.export(fast, (ids,)).module()
+        assert torch.equal(exported(ids).last_hidden_state, want)
+        assert torch.equal(copy.deepcopy(fast).forward(ids).last_hidden_state, want)
+

@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.fx.graph import CodeGen, _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import InputMismatchError, MissingWeightsError, WeightOverflowError
@@ -1113,6 +1114,10 @@ class ConvertedModule(torch.fx.GraphModule):
             super().__setattr__(name, value)
             keep_planned(self)
             return
+        if name == "call_signature":
+            super().__setattr__(name, value)
+            self._fixed_defaults()
+            return
         signature = self.__dict__.get("call_signature")
         if signature is not None and name in signature.attributes \
                 and not _same(value, signature.attributes[name]):
@@ -1295,11 +1300,36 @@ class ConvertedModule(torch.fx.GraphModule):
         # GraphModule's own __call__ wrapper prints the generated code around any error raised
         # inside it to stderr, then raises it: this class's __call__ says what went wrong instead
         type(self).__call__ = _own_call()
+        self._fixed_defaults()
         # the float dtypes the inputs were converted with (checked on each call, in __call__)
         self.__dict__["_input_dtypes"] = frozenset(
             info.dtype for n in self.graph.nodes if n.op == "placeholder"
             and isinstance(info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point)
         return code
+
+    def _fixed_defaults(self) -> None:
+        """The graph's last inputs that take a value fixed at capture (torch.export keeps
+        ``use_cache=False`` an input) given it as their default, in the graph (fx's placeholder
+        default): ``fast.forward(ids)``, and ``torch.export.export(fast, (ids,))``, which binds
+        against forward's signature and runs the graph on fx's Interpreter, not ``__call__``,
+        then find it as ``fast(ids)`` does; they failed on a missing 'use_cache'."""
+        signature = self.__dict__.get("call_signature")
+        if signature is None:
+            return
+        changed = False
+        for node in reversed([n for n in self.graph.nodes if n.op == "placeholder"]):
+            name = str(node.target)
+            if name not in signature.fixed or name in signature.tensors \
+                    or not isinstance(signature.fixed[name], (bool, type(None))):
+                break
+            if not node.args:
+                node.args, changed = (signature.fixed[name],), True
+        if not changed:
+            return
+        codegen = self.graph._codegen
+        if type(codegen) is _PyTreeCodeGen:
+            self.graph._codegen = _DefaultsPyTreeCodeGen(codegen.pytree_info)
+        self.recompile()
 
     def _refuse(self, call: str):
         plan = getattr(self, "plan", None)
@@ -1385,6 +1415,32 @@ class ConvertedModule(torch.fx.GraphModule):
         if dtype is not None and not self._holds_only(dtype):
             raise self._refuse(f".to({dtype})")
         return super().to(*args, **kwargs)
+
+
+class _DefaultsPyTreeCodeGen(_PyTreeCodeGen):
+    """torch.export's code generator, with the placeholders' defaults in forward's signature
+    (``forward(self, input_ids, use_cache=False)``): fx's own writes them into the line that
+    unpacks the inputs, which is then no Python."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
+        if self.pytree_info is None:
+            return super().gen_fn_def(free_vars, maybe_return_annotation,
+                                      expanded_def=expanded_def)
+        names, defaults = [], {}
+        for var in free_vars:
+            name, sep, default = var.partition(" = ")
+            names.append(name)
+            if sep:
+                defaults[name.split(":")[0].strip()] = default
+        fn_args = list(self.pytree_info.orig_args)
+        if fn_args and fn_args[0] == "self":
+            names.insert(0, "self")
+        code = CodeGen.gen_fn_def(
+            self, [f"{a} = {defaults[a]}" if a in defaults else a for a in fn_args],
+            maybe_return_annotation, expanded_def=expanded_def)
+        if names:
+            code += self.gen_var_bindings(fn_args, names, expanded_def)
+        return code
 
 
 def _off_dtype_error(off: list, detail: str) -> TypeError:
