@@ -490,3 +490,19 @@ def test_forward_and_torch_export_of_a_converted_hf_model_find_use_cache_fixed_a
         assert torch.equal(exported(ids).last_hidden_state, want)
         assert torch.equal(copy.deepcopy(fast).forward(ids).last_hidden_state, want)
 
+
+def test_a_converted_hf_model_carries_its_config_and_says_what_it_does_not_keep():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=4, vocab_size=100, n_positions=32)).eval()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU, check=False)
+    assert fast.config is model.config and copy.copy(fast).config is model.config
+    assert copy.deepcopy(fast).config.n_embd == 32
+    for name in ("generate", "device", "save_pretrained"):
+        with pytest.raises(AttributeError, match=rf"converted GPT2LMHeadModel has no attribute "
+                           rf"'{name}': a converted module keeps the model's forward .* and its "
+                           r"weights.*mpgraph\.convert_decoder"):
+            getattr(fast, name)
+    assert not hasattr(fast, "_not_there")

@@ -1405,6 +1405,12 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             gm.call_signature = CallSignature(model, args, kwargs, gm)
             gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \
                 gm.call_signature
+        config = getattr(model, "config", None)
+        if config is not None and not isinstance(config, (torch.Tensor, torch.nn.Module)):
+            # (a HuggingFace model's: users and pipelines read fast.config; the model's own
+            # object, not a copy, as it describes the weights the module holds)
+            gm.config = config
+            gm.meta.setdefault("_user_preserved_attributes", {})["config"] = config
         if name == EXPORT and not dynamic:
             gm.meta[STATIC_SHAPES] = True  # its input guard is then what rejects another shape
         gm.training = model.training  # a fresh GraphModule says "training"; keep the model's flag

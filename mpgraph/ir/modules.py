@@ -1026,8 +1026,24 @@ class ConvertedModule(torch.fx.GraphModule):
         new.meta = gm.meta
         if "call_signature" in gm.__dict__:
             new.call_signature = gm.call_signature
+        if "config" in gm.__dict__:
+            new.config = gm.config
         new._tracer_cls = None  # torch.export's own tracer cannot re-trace a pickled module
         return new
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            signature = self.__dict__.get("call_signature")
+            model = signature.model if signature is not None else "model"
+            raise AttributeError(
+                f"the converted {model} has no attribute {name!r}: a converted module keeps the "
+                "model's forward (as its graph) and its weights, not the model's other methods "
+                f"and attributes (a HuggingFace model's config is kept). Use them on the {model} "
+                "itself; to generate text, mpgraph.convert_decoder(model, ...).generate") from None
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # values that would be inf in the dtype the plan stored them in: an error, before
