@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import InputMismatchError, MissingWeightsError, WeightOverflowError
 from mpgraph.ir.fake import TRACED_ON, module_tensors
 from mpgraph.ir.meta import (EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES, TENSOR, TensorInfo,
-                             dtype_name)
+                             dtype_name, is_inserted_cast)
 
 
 class TrainingBatchNorm(torch.nn.Module):
@@ -1317,8 +1317,9 @@ class ConvertedModule(torch.fx.GraphModule):
         # inside it to stderr, then raises it: this class's __call__ says what went wrong instead
         type(self).__call__ = _own_call()
         self._fixed_defaults()
-        # the float dtypes the inputs were converted with (checked on each call, in __call__)
-        self.__dict__["_input_dtypes"] = frozenset(
+        # the float dtypes the inputs were converted with (checked on each call, in __call__);
+        # none when the model's own code casts or reads a dtype: it may take other dtypes
+        self.__dict__["_input_dtypes"] = frozenset() if _reads_dtypes(self.graph) else frozenset(
             info.dtype for n in self.graph.nodes if n.op == "placeholder"
             and isinstance(info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point)
         return code
@@ -1457,6 +1458,29 @@ class _DefaultsPyTreeCodeGen(_PyTreeCodeGen):
         if names:
             code += self.gen_var_bindings(fn_args, names, expanded_def)
         return code
+
+
+_CAST_METHODS = frozenset(("float", "double", "half", "bfloat16", "to", "type", "type_as"))
+_CAST_OPS = frozenset(("_to_copy", "to", "type_as", "_autocast_to_full_precision",
+                       "_autocast_to_reduced_precision"))
+
+
+def _reads_dtypes(graph: torch.fx.Graph) -> bool:
+    """Whether the model's own code in ``graph`` casts a value or reads a dtype (not the plan's
+    casts): ``self.fc(x.float()).to(x.dtype)`` takes any float input, and the check on inputs
+    before the call would refuse what it computes right."""
+    for node in graph.nodes:
+        if is_inserted_cast(node):
+            continue
+        if node.op == "call_method" and node.target in _CAST_METHODS:
+            return True
+        if node.op == "call_function":
+            if node.target is getattr and len(node.args) > 1 and node.args[1] == "dtype":
+                return True
+            if isinstance(node.target, torch._ops.OpOverload) \
+                    and node.target._schema.name.partition("::")[2] in _CAST_OPS:
+                return True
+    return False
 
 
 def _off_dtype_error(off: list, detail: str) -> TypeError:
