@@ -9,15 +9,19 @@ which is free when the input already is (batch norm, ReLU, pooling and adds keep
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
-from mpgraph.ir.graph import fetch_attr, is_conv2d, set_attr, target_name, with_data
-from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, REFERENCE, TENSOR, Decision,
-                             OpInfo, TensorInfo, is_inserted_cast)
+from mpgraph.ir.graph import (fetch_attr, input_nodes, is_conv2d, is_inplace, is_view,
+                             set_attr, target_name, with_data)
+from mpgraph.ir.meta import (INSERTED_BY, LAYOUT, MEMORY_FORMATS, OP_CLASS, PRECISION, TENSOR,
+                             Decision, OpInfo, TensorInfo, is_inserted_cast)
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
+
+log = logging.getLogger(__name__)
 
 CL = torch.channels_last
 
@@ -30,17 +34,9 @@ def _cast_for(x, convs) -> bool:
         and bool(x.users) and all(u in convs and u.args and u.args[0] is x for u in x.users)
 
 
-def _four_d(node) -> bool:
-    info = node.meta.get(TENSOR) if isinstance(node, torch.fx.Node) else None
-    return isinstance(info, TensorInfo) and len(info.shape) == 4
-
-
-def _channels_last_inputs(gm) -> bool:
-    """Whether a 4-D example input (the float32 reference's batch) is channels_last."""
-    reference = gm.meta.get(REFERENCE)
-    found = [] if reference is None else pytree.tree_leaves((reference.args, reference.kwargs))
-    return any(isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_contiguous()
-               and t.is_contiguous(memory_format=CL) for t in found)
+# ops whose result depends on their input's strides, or that refuse some (``view``)
+STRIDED = {"view", "view_as", "_unsafe_view", "as_strided"}
+MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 
 
 # ops that draw one random number per element in memory order: given an NHWC value they draw
@@ -67,10 +63,32 @@ def _draws_random(node: torch.fx.Node, gm) -> bool:
     return _op_name(node).rstrip("_") in RANDOM | {"random"}
 
 
-def _made_like(node) -> bool:
-    """``empty_like(h)``, ``h.new_empty(...)``: a tensor made in another's layout."""
-    return isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") \
-        and (_op_name(node).endswith("_like") or _op_name(node).startswith("new_"))
+def _sees_layout(node: torch.fx.Node, gm) -> bool:
+    """Whether the node's result depends on its first argument's strides (or it refuses some)."""
+    return bool(node.args) and isinstance(node.args[0], torch.fx.Node) and (
+        _draws_random(node, gm) or node.op in ("call_function", "call_method")
+        and _op_name(node) in STRIDED)
+
+
+def _matmul(node: torch.fx.Node, gm) -> bool:
+    """A matrix product (``nn.Linear``, ``matmul``...): it writes a fresh contiguous result."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), torch.nn.Linear)
+    return node.op in ("call_function", "call_method") and _op_name(node) in MATMULS
+
+
+def _model_layout(node: torch.fx.Node):
+    """The layout the model gave the value (``mpgraph.layout``): a node a pass added after
+    capture (a cast) has its input's where it keeps its shape, else is taken as contiguous;
+    None where the value is no tensor."""
+    while LAYOUT not in node.meta:
+        info, inputs = node.meta.get(TENSOR), input_nodes(node)
+        if not isinstance(info, TensorInfo):
+            return None
+        if not inputs or getattr(inputs[0].meta.get(TENSOR), "shape", None) != info.shape:
+            return "contiguous"
+        node = inputs[0]
+    return node.meta[LAYOUT]
 
 
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
@@ -81,6 +99,7 @@ class ChannelsLast(Pass):
     stage = "rewrite"
     rewrites = True
     reads = (OP_CLASS, PRECISION)
+    also_reads = (LAYOUT,)
     writes = (INSERTED_BY, TENSOR, OP_CLASS, PRECISION)  # the facts of the layout copies it adds
 
     def call(self, gm):
@@ -114,62 +133,63 @@ class ChannelsLast(Pass):
         return PassResult(gm, edits > 0)
 
     def _keep_model_layout(self, gm, convs) -> int:
-        """``contiguous()`` (free on a contiguous tensor) before what sees the layout: each
-        ``view`` of a value the NHWC convolutions reach (the model's own ``x.view(B, -1)`` after
-        a conv failed on NHWC strides), each random draw on one (``RANDOM``: the model's mask is
-        drawn in NCHW order), and each 4-D output they reach (a user's
-        ``out.view(B, -1)`` failed on the converted module's NHWC output), unless the example
-        inputs were channels_last: torch's convolutions then return NHWC in the model too."""
-        reached, stack = set(convs), list(convs)
+        """``contiguous()`` (free where it already is) where the layout is seen on a value the
+        NHWC convolutions reach: the input of each ``view`` (LeNet's own ``x.view(B, -1)``;
+        ``h.flatten(2).view(B, -1)`` failed on the strides NHWC gives it), each random draw
+        (``RANDOM``: one number per element in memory order, another mask than the model's for
+        the same seed) and each output (a user's ``out.view(B, -1)`` failed) get the model's
+        layout back (``mpgraph.layout``). A conv the model too ran NHWC (channels_last inputs)
+        changes nothing; a matrix product writes a fresh contiguous result."""
+        reached = {c for c in convs if _model_layout(c) != "channels_last"}
+        stack = list(reached)
         while stack:  # (not through this pass's own copies: a second run adds none)
             for user in stack.pop().users:
-                if user not in reached and user.op != "output" \
+                if user not in reached and user.op != "output" and not _matmul(user, gm) \
                         and user.meta.get(INSERTED_BY) != self.name:
                     reached.add(user)
                     stack.append(user)
-        edits = 0
+        copies: dict = {}
 
-        def nchw(value: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
-            nonlocal edits
-            with gm.graph.inserting_before(before):
-                out = gm.graph.create_node("call_method", "contiguous", (value,),
-                                           name=f"{value.name}_nchw")
-            out.meta[TENSOR] = value.meta.get(TENSOR)
-            out.meta[PRECISION] = Decision(value.meta[PRECISION].dtype, "the model's layout "
-                                           "(contiguous) where the NHWC convolutions' output is "
-                                           "viewed or returned", pinned=True)
-            out.meta[OP_CLASS] = OpInfo(FOLLOW, "memory layout only", "Tensor.contiguous")
-            out.meta[INSERTED_BY] = self.name
-            edits += 1
-            return out
+        def restore(user: torch.fx.Node, x) -> None:
+            """``user`` reads ``x`` with the strides the model gave it."""
+            if x not in reached:
+                return
+            layout = _model_layout(x)
+            if layout in MEMORY_FORMATS and not is_inplace(user, gm):
+                if (x, user) not in copies:  # (just before it: after whatever writes into x)
+                    copies[x, user] = self._copy(gm, x, MEMORY_FORMATS[layout], user)
+                user.replace_input_with(x, copies[x, user])
+            elif not (is_inplace(user, gm) and is_view(x)):
+                # strides of no plain layout (a slice, a transpose), a tuple, or ``user`` writes
+                # into ``x`` (``empty_like(h).exponential_()``): the model's layout where ``x``
+                # is computed from
+                for arg in input_nodes(x):
+                    restore(x, arg)
+            else:
+                log.debug("%s reads %s in another layout than the model's", user.name, x.name)
 
         for node in list(gm.graph.nodes):
             if node.op == "output":
-                continue
-            x = node.args[0] if node.args else None
-            if _draws_random(node, gm) and _made_like(x) and x.args \
-                    and x.args[0] in reached and _four_d(x.args[0]):
-                # an in-place draw into a tensor made like an NHWC value
-                # (``torch.empty_like(h).normal_()``): that tensor made in the model's layout
-                x.replace_input_with(x.args[0], nchw(x.args[0], x))
-            elif x in reached and _four_d(x) and not _op_name(node).endswith("_") and (
-                    (node.op == "call_method" and node.target == "view")
-                    or node.target is torch.ops.aten.view.default or _draws_random(node, gm)):
-                node.replace_input_with(x, nchw(x, node))
-        if _channels_last_inputs(gm):  # torch's convs keep it: the model returns NHWC too
-            return edits
-        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-        done: dict = {}
+                for x in input_nodes(node):
+                    restore(node, x)
+            elif _sees_layout(node, gm):
+                restore(node, node.args[0])
+        return len(copies)
 
-        def restore(value: torch.fx.Node) -> torch.fx.Node:
-            if value not in reached or not _four_d(value):
-                return value
-            if value not in done:
-                done[value] = nchw(value, output)
-            return done[value]
-
-        output.args = torch.fx.node.map_arg(output.args, restore)
-        return edits
+    def _copy(self, gm, x: torch.fx.Node, memory_format, user) -> torch.fx.Node:
+        """``x.contiguous(memory_format)`` before ``user``: ``x`` in the model's layout."""
+        nchw = memory_format == torch.contiguous_format
+        with gm.graph.inserting_before(user):
+            out = gm.graph.create_node("call_method", "contiguous", (x,),
+                                       {} if nchw else {"memory_format": memory_format},
+                                       name=f"{x.name}_{'nchw' if nchw else 'model_layout'}")
+        out.meta[TENSOR] = x.meta.get(TENSOR)
+        out.meta[PRECISION] = Decision(x.meta[PRECISION].dtype, "the model's layout where the "
+                                       "NHWC convolutions' output is viewed, drawn on or "
+                                       "returned", pinned=True)
+        out.meta[OP_CLASS] = OpInfo(FOLLOW, "memory layout only", "Tensor.contiguous")
+        out.meta[INSERTED_BY] = self.name
+        return out
 
     def _weight(self, conv, gm) -> None:
         if conv.op == "call_module":

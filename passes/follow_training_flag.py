@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import free_attr_name
-from mpgraph.ir.meta import CAPTURED_TRAINING, INSERTED_BY, OBSERVED, TENSOR
+from mpgraph.ir.meta import CAPTURED_TRAINING, INSERTED_BY, LAYOUT, OBSERVED, TENSOR
 from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm, TrainingFlag
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -60,7 +60,7 @@ def _dropout_p(node):
 class FollowTrainingFlag(Pass):
     stage = "prepare"
     rewrites = True
-    writes = (INSERTED_BY, TENSOR, OBSERVED)  # the new nodes' facts (values observed at capture)
+    writes = (INSERTED_BY, TENSOR, OBSERVED, LAYOUT)  # the new nodes' facts (as captured)
 
     def _argument(self, gm, node, module, suffix: str, position: int, keyword: str = "") -> None:
         """The op keeps its place; its argument at ``position`` (or ``keyword``) comes from

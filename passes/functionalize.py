@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import CALLS, is_inplace, is_view
-from mpgraph.ir.meta import INSERTED_BY, OBSERVED, TENSOR
+from mpgraph.ir.meta import INSERTED_BY, LAYOUT, OBSERVED, TENSOR
 from mpgraph.passes.infra import Pass, PassResult
 
 _OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
@@ -74,7 +74,7 @@ class Functionalize(Pass):
 
     stage = "prepare"
     rewrites = True
-    writes = (INSERTED_BY, TENSOR, OBSERVED)  # the new nodes' facts (values observed at capture)
+    writes = (INSERTED_BY, TENSOR, OBSERVED, LAYOUT)  # the new nodes' facts (as captured)
 
     def call(self, gm):
         graph, changed = gm.graph, 0

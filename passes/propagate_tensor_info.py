@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import flat_inputs, mutated_nodes, run_recording
-from mpgraph.ir.meta import OBSERVED, TENSOR, TensorInfo
+from mpgraph.ir.meta import LAYOUT, MEMORY_FORMATS, OBSERVED, TENSOR, TensorInfo
 from mpgraph.passes.calibrate import Observation, value_stats
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -24,6 +24,13 @@ def value_info(value):
     if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
         return tuple(value_info(v) for v in value)
     return None
+
+
+def memory_layout(t: torch.Tensor) -> str:
+    """The ``mpgraph.layout`` of a tensor (contiguous where it is both: size-1 dimensions)."""
+    names = ["contiguous"] + {4: ["channels_last"], 5: ["channels_last_3d"]}.get(t.dim(), [])
+    return next((n for n in names if t.is_contiguous(memory_format=MEMORY_FORMATS[n])),
+                "strided")
 
 
 def _at_example_sizes(value):
@@ -45,7 +52,7 @@ def _from_export(gm: torch.fx.GraphModule, inputs: list):
     values or a node lacks such a record (symbolic_trace, a data-dependent size)."""
     if not any(isinstance(v, torch.Tensor) and is_abstract(v) for v in inputs):
         return None
-    infos, output = {}, None
+    infos, layouts, output = {}, {}, None
     for node in gm.graph.nodes:
         if node.op == "output":
             output = pytree.tree_map(
@@ -54,7 +61,9 @@ def _from_export(gm: torch.fx.GraphModule, inputs: list):
         elif "val" in node.meta:
             try:
                 infos[node] = _at_example_sizes(node.meta["val"])
-            except TypeError:
+                if isinstance(node.meta["val"], torch.Tensor):
+                    layouts[node] = memory_layout(node.meta["val"])
+            except (TypeError, RuntimeError):  # (a stride read off a data-dependent size)
                 return None
         elif node.op == "call_module" and not node.users:
             infos[node] = None  # export's input guard (_guards_fn): checks, returns nothing
@@ -62,20 +71,23 @@ def _from_export(gm: torch.fx.GraphModule, inputs: list):
             return None
     for node, info in infos.items():
         node.meta[TENSOR] = info
+    for node, layout in layouts.items():
+        node.meta[LAYOUT] = layout
     return output
 
 
 class PropagateTensorInfo(Pass):
-    """Analysis: writes ``mpgraph.tensor`` on every node. Runs the graph once, under no_grad,
-    seeded, on fresh copies of the inputs, its buffers put back (as every conversion run); on
-    fakes of a model without values, torch.export's records stand for that run.
+    """Analysis: writes ``mpgraph.tensor`` on every node (``mpgraph.layout`` on a tensor's).
+    Runs the graph once, under no_grad, seeded, on fresh copies of the inputs, its buffers put
+    back (as every conversion run); on fakes of a model without values, torch.export's records
+    stand for that run.
 
     ``observe``: the run also records every float value's statistics (``tensor_stats``, in
     ``node.meta["mpgraph.observed"]``), and the inputs and outputs (with ``buffers``, the
     buffers after it too: capture's comparison with the eager model) as
     ``gm.meta["mpgraph.observed"]`` (an Observation)."""
     stage = "capture"
-    writes = (TENSOR, OBSERVED)
+    writes = (TENSOR, OBSERVED, LAYOUT)
 
     def __init__(self, example_args: tuple, example_kwargs: dict | None = None,
                  observe: bool = False, buffers: bool = False):
@@ -91,6 +103,8 @@ class PropagateTensorInfo(Pass):
 
         def record(node, value):
             node.meta[TENSOR] = value_info(value)
+            if isinstance(value, torch.Tensor):
+                node.meta[LAYOUT] = memory_layout(value)
             if self.observe:
                 measured[node] = node.meta[OBSERVED] = value_stats(node, value, measured, mutated)
                 if node.op == "get_attr" and isinstance(value, torch.Tensor):
@@ -98,6 +112,7 @@ class PropagateTensorInfo(Pass):
 
         for node in gm.graph.nodes:
             node.meta.pop(TENSOR, None)
+            node.meta.pop(LAYOUT, None)
             node.meta.pop(OBSERVED, None)
         gm.meta.pop(OBSERVED, None)
         inputs = flat_inputs(gm, self.args, self.kwargs)
