@@ -68,6 +68,21 @@ def _actual(value):
     return None
 
 
+def _no_kernel(gm, ran: dict, e: NotImplementedError) -> ConversionError:
+    """The plan put an op in a dtype this machine's torch has no kernel for (CPU ``avg_pool3d``
+    and antialiased ``interpolate`` in fp16/bf16): the node and the way out, not torch's text."""
+    node = next((n for n in gm.graph.nodes if n.op in CALLS and n not in ran), None)
+    if node is None:
+        return ConversionError(f"the converted graph failed: NotImplementedError: {e}")
+    dtype = getattr(node.meta.get(PRECISION), "dtype", None)
+    key = node.target if node.op == "call_module" else node.name  # (what overrides= takes)
+    op = f" ({target_name(node)})" if target_name(node) != key else ""
+    return ConversionError(
+        f"{key}{op} has no {dtype_name(dtype) + ' ' if dtype else ''}kernel on this machine "
+        f"(torch: {str(e).splitlines()[0] if str(e) else 'not implemented'}): keep it in "
+        f"float32 with overrides={{'{key}': 'fp32'}}, or plan for a target that runs it (target=)")
+
+
 class CheckConversion(Pass):
     stage = "check"
     writes = (CHECK,)  # on gm.meta: the value check's error and bound
@@ -125,7 +140,10 @@ class CheckConversion(Pass):
                 actual = {}
                 run_recording(gm, args, kwargs, record)
         else:
-            output = run_recording(gm, args, kwargs, record)
+            try:
+                output = run_recording(gm, args, kwargs, record)
+            except NotImplementedError as e:  # torch has no kernel for an op in its dtype here
+                raise _no_kernel(gm, actual, e) from e
         problems = []
         for node in gm.graph.nodes:
             if node.op == "output" or node not in actual:

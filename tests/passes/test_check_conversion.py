@@ -27,3 +27,23 @@ def test_a_plan_that_disagrees_with_the_graph_is_an_error():
     act.meta[PRECISION] = dataclasses.replace(act.meta[PRECISION], dtype=torch.float32)
     with pytest.raises(mpgraph.ConversionError, match="act: produced torch.bfloat16"):
         CheckConversion((x,))(gm)
+
+
+def test_an_op_without_a_low_kernel_here_is_a_conversion_error_naming_it_and_the_override():
+    """A CPU plan of the rules put AvgPool3d in bf16, which torch's CPU cannot run: convert
+    failed with a PassError around torch's NotImplementedError (pQ F3). The error names the
+    node and the override that keeps it float32, and that override converts."""
+    try:
+        torch.nn.functional.avg_pool3d(torch.ones(1, 1, 2, 2, 2, dtype=torch.bfloat16), 2)
+        pytest.skip("this torch has a bf16 avg_pool3d CPU kernel")
+    except NotImplementedError:
+        pass
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv3d(4, 4, 1), torch.nn.AvgPool3d(2)).eval()
+    x = torch.randn(2, 4, 4, 4, 4)
+    with pytest.raises(mpgraph.errors.ConversionError,
+                       match=r"^1 has no bfloat16 kernel on this machine") as e:
+        mpgraph.convert(model, x, dtype="bf16", strategy="rules")
+    assert "overrides={'1': 'fp32'}" in str(e.value)
+    fast = mpgraph.convert(model, x, dtype="bf16", strategy="rules", overrides={"1": "fp32"})
+    assert [r.dtype for r in fast.plan.compute_nodes if r.module == "1"] == ["float32"]
