@@ -317,12 +317,18 @@ def without_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     that would return a KV cache (its config's ``use_cache``, on by default in every decoder):
     the forward is converted without it (mpgraph.convert_decoder converts for generation)."""
     try:
-        names = list(inspect.signature(model.forward).parameters)
+        signature = inspect.signature(model.forward)
+        names = list(signature.parameters)
+        takes = "use_cache" in names and names.index("use_cache") >= len(args)
+        if "use_cache" not in names and callable(getattr(model, "get_base_model", None)) and any(
+                p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+            # a peft wrapper: its **kwargs reach the causal LM's forward (it was refused as a
+            # model returning a KV cache, where the bare LM converted)
+            takes = "use_cache" in inspect.signature(model.get_base_model().forward).parameters
     except (TypeError, ValueError):
         return kwargs
     config = getattr(model, "config", None)
-    if "use_cache" not in names or "use_cache" in kwargs or names.index("use_cache") < len(args) \
-            or not getattr(config, "use_cache", False):
+    if not takes or "use_cache" in kwargs or not getattr(config, "use_cache", False):
         return kwargs
     log.info("%s: converted with use_cache=False (the forward without its KV cache output); "
              "for generation with a KV cache, mpgraph.convert_decoder", type(model).__name__)

@@ -1043,3 +1043,36 @@ def test_a_decoder_of_a_model_given_in_bf16_says_bf16():
     assert "dtype=bfloat16" in repr(decoder)
     assert "dtype=float32" in repr(mpgraph.convert_decoder(gpt2(), prompt(rows=1),
                                                            max_cache_len=SLOTS))
+
+
+class PeftLike(torch.nn.Module):
+    """What peft's PeftModelForCausalLM is to mpgraph: the causal LM (holding the adapter
+    layers) under get_base_model(), a forward taking the LM's arguments through **kwargs, the
+    LM's attributes (config) read through."""
+    def __init__(self, lm):
+        super().__init__()
+        self.base_model = lm
+
+    def get_base_model(self):
+        return self.base_model
+
+    @property
+    def config(self):
+        return self.base_model.config
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        return self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def test_a_peft_wrapped_lm_converts_without_its_cache_and_convert_decoder_names_the_base_model():
+    """convert(peft_lm, ids): use_cache=False was added for the bare LM only (a CaptureError
+    about a returned KV cache); convert_decoder(peft_lm): "forward takes no `cache` argument:
+    not a transformers 5 causal LM", with no way out."""
+    model = gpt2()
+    wrapped, ids = PeftLike(model).eval(), prompt()
+    fast = mpgraph.convert(wrapped, (ids,))
+    with torch.no_grad():
+        assert torch.allclose(fast(ids).logits, model(ids).logits, atol=1e-5)
+    with pytest.raises(TypeError, match=r"PeftLike is a peft wrapper: .* "
+                                        r"convert_decoder\(model\.get_base_model\(\), \.\.\.\)"):
+        mpgraph.convert_decoder(wrapped, ids, max_cache_len=SLOTS)

@@ -85,6 +85,13 @@ class StaticCacheStep(torch.nn.Module):
                             "the *ForCausalLM class (LlamaForCausalLM, not LlamaModel)")
         params = inspect.signature(model.forward).parameters
         if "cache" not in params:
+            if callable(getattr(model, "get_base_model", None)):  # a peft wrapper
+                raise TypeError(
+                    f"{type(model).__name__} is a peft wrapper: convert_decoder takes the causal "
+                    "LM itself, which holds the adapter layers: "
+                    "convert_decoder(model.get_base_model(), ...) (LoRA and the like), or "
+                    "model.merge_and_unload() first; prompt-learning adapters (virtual tokens) "
+                    "are not supported")
             raise TypeError(f"{type(model).__name__}.forward takes no `cache` argument: not a "
                             "transformers 5 causal LM with a KV cache")
         self.model = model
