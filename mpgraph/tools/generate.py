@@ -76,6 +76,13 @@ class StaticCacheStep(torch.nn.Module):
         if config is None:
             raise TypeError(f"expected a HuggingFace causal LM (with .config), got "
                             f"{type(model).__name__}")
+        params = inspect.signature(model.forward).parameters
+        if "cache" not in params and callable(getattr(model, "get_base_model", None)):
+            raise TypeError(  # a peft wrapper
+                f"{type(model).__name__} is a peft wrapper: convert_decoder takes the causal LM "
+                "itself, which holds the adapter layers: convert_decoder(model.get_base_model(), "
+                "...) (LoRA and the like), or model.merge_and_unload() first; prompt-learning "
+                "adapters (virtual tokens) are not supported")
         head = getattr(model, "get_output_embeddings", None)
         if (head is None or head() is None) and getattr(model, "lm_head", None) is None:
             # (its output has no logits to generate from; a remote-code LM that does not
@@ -83,15 +90,7 @@ class StaticCacheStep(torch.nn.Module):
             raise TypeError(f"{type(model).__name__} has no language-model head (it returns "
                             "hidden states, not logits): convert_decoder takes a causal LM, "
                             "the *ForCausalLM class (LlamaForCausalLM, not LlamaModel)")
-        params = inspect.signature(model.forward).parameters
         if "cache" not in params:
-            if callable(getattr(model, "get_base_model", None)):  # a peft wrapper
-                raise TypeError(
-                    f"{type(model).__name__} is a peft wrapper: convert_decoder takes the causal "
-                    "LM itself, which holds the adapter layers: "
-                    "convert_decoder(model.get_base_model(), ...) (LoRA and the like), or "
-                    "model.merge_and_unload() first; prompt-learning adapters (virtual tokens) "
-                    "are not supported")
             raise TypeError(f"{type(model).__name__}.forward takes no `cache` argument: not a "
                             "transformers 5 causal LM with a KV cache")
         self.model = model
