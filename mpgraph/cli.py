@@ -88,6 +88,11 @@ def _count(text: str) -> int:
     return _positive(text, "a count")
 
 
+class FactoryError(ValueError):
+    """The user's factory, or its file as it loaded, raised: one line names it and its exception
+    (-v: the traceback)."""
+
+
 def load_factory(spec: str):
     """``path/to/file.py:name`` or ``package.module:name`` -> the callable it names."""
     import importlib
@@ -101,15 +106,20 @@ def load_factory(spec: str):
             raise ValueError(f"no such file: {where}")
         module_spec = importlib.util.spec_from_file_location(f"_mpgraph_factory_{abs(hash(where))}", where)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's code, as when the factory is called
+            raise FactoryError(f"could not load {where}: {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(where)
-        except ModuleNotFoundError as e:
-            if e.name is None or not (where == e.name or where.startswith(e.name + ".")):
-                raise  # (the module is there: something it imports is not)
-            raise ValueError(f"no module {where!r} ({e}): name a FILE.py:factory, or a module "
-                             "importable from here") from None
+        except Exception as e:
+            if isinstance(e, ModuleNotFoundError) and e.name is not None and (
+                    where == e.name or where.startswith(e.name + ".")):
+                raise ValueError(f"no module {where!r} ({e}): name a FILE.py:factory, or a "
+                                 "module importable from here") from None
+            # (the module is there: it, or something it imports, failed)
+            raise FactoryError(f"could not load {where}: {type(e).__name__}: {e}") from e
     if not hasattr(module, name):
         raise ValueError(f"{where} has no callable {name!r}")
     factory = getattr(module, name)
@@ -118,10 +128,6 @@ def load_factory(spec: str):
         what = "None" if factory is None else f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
         raise ValueError(f"{name!r} in {where} is {what}, not a callable that builds the model")
     return factory
-
-
-class FactoryError(ValueError):
-    """The user's factory raised: one line names it and its exception (-v: the traceback)."""
 
 
 def build_from(spec: str, **sizes):

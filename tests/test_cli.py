@@ -245,6 +245,25 @@ def test_cli_says_what_a_factory_name_is_and_what_the_factory_raised(tmp_path, c
                         "the user's factory\n")
 
 
+def test_cli_names_a_factory_file_that_fails_to_load(tmp_path, capsys):
+    """A SyntaxError or a failing import in the factory's file was a raw traceback (rc 1), and a
+    ValueError raised as it loaded printed bare, as if mpgraph's own: named like a factory that
+    raised when called."""
+    cases = {"syn.py": ("def build(:\n", "SyntaxError: "),
+             "imperr.py": ("import nosuchpackage_xyz\ndef build(): pass\n",
+                           "ModuleNotFoundError: No module named 'nosuchpackage_xyz'"),
+             "top.py": ("raise ValueError('config file missing')\ndef build(): pass\n",
+                        "ValueError: config file missing")}
+    for name, (text, what) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert cli.main(["inspect", f"{tmp_path / name}:build"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mpgraph: error: could not load {tmp_path / name}: {what}"), err
+        assert err.endswith(" (-v shows its traceback)\n") and err.count("\n") == 1, err
+    assert cli.main(["-v", "inspect", f"{tmp_path / 'top.py'}:build"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
 HF_FACTORY = '''import torch, torch.nn as nn
 from transformers import GPT2Config
 
