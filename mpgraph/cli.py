@@ -218,8 +218,13 @@ def _profile(args) -> int:
     from mpgraph.tools import ncu
     if args.ncu_csv or args.nvprof_csv:  # a report made elsewhere: no model needed
         path = args.ncu_csv or args.nvprof_csv
-        with open(path) as f:
-            text = f.read()
+        try:
+            with open(path) as f:
+                text = f.read()
+        except UnicodeDecodeError as e:  # (the codec's message named no file)
+            raise ValueError(f"cannot read {path}: not a text file ({e}); --ncu-csv and "
+                             "--nvprof-csv take the CSV text that ncu --csv / nvprof --csv "
+                             "write") from None
         rows = ncu.parse_ncu_csv(text) if args.ncu_csv else ncu.parse_nvprof_csv(text)
         uses = ncu.per_node(rows)
         if uses:

@@ -264,6 +264,15 @@ def test_cli_names_a_factory_file_that_fails_to_load(tmp_path, capsys):
     assert "Traceback" in capsys.readouterr().err
 
 
+def test_cli_names_a_report_file_that_is_not_text(tmp_path, capsys):
+    """A non-UTF-8 --ncu-csv printed the codec's error alone, naming no file."""
+    (tmp_path / "bin.csv").write_bytes(b"\x00\x01\xff")
+    assert cli.main(["profile", "--ncu-csv", str(tmp_path / "bin.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpgraph: error: cannot read {tmp_path / 'bin.csv'}: not a text "
+                          "file"), err
+
+
 HF_FACTORY = '''import torch, torch.nn as nn
 from transformers import GPT2Config
 
