@@ -258,10 +258,17 @@ def _profile(args) -> int:
         with open(args.ncu_log) as f:
             print(ncu.format_per_node(ncu.per_node(ncu.parse_ncu_csv(f.read()))))
         return 0
-    from mpgraph.ir.graph import to_device as _to
+    from mpgraph.ir.graph import as_call, to_device as _to
     from mpgraph.tools.profiling import check_device
     check_device(device, given=f"--device {device}")  # (before the model is moved there)
     model, inputs, kwargs = build_from(args.factory, batch=args.batch, seq=args.seq)
+    from mpgraph.ir.fake import has_abstract_tensors
+    if isinstance(model, torch.nn.Module) and has_abstract_tensors(model, *as_call(inputs, kwargs)):
+        # (model.to(device) failed inside torch, advising to_empty(): no weights either way)
+        raise ValueError(f"profile times {args.factory}'s model running on real values; it or "
+                         "its inputs hold tensors on the meta device (or fake tensors): load its "
+                         "weights and pass real inputs (mpgraph inspect plans a meta model from "
+                         "shapes alone)")
     model, inputs, kwargs = model.to(device), _to(inputs, device), _to(kwargs, device)
     converted = convert(model, inputs, example_kwargs=kwargs, dtype=args.dtype, target=args.target,
                         runtime=args.runtime)

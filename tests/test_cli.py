@@ -219,6 +219,25 @@ def test_cli_profile_checks_the_device_before_building_the_model(tmp_path, monke
     assert capsys.readouterr().err == "mpgraph: error: device='cuda' but torch sees no GPU\n"
 
 
+META_FACTORY = '''import torch, torch.nn as nn
+def build():
+    with torch.device("meta"):  # README's large models: planned from shapes, weights loaded later
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    return model, (torch.randn(4, 16),)
+'''
+
+
+def test_cli_profile_refuses_a_meta_model_before_moving_it(tmp_path, capsys):
+    """It died in torch at model.to(device): 'Cannot copy out of meta tensor ... use to_empty()'."""
+    factory = tmp_path / "meta.py"
+    factory.write_text(META_FACTORY)
+    assert cli.main(["profile", f"{factory}:build", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpgraph: error: profile times {factory}:build's model running on "
+                          "real values; it or its inputs hold tensors on the meta device"), err
+    assert "load its weights" in err and "to_empty" not in err
+
+
 USER_FACTORIES = '''import torch, torch.nn as nn
 not_callable = 3
 

@@ -244,6 +244,19 @@ def test_a_model_in_training_mode_is_an_export_error_that_says_eval(tmp_path):
     export_onnx(model.eval(), torch.randn(4, 8), tmp_path / "eval.onnx")
 
 
+def test_a_meta_model_is_an_export_error_before_any_exporter_runs(tmp_path, caplog):
+    """A model built on the meta device converted (planned from shapes), then torch's exporter
+    failed (FakeTensorDeviceMismatchError), the TorchScript one was tried, and only then did the
+    converted module say its weights were missing."""
+    with torch.device("meta"):
+        model = MLP().eval()
+    for module in (model, mpgraph.convert(model, torch.randn(4, 16), dtype="fp16", target=GPU)):
+        with pytest.raises(mpgraph.ExportError, match=r"the model or its inputs hold tensors on "
+                                                      r"the meta device .* load its weights"):
+            export_onnx(module, torch.randn(4, 16), tmp_path / "meta.onnx")
+    assert "exporter" not in caplog.text and not os.listdir(tmp_path)
+
+
 def test_model_that_cannot_be_captured_is_an_export_error(tmp_path):
     class DataDependent(nn.Module):
         def forward(self, x):

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.api import convert, follows_training_flag, resolve_dtype
 from mpgraph.frontend.capture import distinct_inputs, in_inference_mode, outside_inference_mode
 from mpgraph.cost.device import auto_dtype, resolve_target
+from mpgraph.ir.fake import has_abstract_tensors
 from mpgraph.ir.graph import as_call, fresh, state_kept, target_name
 from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
@@ -467,6 +468,14 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
     args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))  # (one per input)
     if isinstance(model_or_converted, torch.nn.Module):
         kwargs = in_signature_order(kwargs, _forward_names(model_or_converted))
+    if isinstance(model_or_converted, torch.nn.Module) and has_abstract_tensors(
+            model_or_converted, args, kwargs):
+        # (torch's exporter failed on them, then the TorchScript one, before this was said)
+        raise ExportError("an ONNX file holds the weights' values and is validated on real "
+                          "inputs; the model or its inputs hold tensors on the meta device (or "
+                          "fake tensors): load its weights first (mpgraph.load_weights(module, "
+                          "weights) for a module converted on the meta device) and pass real "
+                          "inputs")
     if isinstance(model_or_converted, torch.nn.Module) and model_or_converted.training and (
             follows_training_flag(model_or_converted)  # dropout, batch norm (its own or ours)
             or type(model_or_converted).__module__.startswith("transformers.")):  # (F.dropout)
