@@ -257,6 +257,25 @@ def test_a_meta_model_is_an_export_error_before_any_exporter_runs(tmp_path, capl
     assert "exporter" not in caplog.text and not os.listdir(tmp_path)
 
 
+def test_an_output_that_is_not_a_tensor_is_an_export_error_naming_it(tmp_path, caplog):
+    """A str (or int) among the outputs converted, then both of torch's exporters failed inside
+    ("'str' object has no attribute 'name'", "number of output names provided (3) exceeded
+    number of outputs (1)"). A None output exports (the exporter leaves it out)."""
+    class Tagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return {"y": self.a(x), "tag": "hello", "n": None, "k": 3}
+
+    with pytest.raises(mpgraph.ExportError, match=r"outputs tag \(a str, 'hello'\), k \(an int, 3\) "
+                                                  r"are not a tensor: .* return such values "
+                                                  r"outside the exported module"):
+        export_onnx(Tagged().eval(), torch.randn(4, 16), tmp_path / "tagged.onnx")
+    assert "exporter" not in caplog.text and not os.listdir(tmp_path)
+
+
 def test_model_that_cannot_be_captured_is_an_export_error(tmp_path):
     class DataDependent(nn.Module):
         def forward(self, x):

@@ -163,6 +163,20 @@ def output_names(gm: torch.fx.GraphModule) -> list[str]:
     return names
 
 
+def non_tensor_outputs(gm: torch.fx.GraphModule) -> list[str]:
+    """'name (a str 'tag')' for the graph's outputs that are Python values held as constants,
+    not tensors: an ONNX output is a tensor, and torch's exporters failed inside on them
+    (None is left out of the file by the exporter, and is fine)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    spec = getattr(gm, "_out_spec", None)
+    flat = isinstance(out, (tuple, list)) and spec is not None and len(out) == spec.num_leaves
+    leaves = list(out) if flat else pytree.tree_leaves(out)  # (in output_names' order)
+    def a(kind: str) -> str:
+        return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+    return [f"{name} ({a(type(v).__name__)}, {v!r:.40})" for name, v in zip(output_names(gm), leaves)
+            if v is not None and not isinstance(v, torch.fx.Node)]
+
+
 def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
     """Dim.AUTO on every input dimension above 1 that the converted module's input guard does
     not fix: torch.export keeps dynamic what the graph does not fix (batch, sequence), static
@@ -521,6 +535,12 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                           f"{converted.plan.range_nodes[0].dtype} ({len(converted.plan.range_nodes)} "
                           "nodes, dtype='auto'); ONNX export takes one low dtype: convert with "
                           "dtype='fp16' or 'bf16'")
+    constants = non_tensor_outputs(converted)
+    if constants:
+        raise ExportError(f"output{'s' if len(constants) > 1 else ''} {', '.join(constants)} "
+                          f"{'are' if len(constants) > 1 else 'is'} not a tensor: an ONNX file's "
+                          "outputs are tensors; return such values outside the exported module "
+                          "(or as tensors)")
     opset = opset or DEFAULT_OPSET
     workdir = tempfile.mkdtemp(prefix=".mpgraph-export-", dir=os.path.dirname(path))
     name = os.path.basename(path)
