@@ -429,6 +429,20 @@ def _c_stderr_silenced(silence: bool):
         os.close(saved)
 
 
+def _show_own_warning(message, category, *_, **__) -> None:
+    """One line for a warning mpgraph issued. The filter passes warnings attributed to mpgraph's
+    modules, which includes third-party ones whose stacklevel points at mpgraph's call (torch's
+    'legacy TorchScript-based ONNX export', a DeprecationWarning) and C++ ones raised while
+    mpgraph's code runs (torch.jit.TracerWarning): mpgraph's own are UserWarnings that its code
+    issues itself."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == "warnings":
+        frame = frame.f_back  # (warnings.warn is C code: the next frame is the one calling it)
+    issuer = frame.f_globals.get("__name__", "") if frame is not None else ""
+    if issubclass(category, UserWarning) and issuer.split(".")[0] == "mpgraph":
+        print(f"mpgraph: warning: {message}", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def _console(verbose: bool, progress: bool):
     """What reaches the screen while a command runs: mpgraph's own warnings (one line each) and
@@ -461,8 +475,7 @@ def _console(verbose: bool, progress: bool):
         if not verbose:
             warnings.simplefilter("ignore")
             warnings.filterwarnings("default", module=r"mpgraph(\.|$)")
-            warnings.showwarning = lambda message, *a, **k: print(f"mpgraph: warning: {message}",
-                                                                  file=sys.stderr)
+            warnings.showwarning = _show_own_warning
         try:
             yield
         finally:

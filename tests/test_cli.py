@@ -153,6 +153,22 @@ def test_cli_prints_mpgraph_warnings_as_one_line(tmp_path, capsys):
     assert "UserWarning" not in err and "warnings.warn" not in err
 
 
+def test_cli_shows_only_warnings_mpgraph_issues_itself(capsys):
+    """torch.onnx.export's DeprecationWarning (stacklevel=2) pointed at mpgraph's call to it and
+    was printed as 'mpgraph: warning: You are using the legacy TorchScript-based ONNX export'."""
+    third, ours = {"__name__": "torch.onnx"}, {"__name__": "mpgraph.tools.calls_torch"}
+    exec("import warnings\ndef export():\n    warnings.warn('legacy exporter', "
+         "DeprecationWarning, stacklevel=2)\n    warnings.warn('a note', stacklevel=2)", third)
+    exec("import warnings\ndef run(export):\n    export()\n    warnings.warn('ours')", ours)
+    with cli._console(False, False):
+        ours["run"](third["export"])
+    assert capsys.readouterr().err == "mpgraph: warning: ours\n"
+    with cli._console(True, False):  # -v: Python's own filters and display
+        ours["run"](third["export"])
+    err = capsys.readouterr().err
+    assert "UserWarning: a note" in err and "UserWarning: ours" in err
+
+
 def test_cli_explain_lists_each_pass_with_its_time_and_facts(tmp_path, capsys):
     factory = tmp_path / "mlp.py"
     factory.write_text("import torch, torch.nn as nn\n"
