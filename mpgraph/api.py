@@ -401,9 +401,10 @@ def calibration_warning(plan: Plan, constant: tuple) -> Optional[str]:
     if not plan.low_nodes or not plan.calibration_batches or plan.dtype != torch.float16:
         return None  # (bf16 has float32's range: nothing of its plan rests on the ranges seen)
     why = []
-    if constant:
-        why.append(f"input{'s' if len(constant) > 1 else ''} {', '.join(constant)} held one value "
-                   "(all zeros, or constant) in every calibration batch")
+    if constant:  # ((name, value), ...): the value said (an all-ones mask is no all-zeros x)
+        why.append(f"input{'s' if len(constant) > 1 else ''} "
+                   f"{', '.join(f'{name} (all {value:g})' for name, value in constant)} held one "
+                   "value in every calibration batch")
     if plan.dtype == torch.float16 and plan.calibration_batches == 1:
         why.append("the float16 plan was calibrated on one batch")
     if not why:
@@ -411,8 +412,10 @@ def calibration_warning(plan: Plan, constant: tuple) -> Optional[str]:
     return (f"{' and '.join(why)}: the plan keeps in float32 what calibration saw overflow or "
             "lose too much, and inputs larger than it saw can overflow float16 at run time "
             "(inf/NaN outputs). Pass calibration=[a few batches of real inputs, with the largest "
-            "values you expect]; mpgraph.guard(module) names the node if an output goes "
-            "non-finite at run time")
+            "values you expect (padded ones, for a mask)] to mpgraph.convert (export_onnx exports "
+            "the module it returns; the mpgraph command line calibrates on the factory's example "
+            "alone); mpgraph.guard(module) names the node if an output goes non-finite at run "
+            "time")
 
 
 def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,

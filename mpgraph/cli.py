@@ -167,8 +167,17 @@ def _export(args) -> int:
     except MpgraphError as e:
         print(f"mpgraph: export failed: {e}", file=sys.stderr)
         return 1
-    print(result.summary())
+    print(_without_plan_warnings(result.summary(), result.plan))
     return 0
+
+
+def _without_plan_warnings(text: str, plan) -> str:
+    """``text`` without the summary's first lines that repeat the plan's warnings: the
+    conversion printed each on stderr as it warned it (each was printed twice)."""
+    for warning in (plan.warning, plan.calibration_warning):
+        if warning:
+            text = text.replace(f"warning: {warning}\n", "", 1)
+    return text
 
 
 def explain(runs) -> str:
@@ -205,7 +214,7 @@ def _inspect(args) -> int:
         return 1
     if args.explain:
         print(explain(runs))
-    print(report(converted, "text"), end="")
+    print(_without_plan_warnings(report(converted, "text"), converted.plan), end="")
     for fmt in ("html", "json", "dot"):
         path = getattr(args, fmt)
         if path:

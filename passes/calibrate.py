@@ -234,8 +234,8 @@ def _constant(value) -> Optional[float]:
 class Calibrate(Pass):
     """Analysis: writes ``mpgraph.range`` (a ValueRange) on every node with a float output."""
     stage = "calibrate"
-    # on gm.meta: REFERENCE, batch 0's float32 outputs; CONSTANT_INPUTS, inputs constant in
-    # every batch (degenerate calibration data, which convert warns about)
+    # on gm.meta: REFERENCE, batch 0's float32 outputs; CONSTANT_INPUTS, (input, its value) of
+    # inputs constant in every batch (degenerate calibration data, which convert warns about)
     writes = (RANGE, REFERENCE, CONSTANT_INPUTS, OBSERVED)  # OBSERVED: taken, then dropped
 
     def __init__(self, batches: Iterable, progress: Optional[bool] = None,
@@ -347,7 +347,7 @@ class Calibrate(Pass):
         # batches that measured values: none on a model without them (planned on the meta
         # device, run as fakes), whose plan is not calibrated and must not say it was
         gm.meta[RANGE] = count if per_batch else 0
-        held = {name for name, _ in constant or ()}
-        gm.meta[CONSTANT_INPUTS] = tuple(n for n in names if n in held)
+        held = dict(constant or ())
+        gm.meta[CONSTANT_INPUTS] = tuple((n, held[n]) for n in names if n in held)
         log.debug("calibrated %d values over %d batches", len(per_batch), count)
         return PassResult(gm, False)

@@ -153,6 +153,39 @@ def test_cli_prints_mpgraph_warnings_as_one_line(tmp_path, capsys):
     assert "UserWarning" not in err and "warnings.warn" not in err
 
 
+MASKED_FACTORY = '''import torch, torch.nn as nn
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(256, 256)
+
+    def forward(self, x, attention_mask):
+        return self.fc(x) * attention_mask[..., None]
+
+def build():
+    torch.manual_seed(0)  # (README's example factories: an unpadded batch's all-ones mask)
+    return Masked().eval(), (torch.randn(8, 64, 256),), {"attention_mask": torch.ones(8, 64)}
+'''
+
+
+def test_cli_says_the_calibration_warning_once_with_a_way_out_of_the_command_line(tmp_path,
+                                                                                  capsys):
+    """It was printed twice (stderr, and the summary's first line), said 'Pass calibration=[...]'
+    as if the command line took it, and called an all-ones mask 'all zeros, or constant'."""
+    factory = tmp_path / "masked.py"
+    factory.write_text(MASKED_FACTORY)
+    assert cli.main(["inspect", f"{factory}:build", "--dtype", "fp16", "--target", "a100",
+                     "--check", "off"]) == 0
+    captured = capsys.readouterr()
+    assert "warning" not in captured.out
+    warned = [line for line in captured.err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and warned[0].startswith(
+        "mpgraph: warning: input attention_mask (all 1) held one value in every calibration "
+        "batch and the float16 plan was calibrated on one batch: "), captured.err
+    assert "to mpgraph.convert (export_onnx exports the module it returns; the mpgraph command " \
+           "line calibrates on the factory's example alone)" in warned[0]
+
+
 def test_cli_shows_only_warnings_mpgraph_issues_itself(capsys):
     """torch.onnx.export's DeprecationWarning (stacklevel=2) pointed at mpgraph's call to it and
     was printed as 'mpgraph: warning: You are using the legacy TorchScript-based ONNX export'."""
