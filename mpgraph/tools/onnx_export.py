@@ -164,13 +164,14 @@ def output_names(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def non_tensor_outputs(gm: torch.fx.GraphModule) -> list[str]:
-    """'name (a str 'tag')' for the graph's outputs that are Python values held as constants,
+    """'tag (a str, 'hello')' for the graph's outputs that are Python values held as constants,
     not tensors: an ONNX output is a tensor, and torch's exporters failed inside on them
     (None is left out of the file by the exporter, and is fine)."""
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     spec = getattr(gm, "_out_spec", None)
     flat = isinstance(out, (tuple, list)) and spec is not None and len(out) == spec.num_leaves
     leaves = list(out) if flat else pytree.tree_leaves(out)  # (in output_names' order)
+
     def a(kind: str) -> str:
         return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
     return [f"{name} ({a(type(v).__name__)}, {v!r:.40})" for name, v in zip(output_names(gm), leaves)
