@@ -201,12 +201,37 @@ def test_readonly_directory_is_an_export_error_even_for_root(tmp_path):
         export_onnx(MLP(), torch.randn(2, 16), target)
 
 
+class EinsumAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        w = torch.einsum("bqd,bkd->bqk", q, k).softmax(-1)
+        return torch.einsum("bqk,bkd->bqd", w, v)
+
+
 def test_op_the_opset_cannot_express_is_an_export_error_and_leaves_nothing(tmp_path):
     # ONNX Conv takes bfloat16 only from opset 22
-    with pytest.raises(mpgraph.ExportError, match="cannot express the op in bfloat16"):
+    with pytest.raises(mpgraph.ExportError, match=r"ONNX's Conv takes bfloat16 from opset 22, "
+                                                  r"this file is opset 18: export with opset=22"):
         export_onnx(ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16),
                             tmp_path / "cnn.onnx", dtype="bf16", opset=18)
     assert os.listdir(tmp_path) == []
+    # Einsum has no bfloat16 at the default opset 23: the hint said "export with opset=23"
+    x = torch.randn(2, 8, 32)
+    with pytest.raises(mpgraph.ExportError, match=r"ONNX's Einsum takes bfloat16 from opset "
+                                                  r"\d+, this file is opset 23: .* or keep it "
+                                                  r"float32 \(mpgraph.convert with overrides="
+                                                  r"\{'op:\*einsum\*': 'fp32'\}, then "
+                                                  r"export_onnx of the module it returns\)"):
+        export_onnx(EinsumAttention().eval(), x, tmp_path / "e.onnx", dtype="bf16",
+                    target="a100", strategy="rules")
+    fast = mpgraph.convert(EinsumAttention().eval(), x, dtype="bf16", target="a100",
+                           strategy="rules", overrides={"op:*einsum*": "fp32"})
+    export_onnx(fast, x, tmp_path / "e.onnx")  # (what it says: written, validated)
+    assert os.path.exists(tmp_path / "e.onnx")
 
 
 @pytest.mark.parametrize("opset", [7, 17, 99, 0, 18.0, True])

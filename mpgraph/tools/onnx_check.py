@@ -385,12 +385,41 @@ def _describe(node, what: str) -> str:
     return text
 
 
-def _hint(error: Exception) -> str:
+def _hint(error: Exception, path: str) -> str:
+    """The way out of an op ONNX types without bfloat16 at the file's opset: the opset that
+    admits it, if any (Einsum: none up to 23; it said "export with opset=23" to a file at 23)."""
+    import onnx
+    import onnx.defs
     text = str(error)
-    if "bfloat16" in text and "unsupported type" in text:
-        return ("\n  (this opset cannot express the op in bfloat16: Conv, for one, takes bf16 only "
-                "from opset 22; export with opset=23 or dtype=float16)")
-    return ""
+    found = re.search(r"op_type:(\w+)", text)
+    if "bfloat16" not in text or "unsupported type" not in text or found is None:
+        return ""
+    op = found.group(1)
+    try:
+        opset = next((o.version for o in onnx.load(path, load_external_data=False).opset_import
+                      if o.domain in ("", "ai.onnx")), None)
+        since = next((v for v in range(1, onnx.defs.onnx_opset_version() + 1)
+                      if _takes_bf16(op, v)), None)
+    except Exception:  # noqa: BLE001 (a hint only)
+        return ""
+    keep = (f"keep it float32 (mpgraph.convert with overrides={{'op:*{op.lower()}*': 'fp32'}}, "
+            "then export_onnx of the module it returns)")
+    if since is None:
+        return (f"\n  (ONNX's {op} takes no bfloat16 at any opset: export with dtype='fp16', or "
+                f"{keep})")
+    return (f"\n  (ONNX's {op} takes bfloat16 from opset {since}, this file is opset {opset}: "
+            f"export with opset={since} or later where your runtime runs a bfloat16 {op}, with "
+            f"dtype='fp16', or {keep})")
+
+
+def _takes_bf16(op: str, version: int) -> bool:
+    import onnx.defs
+    try:
+        schema = onnx.defs.get_schema(op, version)
+    except Exception:  # noqa: BLE001 (no such op at that opset)
+        return False
+    return schema.since_version <= version and any(
+        "tensor(bfloat16)" in c.allowed_type_strs for c in schema.type_constraints)
 
 
 def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: dict, *,
@@ -415,7 +444,7 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
     try:
         onnx.checker.check_model(path, full_check=True)
     except Exception as e:
-        raise ExportError(f"onnx.checker rejects {shown}: {e}{_hint(e)}") from e
+        raise ExportError(f"onnx.checker rejects {shown}: {e}{_hint(e, path)}") from e
     checks.append("onnx.checker full_check")
     workdir = tempfile.mkdtemp(prefix=".mpgraph-check-", dir=os.path.dirname(os.path.abspath(path)))
     try:
