@@ -7,6 +7,17 @@ class MpgraphError(Exception):
 
 
 # What a tracer's report says -> what to do about it (the causes users meet most)
+KV_CACHE_FIX = ("the model returns a KV cache object (a HuggingFace model with use_cache=True): "
+                "for generation with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "
+                "max_cache_len=...); to convert the forward alone, pass use_cache=False (in "
+                "example_kwargs, or model.config.use_cache = False)")
+# the same, where use_cache=False was given (it repeated "pass use_cache=False")
+BUILT_CACHE_FIX = ("the model returns a cache object though use_cache=False was given: it builds "
+                   "one itself (peft's prefix or prompt tuning passes its virtual tokens as "
+                   "past_key_values), which no tracer takes as an output: convert the model "
+                   "without that adapter (peft: model.get_base_model() holds LoRA-style "
+                   "layers), or call it from a forward of your own that returns the logits alone")
+
 CAPTURE_FIXES = (
     (("is wrapped by torch.distributed",),
      "convert the unwrapped model (ddp.module, or the model before fully_shard), then wrap the "
@@ -35,11 +46,7 @@ CAPTURE_FIXES = (
      "branch with torch.cond(pred, true_fn, false_fn, (x,)), make the value static (a Python "
      "bool argument, a shape, a module attribute), or keep that submodule out of the graph: "
      "convert the parts before and after it and call them from your own forward"),
-    (("DynamicCache", "Cache in output", "past_key_values"),
-     "the model returns a KV cache object (a HuggingFace model with use_cache=True): for "
-     "generation with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "
-     "max_cache_len=...); to convert the forward alone, pass use_cache=False (in "
-     "example_kwargs, or model.config.use_cache = False)"),
+    (("DynamicCache", "Cache in output", "past_key_values"), KV_CACHE_FIX),
     (("must be deep-copyable",),
      "make copy.deepcopy(model) work (mpgraph converts a copy, so that your model is never "
      "modified): a tensor attribute computed with autograd, compute it under torch.no_grad() or "
@@ -105,6 +112,13 @@ class CaptureError(MpgraphError):
 
     def __reduce__(self):  # (pickles and copies with its reports)
         return type(self), (self.reports,)
+
+    def retold(self, old: str, new: str) -> "CaptureError":
+        """The fix ``old`` said as ``new`` (what the reports cannot know: the call's arguments)."""
+        if old in self.fixes:
+            self.fixes = [new if fix == old else fix for fix in self.fixes]
+            self.args = (self.args[0].replace(f"fix: {old}", f"fix: {new}"),)
+        return self
 
 
 class PassError(MpgraphError):

@@ -353,3 +353,28 @@ def test_a_vmap_ensemble_is_a_capture_error_naming_vmap_not_a_model_planned_on_m
     # the failed capture left no vmap level entered (every later random op failed: nn.Linear)
     assert torch._C._functorch.maybe_current_level() is None
     nn.Linear(2, 2)
+
+
+def test_a_cache_the_model_builds_with_use_cache_false_is_not_told_to_pass_use_cache_false():
+    """peft's prefix tuning hands its virtual tokens to the model as past_key_values, so a
+    cache comes back whatever use_cache says: the fix repeated "pass use_cache=False" to a
+    call that had."""
+    from transformers import DynamicCache
+
+    class BuildsCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, use_cache=True):
+            cache = DynamicCache()
+            cache.update(x[:, None], x[:, None], 0)
+            return self.fc(x), cache
+    x = torch.randn(2, 8)
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(BuildsCache(), (x,), example_kwargs={"use_cache": False})
+    assert "fix: the model returns a cache object though use_cache=False was given" \
+        in str(caught.value)
+    assert "pass use_cache=False" not in str(caught.value)
+    with pytest.raises(mpgraph.CaptureError, match=r"pass use_cache=False \(in example_kwargs"):
+        mpgraph.convert(BuildsCache(), (x,))

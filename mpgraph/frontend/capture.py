@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.errors import EAGER, CaptureError
+from mpgraph.errors import BUILT_CACHE_FIX, EAGER, KV_CACHE_FIX, CaptureError
 from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
@@ -1424,6 +1424,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     else:  # (the tracers' reports quote torch's internals, not the cause)
         reports = _untraceable(work) or reports
     error = CaptureError(reports)
+    if kwargs.get("use_cache") is False:
+        error.retold(KV_CACHE_FIX, BUILT_CACHE_FIX)
     error.exception = failure  # (not chained: its text is torch's long debugging narration)
     raise error
 
