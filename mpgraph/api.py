@@ -412,10 +412,10 @@ def calibration_warning(plan: Plan, constant: tuple) -> Optional[str]:
     return (f"{' and '.join(why)}: the plan keeps in float32 what calibration saw overflow or "
             "lose too much, and inputs larger than it saw can overflow float16 at run time "
             "(inf/NaN outputs). Pass calibration=[a few batches of real inputs, with the largest "
-            "values you expect (padded ones, for a mask)] in Python: mpgraph.convert(model, "
-            "inputs, calibration=batches), then export_onnx of the module it returns (the mpgraph "
-            "command line calibrates on the factory's example alone); mpgraph.guard(module) names "
-            "the node if an output goes non-finite at run time")
+            "values you expect (padded ones, for a mask)] in mpgraph.convert (the command line "
+            "calibrates on the factory's example alone: convert in Python with it, then "
+            "export_onnx of the module it returns); mpgraph.guard(module) names the node if an "
+            "output goes non-finite at run time")
 
 
 def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,

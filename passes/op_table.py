@@ -214,6 +214,10 @@ OPS: dict[str, OpEntry] = _table(
     _ops(FOLLOW, _FACTORY, """arange zeros ones full empty empty_strided linspace eye scalar_tensor
          rand randn randint"""),
     # ops only a module type spells (mpgraph's own modules, torch.export's guard)
+    _ops(FP32_ONLY, "a torch.nn.utils.parametrize parametrization: computes its weight from "
+         "the originals in float32 (orthogonal's and matrix_exp's linear algebra has no "
+         "float16/bfloat16 kernels); its readers take the result in their dtype",
+         "parametrization"),
     _ops(FOLLOW, "counts batches (an integer buffer): no float arithmetic", "count_batches"),
     _ops(FOLLOW, "a dropout probability (a Python float): no tensor", "dropout_rate"),
     _ops(FOLLOW, "the training flag (a Python bool): no tensor", "training_flag"),
@@ -298,6 +302,7 @@ SPELLED_APART: dict[str, tuple] = {
         ("adaptive_max", "AdaptiveMax")) for d in (1, 2, 3)},
     "interpolate": _nn("Upsample", "UpsamplingNearest2d", "UpsamplingBilinear2d"),
     "getitem": (operator.getitem, "__getitem__"),
+    "parametrization": (torch.nn.utils.parametrize.ParametrizationList,),
     "getattr": (getattr,),
     "add": (operator.add, operator.iadd, "__add__", "__radd__", "__iadd__"),
     "sub": (operator.sub, operator.isub, "__sub__", "__isub__"),

@@ -182,9 +182,8 @@ def test_cli_says_the_calibration_warning_once_with_a_way_out_of_the_command_lin
     assert len(warned) == 1 and warned[0].startswith(
         "mpgraph: warning: input attention_mask (all 1) held one value in every calibration "
         "batch and the float16 plan was calibrated on one batch: "), captured.err
-    assert "in Python: mpgraph.convert(model, inputs, calibration=batches), then export_onnx of " \
-           "the module it returns (the mpgraph command line calibrates on the factory's example " \
-           "alone)" in warned[0]
+    assert "in mpgraph.convert (the command line calibrates on the factory's example alone: " \
+           "convert in Python with it, then export_onnx of the module it returns)" in warned[0]
 
 
 def test_cli_shows_only_warnings_mpgraph_issues_itself(capsys):
