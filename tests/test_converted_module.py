@@ -468,6 +468,20 @@ def test_an_input_in_another_float_dtype_is_refused_before_the_graph_runs(mode):
             run(x.half())
 
 
+def test_an_input_the_plans_cast_alone_reads_takes_any_float_dtype():
+    """An fp16 plan's graph that starts with its own cast of the input computes an fp16 or
+    float64 input exactly as the float32 one (a backbone's autocast features to a converted
+    head): the check before the call refused them, where fast.forward computed them."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).eval(), _x(4, 64)
+    fast = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
+    with torch.no_grad():
+        want = fast(x)
+        for dtype in (torch.float16, torch.float64):
+            assert torch.equal(fast(x.to(dtype)), want)
+            assert torch.equal(torch.compile(fast, backend="eager")(x.to(dtype)), want)
+
+
 # -- a value fixed at capture that the graph takes as an input (use_cache=False) ---------------
 
 def test_forward_and_torch_export_of_a_converted_hf_model_find_use_cache_fixed_at_capture():
