@@ -149,11 +149,13 @@ class ChannelsLast(Pass):
                     reached.add(user)
                     stack.append(user)
         copies: dict = {}
+        seen: set = set()  # (each read once: a diamond of elementwise ops doubled the walk)
 
         def restore(user: torch.fx.Node, x) -> None:
             """``user`` reads ``x`` with the strides the model gave it."""
-            if x not in reached:
+            if x not in reached or (user, x) in seen:
                 return
+            seen.add((user, x))
             layout = _model_layout(x)
             if layout in MEMORY_FORMATS and not is_inplace(user, gm):
                 if (x, user) not in copies:  # (just before it: after whatever writes into x)
