@@ -512,7 +512,11 @@ def test_a_converted_hf_model_carries_its_config_and_says_what_it_does_not_keep(
         n_embd=32, n_layer=1, n_head=4, vocab_size=100, n_positions=32)).eval()
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU, check=False)
-    assert fast.config is model.config and copy.copy(fast).config is model.config
+    assert fast.config.to_dict() == model.config.to_dict() and fast.config is not model.config
+    # (the model's own object: a write through fast.config changed what the model computes)
+    fast.config.output_hidden_states = True
+    assert model.config.output_hidden_states is False
+    assert copy.copy(fast).config is fast.config
     assert copy.deepcopy(fast).config.n_embd == 32
     for name in ("generate", "device", "save_pretrained"):
         with pytest.raises(AttributeError, match=rf"converted GPT2LMHeadModel has no attribute "

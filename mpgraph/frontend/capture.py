@@ -1405,10 +1405,11 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             gm.call_signature = CallSignature(model, args, kwargs, gm)
             gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \
                 gm.call_signature
-        config = getattr(model, "config", None)
+        config = getattr(work, "config", None)
         if config is not None and not isinstance(config, (torch.Tensor, torch.nn.Module)):
-            # (a HuggingFace model's: users and pipelines read fast.config; the model's own
-            # object, not a copy, as it describes the weights the module holds)
+            # (a HuggingFace model's: users and pipelines read fast.config; the copy's, as the
+            # model's own object written through fast.config changed what the model computes,
+            # and the graph follows neither)
             gm.config = config
             gm.meta.setdefault("_user_preserved_attributes", {})["config"] = config
         if name == EXPORT and not dynamic:
