@@ -61,12 +61,12 @@ def _hooked_leaf(node: torch.fx.Node, gm: torch.fx.GraphModule, low: torch.dtype
     precision such a hook would hand a float32 value to a reader planned low."""
     if node.op != "call_module":
         return None
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
     module = gm.get_submodule(node.target)
+    # (torch's own: weight_norm's, spectral_norm's, prune's pre-hooks recompute the weight in
+    # its dtype; transformers' keep it too: a pruned model was planned all float32)
     hooks = [h for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-             if not isinstance(h, (WeightNorm, SpectralNorm))  # (torch's, they keep the dtype)
-             and not (getattr(h, "__module__", None) or "").startswith("transformers.")]
+             if not (getattr(h, "__module__", None) or type(h).__module__ or "").startswith(
+                 ("torch.", "transformers."))]
     if not hooks:
         return None
     names = ", ".join(getattr(h, "__name__", None) or type(h).__name__ for h in hooks[:3])

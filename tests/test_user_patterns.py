@@ -1424,3 +1424,18 @@ def test_a_leaf_whose_forward_hook_computes_in_float32_is_planned_float32_and_sa
                 in nodes[name].reason
         with torch.no_grad():
             assert rel_err(fast(x), model(x)) < TOL[fast.plan.dtype]
+
+
+def test_torch_s_own_hooks_on_a_leaf_keep_it_low():
+    """prune's forward pre-hook (weight = weight_orig * mask, in its dtype) was taken for a
+    user's hook that computes in float32: a pruned model was planned all float32."""
+    import torch.nn.utils.prune as prune
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    for layer in (model[0], model[2]):
+        prune.l1_unstructured(layer, "weight", amount=0.5)
+    x = torch.randn(4, 64)
+    fast = convert_rules(model, (x,), dtype="fp16")
+    assert {r.name for r in fast.plan.low_nodes} >= {"_0", "_2"}, fast.plan.summary()
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) < TOL[torch.float16]
