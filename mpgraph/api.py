@@ -216,20 +216,23 @@ def _refuse_converted(model) -> None:
     """A module convert returned, as the model or inside it (a head put on a converted
     backbone): its graph holds its casts and low weights, so a conversion would check it
     against itself, not float32 (a new fp16 plan kept its bf16 weights, its "error 0.00032 vs
-    float32" 0.00075 against the float32 model)."""
+    float32" 0.00075 against the float32 model). One inside that kept everything float32
+    computes what float32 does: converted with the rest."""
     if not isinstance(model, torch.nn.Module):
         return
     for path, module in model.named_modules():
-        if isinstance(module, torch.fx.GraphModule) and isinstance(module.__dict__.get("plan"),
-                                                                   Plan):
-            if not path:
-                raise TypeError(
-                    "this module is what mpgraph.convert returned: its graph holds its casts "
-                    "and low weights, and converting it again would check it against itself, "
-                    "not float32. Convert the original model instead: mpgraph.convert(model, "
-                    "inputs, plan=fast.plan) makes the same plan (another target= or dtype= a "
-                    "new one), and load_state_dict(fast.state_dict()) brings the weights it "
-                    "holds")
+        plan = module.__dict__.get("plan") if isinstance(module, torch.fx.GraphModule) else None
+        if not isinstance(plan, Plan):
+            continue
+        if not path:
+            raise TypeError(
+                "this module is what mpgraph.convert returned: its graph holds its casts "
+                "and low weights, and converting it again would check it against itself, "
+                "not float32. Convert the original model instead: mpgraph.convert(model, "
+                "inputs, plan=fast.plan) makes the same plan (another target= or dtype= a "
+                "new one), and load_state_dict(fast.state_dict()) brings the weights it "
+                "holds")
+        if plan.low_nodes or plan.weights or plan.casts:
             raise TypeError(
                 f"submodule {path!r} of {type(model).__name__} is what mpgraph.convert "
                 "returned: its graph holds its casts and low weights, so this conversion would "

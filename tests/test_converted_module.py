@@ -425,6 +425,10 @@ def test_an_export_right_after_new_weights_computes_with_them_and_convert_refuse
                                         r"returned: .* Build the model with the original "
                                         r"\(float32\) module at '0'"):
         mpgraph.convert(wrapped, x, dtype="fp16", target=GPU, strategy="rules")
+    # (one that kept everything float32 computes what float32 does: converted with the rest)
+    kept = mpgraph.convert(model, x, target=GPU, overrides={"*": "fp32"})
+    assert not kept.plan.low_nodes and not kept.plan.weights
+    mpgraph.convert(nn.Sequential(kept, nn.Linear(kept(x).shape[-1], 4)), x, target=GPU)
 
 
 # -- torch.compile of many converted modules ------------------------------------------------
