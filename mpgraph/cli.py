@@ -55,7 +55,8 @@ def _calibrate(args) -> int:
         print(f"wrote {path}: host {data['host_per_node_s'] * 1e6:.2f} us a node; efficiency "
               + ", ".join(f"{k} {v:.2f}" for k, v in data["efficiency"].items()))
         return 0
-    if args.target is not None:  # (it was ignored: the table measured this machine, silently)
+    if args.target is not None and args.target.lower() != "cpu":  # (a GPU's was ignored: the
+        # table measured this machine, silently; this CPU's is what it measures)
         print(f"mpgraph: calibrate --target {args.target} needs --gpu (a GPU's calibration file "
               "is written on that GPU); without --gpu the cost table is measured on this "
               "machine, which needs no target", file=sys.stderr)

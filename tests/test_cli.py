@@ -116,6 +116,9 @@ def test_cli_calibrate_names_a_factory_model_that_is_not_a_module(tmp_path, caps
     assert cli.main(["calibrate", f"{factory}:build", "--target", "a100"]) == 2
     assert ("mpgraph: calibrate --target a100 needs --gpu (a GPU's calibration file is written "
             "on that GPU)") in capsys.readouterr().err
+    # (--target cpu names what calibrate measures without --gpu: the factory's error again)
+    assert cli.main(["calibrate", f"{factory}:build", "--target", "cpu"]) == 2
+    assert "needs --gpu" not in capsys.readouterr().err
 
 
 def test_cli_names_a_missing_module_and_a_size_below_one_without_a_traceback(capsys):
