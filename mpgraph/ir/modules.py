@@ -408,7 +408,7 @@ def check_fits(items: Iterable, action: str, outcome: str = "nothing was written
         "mpgraph.convert(model_with_new_weights, example_inputs, plan=module.plan)")
 
 
-def _compiler_disable(reason: str):
+def compiler_disable(reason: str):
     """``torch.compiler.disable`` with the reason dynamo's fullgraph=True error shows (a torch
     older than its ``reason=`` takes none)."""
     try:
@@ -480,7 +480,7 @@ class WeightCopies:
         for index, (source, copy) in enumerate(self.pairs):
             self.refresh_one(index, _tensor_at(root, source), _tensor_at(root, copy))
 
-    @_compiler_disable(
+    @compiler_disable(
         "mpgraph: the converted module's low-precision weight copies are checked against their "
         "float32 originals before each call, outside the compiled graph on this torch (one "
         "graph break): compile without fullgraph=True, or use a torch with "
@@ -593,7 +593,7 @@ class FusedWeights:
 
     # (data_ptr reads and new stacks set on the module: under torch.compile it runs eagerly,
     # a graph break; fullgraph=True is refused with this reason)
-    @_compiler_disable(
+    @compiler_disable(
         "mpgraph: this converted module's stacked GEMV weights (FuseSiblingGemv, CPU plans) are "
         "checked against their members before each call, outside the compiled graph (one graph "
         "break): compile it without fullgraph=True")
@@ -1206,7 +1206,7 @@ class ConvertedModule(torch.fx.GraphModule):
                 "beside the meta parameters, or pass them in a dict)")
         self.__dict__["_has_values"] = True
 
-    @_compiler_disable(
+    @compiler_disable(
         "mpgraph: a float input in another dtype than the converted module was converted with "
         "(the call raises a TypeError naming it): pass it in the dtype it was converted with")
     def _refuse_input_dtypes(self, args: tuple, kwargs: dict) -> None:

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import MpgraphError
 from mpgraph.ir.graph import run_recording, target_name
 from mpgraph.ir.meta import PRECISION, dtype_name, is_inserted_cast
-from mpgraph.ir.modules import _compiler_disable
+from mpgraph.ir.modules import compiler_disable
 from mpgraph.ir.simulate import run_simulated
 from mpgraph.numerics import float_leaves
 
@@ -50,7 +50,7 @@ def guard(module: torch.fx.GraphModule, enabled: bool = True) -> torch.fx.GraphM
     return module
 
 
-@_compiler_disable((
+@compiler_disable((
     "mpgraph.guard: the guard checks a converted module's outputs for inf/NaN (and then runs "
     "it node by node) outside the compiled graph, after it (a graph break): compile without "
     "fullgraph=True, or turn the guard off first (mpgraph.guard(module, enabled=False))"))
