@@ -217,7 +217,8 @@ def _refuse_converted(model) -> None:
     backbone): its graph holds its casts and low weights, so a conversion would check it
     against itself, not float32 (a new fp16 plan kept its bf16 weights, its "error 0.00032 vs
     float32" 0.00075 against the float32 model). One inside that kept everything float32
-    computes what float32 does: converted with the rest."""
+    keeps its plan's dtypes all the same (a conv's weight cast back to float32 where the new
+    plan stored it float16: every call failed), so it is refused too."""
     if not isinstance(model, torch.nn.Module):
         return
     for path, module in model.named_modules():
@@ -232,13 +233,15 @@ def _refuse_converted(model) -> None:
                 "inputs, plan=fast.plan) makes the same plan (another target= or dtype= a "
                 "new one), and load_state_dict(fast.state_dict()) brings the weights it "
                 "holds")
-        if plan.low_nodes or plan.weights or plan.casts:
-            raise TypeError(
-                f"submodule {path!r} of {type(model).__name__} is what mpgraph.convert "
-                "returned: its graph holds its casts and low weights, so this conversion would "
-                "check it against itself, not float32, and keep its plan's dtypes. Build the "
-                f"model with the original (float32) module at {path!r} and convert the whole; "
-                f"or convert only the rest and keep {path!r} as converted")
+        holds = ("its graph holds its casts and low weights, so this conversion would check it "
+                 "against itself, not float32, and" if plan.low_nodes or plan.weights
+                 or plan.casts else "it")
+        raise TypeError(
+            f"submodule {path!r} of {type(model).__name__} is what mpgraph.convert returned: "
+            f"{holds} keeps its own plan's dtypes (its tensors are cast back to them when "
+            "assigned), which this conversion's plan cannot change. Build the model with the "
+            f"original (float32) module at {path!r} and convert the whole; or convert only the "
+            f"rest and keep {path!r} as converted")
 
 
 def _computes_low(model: torch.nn.Module) -> tuple[str, str]:

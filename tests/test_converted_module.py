@@ -425,10 +425,17 @@ def test_an_export_right_after_new_weights_computes_with_them_and_convert_refuse
                                         r"returned: .* Build the model with the original "
                                         r"\(float32\) module at '0'"):
         mpgraph.convert(wrapped, x, dtype="fp16", target=GPU, strategy="rules")
-    # (one that kept everything float32 computes what float32 does: converted with the rest)
-    kept = mpgraph.convert(model, x, target=GPU, overrides={"*": "fp32"})
+    # one that kept everything float32 still keeps its plan's dtypes: a conv's weight the new
+    # fp16 plan stored low was cast back to float32 and every call failed (it said "holds its
+    # casts and low weights", which it does not)
+    torch.manual_seed(0)
+    conv, image = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval(), torch.randn(2, 3, 16, 16)
+    kept = mpgraph.convert(conv, image, target=GPU, overrides={"*": "fp32"})
     assert not kept.plan.low_nodes and not kept.plan.weights
-    mpgraph.convert(nn.Sequential(kept, nn.Linear(kept(x).shape[-1], 4)), x, target=GPU)
+    with pytest.raises(TypeError, match=r"submodule '0' of Sequential is what mpgraph.convert "
+                                        r"returned: it keeps its own plan's dtypes"):
+        mpgraph.convert(nn.Sequential(kept, nn.Conv2d(8, 8, 3)), image, dtype="fp16",
+                        target=GPU, strategy="rules")
 
 
 # -- torch.compile of many converted modules ------------------------------------------------
