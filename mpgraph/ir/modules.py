@@ -1322,9 +1322,12 @@ class ConvertedModule(torch.fx.GraphModule):
         self._fixed_defaults()
         # the float dtypes the inputs were converted with (checked on each call, in __call__);
         # none when the model's own code casts or reads a dtype: it may take other dtypes
+        # (nor those the plan's casts alone read: any float dtype is theirs; under torch.compile
+        # the check of one sent every call through a graph break, fullgraph refused it)
         self.__dict__["_input_dtypes"] = frozenset() if _reads_dtypes(self.graph) else frozenset(
             info.dtype for n in self.graph.nodes if n.op == "placeholder"
-            and isinstance(info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point)
+            and isinstance(info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point
+            and not (n.users and all(is_inserted_cast(u) for u in n.users)))
         return code
 
     def _fixed_defaults(self) -> None:
