@@ -430,8 +430,8 @@ class AssignPrecision(Pass):
         # the model's own low values beside ours (a bf16 base model's Linear added to a float32
         # LoRA branch planned fp16): torch promotes bf16 with fp16 to float32
         theirs = {info.dtype for a in inputs if a not in stored and a not in runtime
-                  and isinstance(info := a.meta.get(TENSOR), TensorInfo)
-                  and info.dtype in (torch.float16, torch.bfloat16)
+                  and isinstance(info := a.meta.get(TENSOR), TensorInfo) and info.shape != ()
+                  and info.dtype in (torch.float16, torch.bfloat16)  # (a 0-dim one takes ours)
                   and torch.promote_types(info.dtype, self.low) != self.low}
         if theirs:
             own = "/".join(sorted(dtype_name(d) for d in theirs))

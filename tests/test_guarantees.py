@@ -883,6 +883,14 @@ def test_a_bf16_model_with_float32_adapters_is_planned_and_checked_as_it_compute
         assert re.search(r"checked: error [\d.e-]+ vs the model as it computes \(bound",
                          fast.plan.summary())
         assert rel_err(fast(x), model(x)) == pytest.approx(fast.plan.check["error"], rel=1e-3)
+    # (a 0-dim bf16 scale beside an fp16 value: torch keeps fp16, and so does the plan)
+    scaled = LoraOnBf16().eval()
+    scaled.g = nn.Parameter(torch.tensor(0.5, dtype=torch.bfloat16))
+    scaled.forward = lambda x: scaled.out(torch.relu(scaled.b(scaled.a(x.float())) * scaled.g
+                                                     ).to(torch.bfloat16))
+    with pytest.warns(UserWarning, match=r"holds bfloat16 parameters"):
+        fast = mpgraph.convert(scaled, (x,), dtype="fp16", target=GPU, strategy="rules")
+    assert fast.plan.node("mul").dtype == "float16"
     with pytest.warns(UserWarning, match=warning):
         summary = mpgraph.convert(model.eval(), (x,)).plan.summary()
     assert "kept the model's own dtypes: it computes in bfloat16 where its parameters are (4 " \
