@@ -12,7 +12,8 @@ KV_CACHE_FIX = ("the model returns a KV cache object (a HuggingFace model with u
                 "max_cache_len=...); to convert the forward alone, pass use_cache=False (in "
                 "example_kwargs, or model.config.use_cache = False)")
 # the same, where use_cache=False was given (it repeated "pass use_cache=False")
-BUILT_CACHE_FIX = ("the model returns a cache object though use_cache=False was given: it builds "
+BUILT_CACHE_FIX = ("the model returns a cache object though use_cache=False was given (in the "
+                   "call or its config): it builds "
                    "one itself (peft's prefix or prompt tuning passes its virtual tokens as "
                    "past_key_values), which no tracer takes as an output: convert the model "
                    "without that adapter (peft: model.get_base_model() holds LoRA-style "

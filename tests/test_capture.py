@@ -378,3 +378,10 @@ def test_a_cache_the_model_builds_with_use_cache_false_is_not_told_to_pass_use_c
     assert "pass use_cache=False" not in str(caught.value)
     with pytest.raises(mpgraph.CaptureError, match=r"pass use_cache=False \(in example_kwargs"):
         mpgraph.convert(BuildsCache(), (x,))
+    from transformers import GPT2Config  # (the other way the fix named: the model's config)
+    model = BuildsCache()
+    model.config = GPT2Config(use_cache=False)
+    with pytest.raises(mpgraph.CaptureError, match=r"fix: the model returns a cache object "
+                                                   r"though use_cache=False was given \(in the "
+                                                   r"call or its config\)"):
+        mpgraph.convert(model, (x,))

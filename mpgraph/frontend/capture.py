@@ -1425,7 +1425,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     else:  # (the tracers' reports quote torch's internals, not the cause)
         reports = _untraceable(work) or reports
     error = CaptureError(reports)
-    if kwargs.get("use_cache") is False:
+    if kwargs.get("use_cache") is False or getattr(getattr(model, "config", None), "use_cache",
+                                                   None) is False:
         error.retold(KV_CACHE_FIX, BUILT_CACHE_FIX)
     error.exception = failure  # (not chained: its text is torch's long debugging narration)
     raise error
