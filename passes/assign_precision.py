@@ -40,7 +40,7 @@ from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, module_path, mutat
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
                              TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
                              is_float32_tensor)
-from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok
+from mpgraph.passes.op_table import CAST, FOLLOW, OP_OF_SPELLING, TENSOR_CORE, mixed_params_ok
 from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,21 @@ def _hooked_leaf(node: torch.fx.Node, gm: torch.fx.GraphModule, low: torch.dtype
             f"that see float32 tensors in the model and may compute in float32: kept float32, "
             f"as the model runs it (overrides={{{node.target!r}: {dtype_name(low)!r}}} runs it in "
             f"{dtype_name(low)} where the hooks keep the dtype)")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """The op table's name of what ``node`` calls ("" for none)."""
+    target = node.target
+    if node.op == "call_module" and node.graph.owning_module is not None:
+        try:
+            target = type(node.graph.owning_module.get_submodule(target))
+        except AttributeError:
+            return ""
+    target = getattr(target, "overloadpacket", target)
+    try:
+        return OP_OF_SPELLING.get(target, "")
+    except TypeError:  # (an unhashable target)
+        return ""
 
 
 def explicit_dtype(node: torch.fx.Node):
@@ -157,7 +172,9 @@ class AssignPrecision(Pass):
             name, reason = self.from_plan[node.name]
             return self._dtype_of(node.name, name), f"saved plan: {reason.removeprefix('saved plan: ')}"
         path, info = module_path(node), node.meta[OP_CLASS]
-        ops = {info.key.lower(), target_name(node).lower()}
+        # (and the op table's name of it, the same under either capture: nn.MaxPool2d under
+        # torch.fx and aten.max_pool2d under torch.export are both 'max_pool2d')
+        ops = {info.key.lower(), target_name(node).lower(), _op_name(node)}
 
         def specificity(key: str) -> Optional[tuple[int, int]]:
             if key == f"node:{node.name}" or (key == node.name and key not in self._modules):

@@ -236,6 +236,18 @@ def test_override_by_op_and_by_class_and_precedence():
     assert gm.plan.node("blocks_2_0").dtype == "bfloat16"  # a module path beats an op class
 
 
+def test_an_op_override_by_the_op_table_s_name_matches_under_either_capture():
+    """'op:' matched the op as captured: nn.ReLU under torch.fx, aten.relu under torch.export;
+    'op:relu' (and the ONNX hint's 'op:*max_pool*' for nn.MaxPool2d) matched nothing under
+    torch.fx. The op table's name of the op matches under both."""
+    model, x = _blocks()
+    for capture in ({}, {"mode": "train"}):  # (training captures with torch.export)
+        gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules", target=GPU,
+                             overrides={"op:relu": "fp32"}, **capture)
+        relus = [r for r in gm.plan.compute_nodes if r.module.endswith(".1")]
+        assert len(relus) == 3 and all(r.dtype == "float32" for r in relus), gm.plan.capture
+
+
 def test_override_that_matches_nothing_is_a_warning_naming_it(caplog):
     model, x = _blocks()
     with caplog.at_level(logging.WARNING, logger="mpgraph"):

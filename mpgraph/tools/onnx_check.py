@@ -402,7 +402,10 @@ def _hint(error: Exception, path: str) -> str:
                       if _takes_bf16(op, v)), None)
     except Exception:  # noqa: BLE001 (a hint only)
         return ""
-    keep = (f"keep it float32 (mpgraph.convert with overrides={{'op:*{op.lower()}*': 'fp32'}}, "
+    torch_op = _TORCH_OPS.get(op)  # (overrides name torch's ops: 'op:*maxpool*' matched none)
+    keep = (f"keep it float32 (mpgraph.convert with overrides={{'op:*{torch_op}*': 'fp32'}}, "
+            "then export_onnx of the module it returns)" if torch_op else
+            f"keep the ops it comes from float32 (mpgraph.convert with overrides= naming them, "
             "then export_onnx of the module it returns)")
     if since is None:
         return (f"\n  (ONNX's {op} takes no bfloat16 at any opset: export with dtype='fp16', or "
@@ -410,6 +413,12 @@ def _hint(error: Exception, path: str) -> str:
     return (f"\n  (ONNX's {op} takes bfloat16 from opset {since}, this file is opset {opset}: "
             f"export with opset={since} or later where your runtime runs a bfloat16 {op}, with "
             f"dtype='fp16', or {keep})")
+
+
+# ONNX ops without bfloat16 at some opsets, by the torch op an override names ('op:<glob>')
+_TORCH_OPS = {"Einsum": "einsum", "MaxPool": "max_pool", "AveragePool": "avg_pool",
+              "GlobalAveragePool": "adaptive_avg_pool", "Conv": "conv", "ConvTranspose":
+              "conv_transpose", "LpNormalization": "normalize"}
 
 
 def _takes_bf16(op: str, version: int) -> bool:
