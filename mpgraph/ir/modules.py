@@ -1226,13 +1226,11 @@ class ConvertedModule(torch.fx.GraphModule):
         except Exception:  # noqa: BLE001 (inputs that do not map: nothing to say here)
             return []
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        # (one the plan's casts alone read takes any float dtype: they give it the planned one,
-        # and a float16 input to an fp16 plan computed exactly what a float32 one does)
         return [(node.name, v.dtype, info.dtype) for node, v in zip(placeholders, values)
                 if isinstance(v, torch.Tensor) and v.is_floating_point()
                 and isinstance(info := node.meta.get(TENSOR), TensorInfo)
                 and info.dtype.is_floating_point and info.dtype != v.dtype
-                and not (node.users and all(is_inserted_cast(u) for u in node.users))]
+                and not _cast_only(node)]
 
     def _check_tied(self, names: tuple) -> None:
         """Names that held one parameter when converted still hold the same values (the graph
@@ -1322,12 +1320,12 @@ class ConvertedModule(torch.fx.GraphModule):
         self._fixed_defaults()
         # the float dtypes the inputs were converted with (checked on each call, in __call__);
         # none when the model's own code casts or reads a dtype: it may take other dtypes
-        # (nor those the plan's casts alone read: any float dtype is theirs; under torch.compile
-        # the check of one sent every call through a graph break, fullgraph refused it)
+        # (nor those the plan's casts alone read; under torch.compile the check of one sent
+        # every call through a graph break, and fullgraph refused it)
         self.__dict__["_input_dtypes"] = frozenset() if _reads_dtypes(self.graph) else frozenset(
             info.dtype for n in self.graph.nodes if n.op == "placeholder"
             and isinstance(info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point
-            and not (n.users and all(is_inserted_cast(u) for u in n.users)))
+            and not _cast_only(n))
         return code
 
     def _fixed_defaults(self) -> None:
@@ -1464,6 +1462,12 @@ class _DefaultsPyTreeCodeGen(_PyTreeCodeGen):
         if names:
             code += self.gen_var_bindings(fn_args, names, expanded_def)
         return code
+
+
+def _cast_only(placeholder: torch.fx.Node) -> bool:
+    """An input the plan's casts alone read: it takes any float dtype (they give it the planned
+    one; a float16 input to an fp16 plan computes exactly what a float32 one does)."""
+    return bool(placeholder.users) and all(is_inserted_cast(u) for u in placeholder.users)
 
 
 _CAST_METHODS = frozenset(("float", "double", "half", "bfloat16", "to", "type", "type_as"))
