@@ -148,7 +148,7 @@ class ChannelsLast(Pass):
                         and user.meta.get(INSERTED_BY) != self.name:
                     reached.add(user)
                     stack.append(user)
-        copies: dict = {}
+        copies = []
         seen: set = set()  # (each read once: a diamond of elementwise ops doubled the walk)
 
         def restore(user: torch.fx.Node, x) -> None:
@@ -158,9 +158,9 @@ class ChannelsLast(Pass):
             seen.add((user, x))
             layout = _model_layout(x)
             if layout in MEMORY_FORMATS and not is_inplace(user, gm):
-                if (x, user) not in copies:  # (just before it: after whatever writes into x)
-                    copies[x, user] = self._copy(gm, x, MEMORY_FORMATS[layout], user)
-                user.replace_input_with(x, copies[x, user])
+                # (just before it: after whatever writes into x)
+                copies.append(self._copy(gm, x, MEMORY_FORMATS[layout], user))
+                user.replace_input_with(x, copies[-1])
             elif not (is_inplace(user, gm) and is_view(x)):
                 # strides of no plain layout (a slice, a transpose), a tuple, or ``user`` writes
                 # into ``x`` (``empty_like(h).exponential_()``): the model's layout where ``x``
