@@ -444,17 +444,19 @@ class AssignPrecision(Pass):
         if not runtime:
             return Decision(FP32, "no low-precision input: stays float32")
         kinds = {dec[a].dtype for a in runtime}
-        # the model's own low values beside ours (a bf16 base model's Linear added to a float32
-        # LoRA branch planned fp16): torch promotes bf16 with fp16 to float32
+        # the model's own values in another float dtype beside ours (a bf16 base model's Linear
+        # added to a float32 LoRA branch planned fp16: torch promotes bf16 with fp16 to float32;
+        # a float64 scale: float64): the node cannot compute in ours
         theirs = {info.dtype for a in inputs if a not in stored and a not in runtime
                   and isinstance(info := a.meta.get(TENSOR), TensorInfo) and info.shape != ()
-                  and info.dtype in (torch.float16, torch.bfloat16)  # (a 0-dim one takes ours)
+                  and info.dtype.is_floating_point and info.dtype != FP32  # (0-dim: takes ours)
                   and torch.promote_types(info.dtype, self.low) != self.low}
         if theirs:
             own = "/".join(sorted(dtype_name(d) for d in theirs))
+            made = "/".join(sorted({dtype_name(torch.promote_types(d, self.low)) for d in theirs}))
             return Decision(FP32, f"reads the model's own {own} value: with "
-                                  f"{dtype_name(self.low)} inputs torch computes it in float32 "
-                                  "(type promotion): stays float32")
+                                  f"{dtype_name(self.low)} inputs torch computes it in {made} "
+                                  "(type promotion): not planned low")
         if op_info.params_as_values and any(a in stored for a in inputs):
             return Decision(FP32, "adds or joins a float32 parameter to activations (a position "
                                   "embedding, a class token): stays float32")

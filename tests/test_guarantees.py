@@ -1016,3 +1016,51 @@ def test_mpgraph_errors_pickle_and_copy_with_their_fields():
             assert type(again) is type(error) and str(again) == str(error)
     assert pickle.loads(pickle.dumps(ValueCheckError("m", 0.1, 0.0156, torch.float16))).dtype \
         == torch.float16
+
+
+class Float64Scale(nn.Module):
+    """A float32 model with one float64 parameter (a learnt scale)."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 10)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 64, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x) * self.scale).float())
+
+
+def test_a_node_reading_the_models_own_float64_value_is_not_planned_low():
+    """fp16 times the model's float64 parameter computes in float64 (type promotion): the plan
+    said "converted 3/4 nodes to float16", the mul among them, and the check agreed."""
+    torch.manual_seed(0)
+    model, x = Float64Scale().eval(), torch.randn(8, 64)
+    fast = mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules")
+    mul = fast.plan.node("mul")
+    assert mul.dtype == "float32" and "reads the model's own float64 value: with float16 inputs " \
+        "torch computes it in float64" in mul.reason
+    assert {r.name for r in fast.plan.low_nodes} == {"a", "b"}
+    assert rel_err(fast(x), model(x)) == pytest.approx(fast.plan.check["error"], rel=1e-3)
+
+
+class Bf16Table(nn.Module):
+    """A float32 model that keeps a lookup table as a bf16 buffer."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("table", torch.randn(16, 16).bfloat16())
+
+    def forward(self, x):
+        return self.fc(x) + (x.bfloat16() @ self.table).float()
+
+
+def test_a_float32_model_with_a_bf16_buffer_is_checked_as_it_computes():
+    """Its plan said "kept all nodes in float32 ... error 0 vs float32" with no warning, where
+    the model itself computes part of its output in bf16."""
+    torch.manual_seed(0)
+    model, x = Bf16Table().eval(), torch.randn(4, 16)
+    with pytest.warns(UserWarning, match=r"Bf16Table holds bfloat16 parameters and buffers "
+                                         r"\(1 of 3\) beside float32 ones"):
+        fast = mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules")
+    assert "vs float32" not in fast.plan.summary()
+    assert "vs the model as it computes" in fast.plan.summary()
+    assert rel_err(fast(x), model(x)) == pytest.approx(fast.plan.check["error"], rel=1e-3)
