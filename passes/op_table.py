@@ -152,7 +152,8 @@ def _table(*groups: dict[str, OpEntry]) -> dict[str, OpEntry]:
 # else a name of ours for an op only other spellings have (getitem, identity, count_batches).
 OPS: dict[str, OpEntry] = _table(
     _ops(TENSOR_CORE, _MATMUL, """matmul mm bmm baddbmm addmm addbmm addmv mv addr einsum linear
-         bilinear chain_matmul linalg_multi_dot linalg_vecdot _addmm_activation"""),
+         bilinear chain_matmul linalg_multi_dot linalg_vecdot _addmm_activation _grouped_mm
+         transformers.grouped_mm_fallback"""),
     _ops(TENSOR_CORE, _CONV, """convolution _convolution conv1d conv2d conv3d conv_transpose1d
          conv_transpose2d conv_transpose3d conv_tbc cudnn_convolution
          cudnn_convolution_transpose"""),
@@ -449,7 +450,9 @@ class OpTable:
                     for key in (target, packet):
                         if key in table:
                             return name, table[key]
-                return name, None
+                # another library's op registered after this table was built (transformers'
+                # MoE experts, grouped_mm_fallback, on its first import): by its name
+                return name, OPS.get(name)
             if isinstance(target, torch._ops.OpOverloadPacket):
                 name = str(target)
                 for table in (self.extra, self.aten):
