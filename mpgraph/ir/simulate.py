@@ -117,15 +117,20 @@ def _recurrent(module: torch.nn.Module, low: torch.dtype, args, kwargs):
                    kwargs)
 
 
+# the cells, and the whole layers as torch.export keeps an nn.GRU/LSTM/RNN (``aten.gru.input``;
+# ``.data``: a PackedSequence): the op the module's own forward calls, its flat weights arguments
 _RECURRENT_OPS = {getattr(torch.ops.aten, name).default for name in
-                  ("gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell")}
+                  ("gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell")} | \
+                 {getattr(getattr(torch.ops.aten, name), overload) for overload in ("input", "data")
+                  for name in ("gru", "lstm", "rnn_tanh", "rnn_relu")}
 
 
 def _recurrent_op(target, low: torch.dtype, args, kwargs):
-    """A recurrent cell as torch.export keeps it (``aten.gru_cell``: a hand-written loop over
-    ``nn.GRUCell``) run in ``low`` by this machine's kernel, as ``_recurrent`` runs the modules
-    (its gates' pre-activations are stored low: a 30-step LSTMCell loop erred 2x the
-    simulation's); None for any other op, or where this machine has no such kernel."""
+    """A recurrent layer or cell as torch.export keeps it (``aten.gru.input``: an nn.GRU;
+    ``aten.gru_cell``: a hand-written loop over ``nn.GRUCell``) run in ``low`` by this machine's
+    kernel, as ``_recurrent`` runs the modules (the state, and a cell's gates' pre-activations,
+    are stored low: a 2-layer GRU erred 2x the simulation's, a 30-step LSTMCell loop 2x); None
+    for any other op, or where this machine has no such kernel."""
     return _in_low(target, low, args, kwargs) if target in _RECURRENT_OPS else None
 
 
