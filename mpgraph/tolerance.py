@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +27,8 @@ from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, input_no
                               is_view, mutated_nodes, run_recording, seeded, state_kept)
 from mpgraph.ir.simulate import SimulatingInterpreter, run_simulated
 from mpgraph.numerics import float_leaves, relative_l2, worst_error
-from mpgraph.ir.meta import ESTIMATE, PRECISION, cast_source, dtype_name, is_inserted_cast
+from mpgraph.ir.meta import (ESTIMATE, PRECISION, TENSOR, cast_source, dtype_name,
+                             is_inserted_cast)
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +93,25 @@ def attribute(base: torch.fx.GraphModule, converted: torch.fx.GraphModule, call,
         if unranked:  # (views and values written in place: their local error, the same scale)
             local = _local(base, converted, call, conv, unranked, written, runner)
             shares.update({name: local.get(name, 0.0) for name in unranked})
-        return shares
-    return _local(base, converted, call, conv, low_nodes, written, runner)
+        return _to_producers(converted, shares)
+    return _to_producers(converted, _local(base, converted, call, conv, low_nodes, written, runner))
+
+
+def _to_producers(converted: torch.fx.GraphModule, added: dict[str, float]) -> dict[str, float]:
+    """The errors of a multi-output op's items (an nn.GRU's output and state) charged to the op,
+    the largest of them (each an item, a view, ranked by its local error: the same rounding seen
+    twice): its own value is a tuple, which gets none, and an item comes out in the op's dtype,
+    so a pin on it is not applied (the search logged its own pins as user overrides not applied,
+    then found no node left to pin with the GRU still low)."""
+    nodes = {n.name: n for n in converted.graph.nodes}
+    charged: dict[str, float] = {}
+    for name, e in added.items():
+        node = nodes[name]
+        while node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) \
+                and isinstance(node.args[0].meta.get(TENSOR), (tuple, list)):
+            node = node.args[0]  # (nested: nn.LSTM's (out, (h, c)))
+        charged[node.name] = max(charged.get(node.name, e), e)
+    return charged
 
 
 def _shares(base, call, conv: dict, low_nodes: list, output, written: set,

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from conftest import GPU, convert_rules, kernels_only, small_bert
+from conftest import GPU, convert_rules, kernels_only, rel_err, small_bert
 
 import mpgraph
 from mpgraph.frontend.capture import capture
@@ -532,3 +532,39 @@ def test_range_expanding_op_proven_in_range_is_follow_and_classify_before_calibr
     with pytest.raises(PassError, match="ClassifyOps ran before Calibrate"):
         run_passes([ClassifyOps(FP16), Calibrate([(x,)]), NumericSafety(FP16)],
                    capture(_Exp(), (x,)))
+
+
+class _Tagger(nn.Module):
+    """A recurrent layer alone; ``counting``: a call counter, which sends the capture to
+    torch.export (the layer then an aten.gru.input node, nn.LSTM's items nested: (out, (h, c)))."""
+
+    def __init__(self, kind, counting):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(32, 64, num_layers=2, batch_first=True)
+        self.counting = counting
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.counting:
+            self.calls += 1
+        out, _ = self.rnn(x)
+        return out
+
+
+@pytest.mark.parametrize("kind,counting", [("GRU", False), ("LSTM", True)])
+def test_the_tolerance_search_pins_a_recurrent_layer_not_its_items(kind, counting, caplog):
+    """A recurrent layer's value is a tuple, which got no error: the search pinned its items
+    (out, h_n), which come out in the layer's dtype, logged its own pins as "user override
+    ('getitem') ... not applied", then stopped at "no bfloat16 node left to pin" with the layer
+    still bf16. An item's error is charged to the op that produces it."""
+    import logging
+    torch.manual_seed(0)
+    model, x = _Tagger(kind, counting).eval(), torch.randn(4, 10, 32)
+    with caplog.at_level(logging.WARNING, logger="mpgraph"):
+        fast = convert_rules(model, (x,), dtype=BF16, tolerance=1e-3)
+    assert fast.plan.capture.startswith("torch.export") == counting
+    assert not [r for r in caplog.records if "not applied" in r.getMessage()]
+    (name, _), = fast.plan.tolerance["pinned"]
+    assert fast.plan.node(name).module == "rnn" and fast.plan.node(name).dtype == "float32"
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) <= 1e-3
