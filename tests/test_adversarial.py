@@ -734,6 +734,45 @@ def test_a_captured_tensor_argument_left_out_and_an_attribute_set_later_are_said
         scaled.temperature = 2.0
 
 
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.temperature, self.enabled = nn.Linear(16, 10), 1.0, True
+
+    def forward(self, h):
+        logits = self.fc(h) / self.temperature
+        return logits.softmax(-1) if self.enabled else logits
+
+
+class WithHead(nn.Module):
+    def __init__(self, export: bool = False):
+        super().__init__()
+        self.body, self.head, self.export = nn.Linear(16, 16), Head(), export
+
+    def forward(self, x):
+        if self.export:
+            assert x.shape[-1] == 16  # (fx cannot trace it: torch.export's graph)
+        return self.head(self.body(x).relu())
+
+
+@pytest.mark.parametrize("export", [False, True])
+def test_an_attribute_of_a_traced_through_submodule_set_later_is_said(export):
+    torch.manual_seed(0)
+    fast = mpgraph.convert(WithHead(export).eval(), _x(4, 16))
+    for module in (fast, copy.deepcopy(fast), copy.copy(fast)):
+        with pytest.warns(UserWarning, match=r"WithHead\.head\.temperature was 1\.0 when the "
+                                             r"model was converted.*setting it to 2\.0 here "
+                                             r"changes nothing"):
+            module.head.temperature = 2.0
+        with pytest.warns(UserWarning, match=r"WithHead\.head\.enabled was True"):
+            module.head.enabled = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast.head.enabled = True  # the value converted with, or a new name: nothing to say
+        fast.head.note = "x"
+    assert "(head): Module(" in repr(fast)
+
+
 class TrainBranch(nn.Module):
     def __init__(self):
         super().__init__()

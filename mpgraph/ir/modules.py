@@ -215,9 +215,14 @@ class CallSignature:
                 kinds.empty else "no value for it")
             for n, v in given.items() if n in self.fixed and not (n == "use_cache" and v is False)
             and (defaults.get(n, kinds.empty) is kinds.empty or not _same(v, defaults[n]))}
-        # the model's own plain Python attributes (a temperature, a flag): traced as constants
-        self.attributes = {k: v for k, v in vars(model).items() if not k.startswith("_")
-                           and k != "training" and not isinstance(v, (torch.Tensor, torch.nn.Module))}
+        # the model's own plain Python attributes (a temperature, a flag): traced as constants;
+        # so are those of each submodule the graph traced through, by dotted path (a submodule
+        # the graph calls, fx's leaf, reads its own when it runs)
+        called = tuple(str(n.target) for n in graph.graph.nodes if n.op == "call_module")
+        self.attributes = {
+            f"{path}.{k}" if path else k: v for path, module in model.named_modules()
+            if not any(path == c or path.startswith(c + ".") for c in called)
+            for k, v in _plain_attributes(module).items()}
 
     def check(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Raise TypeError for a call the graph cannot honour; else the (args, kwargs) to call
@@ -298,6 +303,53 @@ class CallSignature:
                 f"argument {name!r} was {was} ({want!r}) when {self.model} was converted, and the "
                 f"converted graph computes with that value: {_shown(value)} would be ignored. "
                 f"{way[0].upper()}{way[1:]}")
+
+
+def _plain_attributes(module: torch.nn.Module) -> dict:
+    """A module's own plain Python attributes (not tensors, submodules, private names or the
+    training flag): what a trace reads as constants."""
+    return {k: v for k, v in vars(module).items() if not k.startswith("_")
+            and k != "training" and not isinstance(v, (torch.Tensor, torch.nn.Module))}
+
+
+def _warn_attribute_ignored(where: str, was, value) -> None:
+    warnings.warn(f"{where} was {_shown(was)} when the model was converted, and the converted "
+                  f"graph computes with that value: setting it to {_shown(value)} here changes "
+                  "nothing. Set it on the model and convert again (or make it a tensor: "
+                  "register_buffer, read at run time)", UserWarning, stacklevel=3)
+
+
+class _TracedThrough(torch.nn.Module):
+    """A submodule of a converted module whose forward the graph traced through (fx's bare
+    holder of its weights): its Python attributes were read as constants, so setting one of
+    them warns, as on the converted module itself."""
+
+    def __setattr__(self, name, value):
+        where, attributes = self.__dict__.get("_captured_attributes", ("", {}))
+        if name in attributes and not _same(value, attributes[name]):
+            _warn_attribute_ignored(f"{where}.{name}", attributes[name], value)
+        super().__setattr__(name, value)
+
+    def _get_name(self):
+        return "Module"  # (its repr, as before)
+
+
+def _mark_traced_through(gm: torch.nn.Module, signature: CallSignature) -> None:
+    """The submodules of ``gm`` that hold the attributes of a traced-through submodule of the
+    model (fx's bare ``nn.Module`` holders) made ``_TracedThrough``."""
+    held: dict = {}
+    for key, value in signature.attributes.items():
+        path, _, name = key.rpartition(".")
+        if path:
+            held.setdefault(path, {})[name] = value
+    for path, attributes in held.items():
+        try:
+            module = gm.get_submodule(path)
+        except AttributeError:  # (one without weights: the converted module has none there)
+            continue
+        if type(module) in (torch.nn.Module, _TracedThrough):
+            module.__class__ = _TracedThrough
+            module.__dict__["_captured_attributes"] = (f"{signature.model}.{path}", attributes)
 
 
 def _structure(value) -> tuple[str, str]:
@@ -1133,15 +1185,13 @@ class ConvertedModule(torch.fx.GraphModule):
         if name == "call_signature":
             super().__setattr__(name, value)
             self._fixed_defaults()
+            if value is not None:
+                _mark_traced_through(self, value)
             return
         signature = self.__dict__.get("call_signature")
         if signature is not None and name in signature.attributes \
                 and not _same(value, signature.attributes[name]):
-            warnings.warn(f"{signature.model}.{name} was {_shown(signature.attributes[name])} when "
-                          f"the model was converted, and the converted graph computes with that "
-                          f"value: setting it to {_shown(value)} here changes nothing. Set it on "
-                          "the model and convert again (or make it a tensor: register_buffer, "
-                          "read at run time)", UserWarning, stacklevel=2)
+            _warn_attribute_ignored(f"{signature.model}.{name}", signature.attributes[name], value)
         super().__setattr__(name, value)
 
     def __call__(self, *args, **kwargs):
