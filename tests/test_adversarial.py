@@ -10,10 +10,12 @@ from __future__ import annotations
 import collections
 import copy
 import io
+import random
 import threading
 import types
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -1136,6 +1138,38 @@ def test_a_forward_that_changes_python_attributes_is_said_not_silent(cls, words)
         assert not [w for w in later if "Python attributes" in str(w.message)]  # none changes
         other = _x(3, 5, 16, seed=4)
         assert relative_l2(fast(other), model(other)) < TOL["fp16"]
+
+
+STEP = 0
+
+
+class GlobalStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        global STEP
+        STEP += 1  # a warm-up driven by a module global
+        return self.fc(x) * min(1.0, STEP / 10) * (1 + random.random()) * (1 + np.random.rand())
+
+
+def test_a_forward_that_writes_a_module_global_is_said_and_it_is_put_back():
+    """The tracers and the eager comparison ran the forward three times: STEP went 0 -> 3 and
+    stayed, silently (the graph froze one value, as for ``self.step``, which warned), and
+    Python's and numpy's random streams were advanced, where torch's is put back."""
+    global STEP
+    STEP = 0
+    random.seed(0)
+    np.random.seed(0)
+    drawn = random.random(), np.random.rand()
+    random.seed(0)
+    np.random.seed(0)
+    with pytest.warns(UserWarning, match=r"GlobalStep's forward changes module globals: "
+                                         r"global STEP \(0 -> 1\).*register_buffer"):
+        mpgraph.convert(GlobalStep().eval(), (_x(2, 16),))
+    assert STEP == 0
+    assert (random.random(), np.random.rand()) == drawn  # the caller's streams as they were
 
 
 def test_a_value_cast_to_a_weights_dtype_follows_the_models_dtype():

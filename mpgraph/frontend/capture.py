@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import BUILT_CACHE_FIX, EAGER, KV_CACHE_FIX, CaptureError
 from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
-from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view,
+from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, python_rng_kept,
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
 from mpgraph.ir.meta import (CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, FP32_REGION, OBSERVED,
                              READS_TRAINING, STATIC_SHAPES)
@@ -458,7 +458,7 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
     depth = len(torch._C._functorch.get_interpreter_stack() or ())
-    with _CAPTURE_LOCK, fake_mode(abstract):
+    with _CAPTURE_LOCK, fake_mode(abstract), python_rng_kept():  # (the tracers run the forward)
         try:
             gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         finally:
@@ -1168,11 +1168,48 @@ def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:
             f"({', '.join(written)}), which fx would make once for every call")
 
 
+class _State(dict):
+    """``_python_state``: the attributes by (module path, name); ``globals``, the module globals
+    the forwards assign, as (namespace, name, value)."""
+    globals: list
+
+
 def _python_state(model: torch.nn.Module) -> dict:
     """Each module's own Python attributes (``self.step``, ``self.initialised``, ``self.cache``),
-    with a copy of the lists, dicts and sets among them: what a forward may change that no graph
-    records."""
-    return {where: (value, _contents(value)) for where, value in _user_attributes(model)}
+    with a copy of the lists, dicts and sets among them, and the module globals its forwards
+    assign (``global STEP; STEP += 1``): what a forward may change that no graph records."""
+    state = _State({where: (value, _contents(value)) for where, value in _user_attributes(model)})
+    state.globals = [(namespace, name, namespace.get(name, _ABSENT))
+                     for namespace, name in _globals_written(model)]
+    return state
+
+
+_ABSENT = object()
+
+
+def _globals_written(model: torch.nn.Module) -> list:
+    """(namespace, name) of each module global that the methods of the user's module classes
+    (not torch's or transformers') assign or delete: STORE_GLOBAL in their bytecode."""
+    import dis
+    found = {}
+
+    def scan(code, namespace):
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                found[(id(namespace), ins.argval)] = (namespace, ins.argval)
+        for const in code.co_consts:  # nested functions, lambdas and comprehensions
+            if hasattr(const, "co_code"):
+                scan(const, namespace)
+
+    for kind in {type(m) for m in model.modules()}:
+        for cls in kind.__mro__:
+            if cls.__module__.startswith(("torch.", "transformers.", "builtins")):
+                continue
+            for function in vars(cls).values():
+                code = getattr(function, "__code__", None)
+                if code is not None and hasattr(function, "__globals__"):
+                    scan(code, function.__globals__)
+    return list(found.values())
 
 
 def _user_attributes(model: torch.nn.Module):
@@ -1242,6 +1279,16 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
             changed.append(f"self.{path + '.' if path else ''}{key} (deleted)")
             if restore:
                 setattr(model.get_submodule(path), key, old)
+    for namespace, key, old in getattr(before, "globals", ()):
+        value = namespace.get(key, _ABSENT)
+        if value is old or (type(value) is type(old) and not _differ(value, old)):
+            continue
+        changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
+        if restore:
+            if old is _ABSENT:
+                namespace.pop(key, None)
+            else:
+                namespace[key] = old
     return changed
 
 
@@ -1259,7 +1306,10 @@ def _say_what_state_changes(model: torch.nn.Module, changed: list[str]) -> None:
     initialisation) is frozen at its value when traced. Said, once; a cache the forward fills
     the same way each call (rotary tables, a recorded shape) is harmless."""
     shown = sorted(set(changed))
-    warnings.warn(f"{type(model).__name__}'s forward changes its Python attributes: "
+    what = " and ".join(w for w, said in (
+        ("its Python attributes", any(c.startswith("self.") for c in shown)),
+        ("module globals", any(c.startswith("global ") for c in shown))) if said)
+    warnings.warn(f"{type(model).__name__}'s forward changes {what}: "
                   f"{', '.join(shown[:5])}{' ...' if len(shown) > 5 else ''}. The converted graph "
                   "neither keeps nor reads them again: it computes with their values when it was "
                   "traced, so a counter or a first-call initialisation does not go on as in the "
@@ -1284,6 +1334,8 @@ def _plain(value):
 
 
 def _brief_value(value) -> str:
+    if value is _ABSENT:
+        return "unset"
     if value is None or isinstance(value, (bool, int, float, str)):
         text = repr(value)
         return text if len(text) <= 40 else text[:37] + "..."

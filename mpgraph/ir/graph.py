@@ -8,6 +8,7 @@ import inspect
 import logging
 import math
 import operator
+import sys
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -280,9 +281,25 @@ def seeded():
     converted graph compare mask for mask), without consuming the caller's random stream."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() \
         and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), python_rng_kept():
         torch.manual_seed(RUN_SEED)
         yield
+
+
+@contextlib.contextmanager
+def python_rng_kept():
+    """Python's ``random`` and numpy's global streams put back after the block: a forward that
+    draws from them (``x * random.random()``) ran for conversion's ends, and a seeded script
+    drew other numbers after ``convert``."""
+    import random
+    numpy = sys.modules.get("numpy")  # (imported by now if the forward uses it)
+    saved = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        if saved[1] is not None:
+            numpy.random.set_state(saved[1])
 
 
 def run_kept(module: torch.nn.Module, args: tuple, kwargs: dict):
