@@ -1172,6 +1172,44 @@ def test_a_forward_that_writes_a_module_global_is_said_and_it_is_put_back():
     assert (random.random(), np.random.rand()) == drawn  # the caller's streams as they were
 
 
+class SafeCholesky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        a = h.T @ h  # positive definite when x has 8 rows or more
+        try:
+            return torch.linalg.cholesky(a)
+        except RuntimeError:  # singular: add jitter (gpytorch's psd_safe_cholesky)
+            return torch.linalg.cholesky(a + 1e-3 * torch.eye(8))
+
+
+class OptionalImport(SafeCholesky):
+    def forward(self, x):
+        try:
+            import scipy  # noqa: F401
+        except ImportError:
+            pass
+        return self.fc(x)
+
+
+def test_a_try_except_in_a_traced_forward_is_said():
+    """The graph holds the try path the example took: an input that makes the model take the
+    except path failed in the converted module with torch's LinAlgError, with not a word at
+    conversion. The warning names the line and the way out; a handler of ImportError alone
+    (about the environment, not the inputs) says nothing."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"SafeCholesky's forward catches exceptions: "
+                                         r"test_adversarial\.py:\d+: try:.*path the example "
+                                         r"inputs took.*cholesky_ex"):
+        mpgraph.convert(SafeCholesky().eval(), (_x(16, 8),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        mpgraph.convert(OptionalImport().eval(), (_x(16, 8),))
+
+
 def test_a_value_cast_to_a_weights_dtype_follows_the_models_dtype():
     """``x.to(self.proj.weight.dtype)`` (diffusers', CLIP's idiom) and a factory given
     ``dtype=h.dtype`` ask the model's precision, float32. The traced reads answered with the

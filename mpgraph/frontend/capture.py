@@ -1042,6 +1042,52 @@ def _users_hooks(module: torch.nn.Module, kinds: tuple = _FORWARD + _BACKWARD) -
         "transformers.utils.output_capturing")]
 
 
+def _say_where_exceptions_are_caught(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """A try/except in a user forward the graph traced through is a Python branch no tracer
+    sees: the graph holds the path the example inputs took, and an input for which the model
+    takes the other one gets the traced path (torch's own error where the model caught it: a
+    safe cholesky's fallback). Said, naming the line; a warning, as most handlers never fire."""
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    found = []
+    for path, m in model.named_modules():
+        forward = getattr(type(m), "forward", None)
+        if getattr(forward, "__code__", None) is None \
+                or type(m).__module__.startswith(("torch.", "transformers.")) \
+                or any(path == c or path.startswith(c + ".") for c in called):
+            continue
+        where = _caught_in(forward)
+        if where:
+            found.append(f"{where} (in the forward of {path or type(model).__name__})")
+    if found:
+        warnings.warn(
+            f"{type(model).__name__}'s forward catches exceptions: {'; '.join(found[:3])}. The "
+            "converted graph holds the path the example inputs took, on every input: where the "
+            "model would take the other branch, the converted module does not (it computes the "
+            "traced one, or raises the error the model caught). Compute such a fallback with "
+            "tensors (torch.linalg.cholesky_ex and torch.where, torch.cond), or keep that part "
+            "out of the graph: convert the parts before and after it", UserWarning, stacklevel=5)
+
+
+def _caught_in(function) -> Optional[str]:
+    """The first ``try`` with an ``except`` in a function's source, as "file:line: try:", or
+    None (no source; handlers of ImportError alone, which are about the environment)."""
+    import ast
+    import textwrap
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    imports = {"ImportError", "ModuleNotFoundError"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))) and any(
+                not {getattr(n, "id", None) for n in ([h.type] if not isinstance(
+                    h.type, ast.Tuple) else h.type.elts)} <= imports for h in node.handlers):
+            code = function.__code__
+            return (f"{os.path.basename(code.co_filename)}:"
+                    f"{code.co_firstlineno + node.lineno - 1}: try:")
+    return None
+
+
 def _say_what_hooks_do(gm: torch.fx.GraphModule, model: torch.nn.Module, train: bool) -> None:
     """Forward hooks on modules the graph does not call ran while the model was traced: what
     they compute is in the graph, but they do not run again (a hook that appends to a list,
@@ -1449,6 +1495,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         _keep_persistence(gm, model)
         _keep_aliases(gm, model)
         _say_what_hooks_do(gm, work, export_only)
+        _say_where_exceptions_are_caught(gm, work)
         keep_backward_hooks(gm, work)
         readers = reads_training(work)
         if readers:
