@@ -19,6 +19,21 @@ BUILT_CACHE_FIX = ("the model returns a cache object though use_cache=False was 
                    "without that adapter (peft: model.get_base_model() holds LoRA-style "
                    "layers), or call it from a forward of your own that returns the logits alone")
 
+# a tensor's value turned into a Python number (`int(t)`, a length to slice with): .item() is
+# what the graph keeps, torch.cond is no way out for it
+VALUE_AS_NUMBER_FIX = (
+    "the code at the line named above turns a tensor's value into a Python number (`int(t)`, "
+    "`float(t)`), which no tracer keeps in its graph: write `t.item()` instead (`T = "
+    "lengths.max().item()`), which the graph computes on each call; where torch.export then "
+    "asks about its range, state it, `torch._check(T >= 0)`. A branch on the value needs "
+    "torch.cond(pred, true_fn, false_fn, (x,))")
+VALUE_BRANCH_FIX = (
+    "the code at the line named above reads a tensor's value in Python (a branch on it, `if "
+    "x.sum() > 0:`, `if t.item() > 0:`), which no tracer captures as one graph. Write a "
+    "branch with torch.cond(pred, true_fn, false_fn, (x,)), make the value static (a Python "
+    "bool argument, a shape, a module attribute), or keep that submodule out of the graph: "
+    "convert the parts before and after it and call them from your own forward")
+
 CAPTURE_FIXES = (
     (("is wrapped by torch.distributed",),
      "convert the unwrapped model (ddp.module, or the model before fully_shard), then wrap the "
@@ -41,12 +56,9 @@ CAPTURE_FIXES = (
      "it on the model itself (the model's own backward hooks are kept on the converted "
      "module), or keep that submodule out of the converted graph (convert the parts before "
      "and after it and call it, hooked, from your own forward)"),
+    (("Could not extract specialized integer",), VALUE_AS_NUMBER_FIX),
     (("cannot be used as inputs to control flow", "data-dependent", "DataDependent"),
-     "the code at the line named above reads a tensor's value in Python (a branch on it, `if "
-     "x.sum() > 0:`, or `float(t)`, `.item()`), which no tracer captures as one graph. Write a "
-     "branch with torch.cond(pred, true_fn, false_fn, (x,)), make the value static (a Python "
-     "bool argument, a shape, a module attribute), or keep that submodule out of the graph: "
-     "convert the parts before and after it and call them from your own forward"),
+     VALUE_BRANCH_FIX),
     (("DynamicCache", "Cache in output", "past_key_values"), KV_CACHE_FIX),
     (("must be deep-copyable",),
      "make copy.deepcopy(model) work (mpgraph converts a copy, so that your model is never "
@@ -108,6 +120,8 @@ class CaptureError(MpgraphError):
             self.fixes = [fix for words, fix in SOURCE_FIXES if any(w in sources for w in words)] \
                 or [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
                 or [GENERAL_FIX]
+            if VALUE_AS_NUMBER_FIX in self.fixes:  # (its report says "data-dependent" too)
+                self.fixes = [fix for fix in self.fixes if fix != VALUE_BRANCH_FIX]
         lines += [f"fix: {fix}" for fix in self.fixes]
         super().__init__("\n".join(lines))
 

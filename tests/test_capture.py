@@ -65,6 +65,20 @@ def test_capture_error_names_what_each_tracer_said_and_the_fix_without_torch_noi
     assert err == "" and out == ""
 
 
+class LengthAsInt(nn.Module):
+    def forward(self, x, lengths):
+        t = int(lengths.max())  # a length to slice with: .item() converts, torch.cond is no fit
+        return x[:, :t].sum(1) / lengths[:, None]
+
+
+def test_capture_error_for_a_value_turned_into_a_python_number_says_item_not_torch_cond():
+    with pytest.raises(mpgraph.CaptureError) as info:
+        mpgraph.capture(LengthAsInt(), (torch.randn(3, 10, 4), torch.tensor([10, 4, 7])))
+    assert len(info.value.fixes) == 1 and info.value.fixes[0].startswith(
+        "the code at the line named above turns a tensor's value into a Python number")
+    assert "write `t.item()` instead" in info.value.fixes[0]
+
+
 def test_capture_error_names_the_line_inside_a_library_module_that_stopped_the_trace():
     """BatchNorm's cumulative moving average (momentum=None) reads its batch count as a Python
     float in training: the error names torch.nn's line, not only the model's call of it."""
