@@ -16,7 +16,8 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import free_attr_name
-from mpgraph.ir.meta import CAPTURED_TRAINING, INSERTED_BY, LAYOUT, OBSERVED, TENSOR
+from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURED_TRAINING, INSERTED_BY, LAYOUT, OBSERVED,
+                             TENSOR, TensorInfo)
 from mpgraph.ir.modules import CountBatches, DropoutRate, TrainingBatchNorm, TrainingFlag
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -77,6 +78,22 @@ class FollowTrainingFlag(Pass):
         else:
             node.update_arg(position, value)
 
+    def _eval_traced(self, gm, running_mean, momentum):
+        """(momentum, batch counter node or None) of a batch norm traced in eval: its momentum
+        argument is 0.0 where the model's BatchNorm has None (a cumulative average over the
+        counter), and no node counts batches; a BatchNorm's own counter makes training count."""
+        owner = str(running_mean.target).rpartition(".")[0] if running_mean.op == "get_attr" else None
+        counter = f"{owner}.num_batches_tracked"
+        buffers = dict(gm.named_buffers())
+        if owner not in gm.meta.get(BATCH_NORM_MOMENTA, {}) or counter not in buffers:
+            return momentum, None  # (F.batch_norm over the model's own buffers: as traced)
+        node = next((n for n in gm.graph.find_nodes(op="get_attr") if n.target == counter), None)
+        if node is None:
+            with gm.graph.inserting_before(running_mean):
+                node = gm.graph.get_attr(counter)
+            node.meta.update({INSERTED_BY: self.name, TENSOR: TensorInfo.of(buffers[counter])})
+        return gm.meta[BATCH_NORM_MOMENTA][owner], node
+
     def call(self, gm):
         graph, changed = gm.graph, 0
         stale = False  # an op ran with a baked flag other than the module's: its value changes
@@ -99,8 +116,10 @@ class FollowTrainingFlag(Pass):
                 if rm is None or rv is None or node.args[5] != captured:
                     continue  # no running statistics: the flag is not baked in
                 stale |= captured != gm.training
-                module = TrainingBatchNorm(momentum, eps)
-                args = (x, w, b, rm, rv)
+                module, args = TrainingBatchNorm(momentum, eps), (x, w, b, rm, rv)
+                if not captured:
+                    module.momentum, counter = self._eval_traced(gm, rm, momentum)
+                    args += (counter,) if counter is not None else ()
             elif node.target in _TRAIN_ARGUMENT:
                 position = _TRAIN_ARGUMENT[node.target]
                 if len(node.args) <= position or node.args[position] is not captured or (

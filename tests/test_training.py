@@ -124,6 +124,41 @@ def test_batch_norm_statistics_update_like_fp32_and_conversion_leaves_them_alone
             assert torch.allclose(buffers[name], b, rtol=5e-2, atol=5e-3), name
 
 
+@pytest.mark.parametrize("momentum", [None, 0.1, 0.0])
+def test_batch_norm_captured_in_eval_by_export_trains_its_statistics_as_the_model_does(momentum):
+    """pV f2: captured by torch.export in eval, BatchNorm(momentum=None) traces its momentum as
+    0.0 and no batch counter: after .train() its running statistics never moved (running_mean
+    rel err 1.000, num_batches_tracked 0 vs 20, eval output 0.62 off). It is the cumulative
+    average again, every momentum counts batches, and momentum=0.0 still freezes them."""
+
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+            self.bn = nn.BatchNorm1d(32, momentum=momentum)
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.steps += 1  # (sends the capture to torch.export)
+            return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+    torch.manual_seed(0)
+    model = Counted().eval()
+    fast = convert_rules(model, torch.randn(8, 16), dtype=BF16)
+    assert fast.plan.capture.startswith("torch.export")
+    fast.train()
+    model.train()
+    for _ in range(4):
+        x = torch.randn(8, 16) * 2 + 1
+        fast(x)
+        model(x)
+    state = fast.state_dict()
+    assert int(state["bn.num_batches_tracked"]) == 4
+    for name in ("running_mean", "running_var"):
+        want = getattr(model.bn, name)
+        assert relative_l2(state[f"bn.{name}"], want) < 2e-2, name
+
+
 def test_train_and_eval_switch_dropout_like_the_model():
     torch.manual_seed(0)
     model = SmallTransformer(dropout=0.5).train()

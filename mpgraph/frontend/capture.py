@@ -29,8 +29,8 @@ from mpgraph.numerics import leaves
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, python_rng_kept,
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
-from mpgraph.ir.meta import (CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS, FP32_REGION, OBSERVED,
-                             READS_TRAINING, STATIC_SHAPES)
+from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
+                             FP32_REGION, OBSERVED, READS_TRAINING, STATIC_SHAPES)
 from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, keep_backward_hooks,
                                 own_parametrizations)
 from mpgraph.ir.fake import fake_mode, is_abstract
@@ -1515,6 +1515,9 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             gm.meta[STATIC_SHAPES] = True  # its input guard is then what rejects another shape
         gm.training = model.training  # a fresh GraphModule says "training"; keep the model's flag
         gm.meta[CAPTURED_TRAINING] = work.training  # (what the graph's baked flags followed)
+        gm.meta[BATCH_NORM_MOMENTA] = {
+            path: m.momentum for path, m in work.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats}
         if reports:
             log.info("captured with %s after: %s", name, "; ".join(reports))
         return gm

@@ -42,6 +42,9 @@ EVAL_ONLY = "mpgraph.eval_only"
 # by capture: a Python branch on it is fixed in the graph, and .train()/.eval() say so
 READS_TRAINING = "mpgraph.reads_training"
 CAPTURED_TRAINING = "mpgraph.captured_training"  # gm.meta: the flag the graph was traced under
+# on gm.meta: {module path: momentum} of the model's BatchNorms with running statistics, written
+# by capture: a trace in eval holds 0.0 where the momentum is None (a cumulative average)
+BATCH_NORM_MOMENTA = "mpgraph.batch_norm_momenta"
 EVAL_OUTPUTS = "mpgraph.eval_outputs"  # gm.meta: an eval model's outputs, traced in training mode
 CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckConversion's value check
 # node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that

@@ -30,21 +30,28 @@ from mpgraph.ir.meta import (EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES, T
 
 class TrainingBatchNorm(torch.nn.Module):
     """``F.batch_norm`` with the statistics of the batch in training, the running ones in eval;
-    the running statistics (arguments 3 and 4) are updated in place in training."""
+    the running statistics (arguments 3 and 4) are updated in place in training. Given the batch
+    counter (argument 5), training counts batches as nn.BatchNorm does, and momentum None is its
+    cumulative average (factor 1 / batches seen)."""
 
-    def __init__(self, momentum: float, eps: float):
+    def __init__(self, momentum: Optional[float], eps: float):
         super().__init__()
         self.momentum, self.eps = momentum, eps
 
-    def forward(self, x, weight, bias, running_mean, running_var):
+    def forward(self, x, weight, bias, running_mean, running_var, counter=None):
+        factor = self.momentum
+        if self.training and counter is not None:
+            counter.add_(1)
+            if factor is None:
+                factor = 1.0 / float(counter)
         return F.batch_norm(x, running_mean, running_var, weight, bias, self.training,
-                            self.momentum, self.eps)
+                            factor or 0.0, self.eps)
 
     @property
     def mutates_args(self) -> tuple:
-        """For mpgraph.ir.graph.mutated_nodes: the running statistics, written in training only."""
-        return (3, 4) if self.training else ()
-
+        """For mpgraph.ir.graph.mutated_nodes: the running statistics and the counter, written in
+        training only."""
+        return (3, 4, 5) if self.training else ()
 
 
 class CountBatches(torch.nn.Module):
