@@ -200,7 +200,7 @@ class AssignPrecision(Pass):
     @staticmethod
     def _safety_reason(node, rules=("range", "underflow", "constant", "weight",
                                     "unproven_range", "periodic", "conditioning",
-                                    "written_weight")) -> Optional[str]:
+                                    "written_weight", "written_buffer")) -> Optional[str]:
         """The numeric-safety findings (NumericSafety) that keep this node float32, if any."""
         found = [f for f in node.meta.get(SAFETY, ()) if f.rule in rules]
         return "numeric safety: " + "; ".join(f.evidence for f in found) if found else None

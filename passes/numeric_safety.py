@@ -51,6 +51,11 @@ constraint on a node that would otherwise compute in low precision. Rules:
   Uncalibrated (a model on the meta device), such a reader stays float32. Parameters are weights
   the model was trained with in whatever precision; their readers are not held to this, and the
   value check measures them.
+- ``written_buffer`` (fp16 only): an op that could compute low reading a float32 buffer the
+  forward writes in place (through its views), except a cache written only by stores. Calibration
+  restores the buffers between batches, so it sees their value at conversion only, never what the
+  model's own updates make of them (a VQ-VAE's EMA codebook grows to 4e5 in one call: inf in
+  fp16). bf16 has float32's range: any float32 value it is cast from fits, so it clears this.
 
 Long reductions (sum, mean, var, norms, cumsum) are float32-only by op class in every low dtype,
 so no rule is needed for them here; matmul and conv accumulate in float32 on every backend we
@@ -68,8 +73,10 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.graph import CALLS, fetch_attr, input_nodes, mutated_nodes, owner_of
-from mpgraph.ir.meta import FUSED, OP_CLASS, RANGE, SAFETY, OpInfo, SafetyFinding, ValueRange, dtype_name
+from mpgraph.ir.graph import (CALLS, fetch_attr, input_nodes, is_inplace, is_view, mutated_nodes,
+                              owner_of, stored_into_only)
+from mpgraph.ir.meta import (FUSED, OP_CLASS, RANGE, SAFETY, TENSOR, OpInfo, SafetyFinding, ValueRange,
+                             dtype_name, is_float32_tensor)
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
@@ -289,6 +296,12 @@ class NumericSafety(Pass):
                 findings[node] = rules.node_findings(node, gm)
         for node, found in rules.underflow_findings(gm).items():
             findings.setdefault(node, []).extend(found)
+        if rules.narrow:  # (bf16 has float32's range: a cast of any float32 value fits)
+            for node, names in written_buffer_readers(gm).items():
+                findings.setdefault(node, []).append(SafetyFinding("written_buffer", (
+                    f"reads {_listed(names)}, which the forward writes in place: calibration "
+                    f"saw only its value at conversion, so the values the model's updates make "
+                    f"of it are not proven to fit {dtype_name(self.low)}")))
         periodic = periodic_findings(gm)  # the same in every dtype: never cleared
         alt_underflow = alt.underflow_findings(gm) if alt is not None else {}
         for node, found in list(findings.items()):
@@ -537,4 +550,30 @@ def written_weight_findings(gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
             out[node] = [SafetyFinding("written_weight", (
                 f"the forward writes {_listed(hit)} in place: computed in float32 with the "
                 "values written (a low copy made before the call would not see them)"))]
+    return out
+
+
+def written_buffer_readers(gm) -> dict[torch.fx.Node, list[str]]:
+    """Nodes that could compute low reading a float32 buffer the forward writes in place (through
+    its views), with the buffers' names: calibration restores the buffers between batches, so it
+    only sees their values at conversion, not those the model's own updates make of them (a
+    VQ-VAE's EMA codebook: 4e5 after one call, inf in fp16). A buffer written only by stores (a
+    KV cache) holds computed values calibration does see: it is stored low, its readers are not
+    listed."""
+    out: dict[torch.fx.Node, list[str]] = {}
+    for buffer in mutated_nodes(gm.graph, gm):
+        if buffer.op != "get_attr" or not is_float32_tensor(buffer.meta.get(TENSOR)) \
+                or stored_into_only(buffer, gm):
+            continue
+        stack = [buffer]
+        while stack:
+            value = stack.pop()
+            for user in value.users:
+                if user.args and user.args[0] is value and is_inplace(user, gm):
+                    continue  # (its writer, in float32 as the buffer)
+                if user.op in CALLS and OP_CLASS in user.meta \
+                        and user.meta[OP_CLASS].op_class in (TENSOR_CORE, FOLLOW):
+                    out.setdefault(user, []).append(str(buffer.target))
+                if is_view(user):
+                    stack.append(user)
     return out

@@ -1,5 +1,6 @@
 """Numeric safety: overflow and underflow traps where a plain .half() breaks, calibration,
 tolerance search."""
+import copy
 import json
 import math
 
@@ -568,3 +569,42 @@ def test_the_tolerance_search_pins_a_recurrent_layer_not_its_items(kind, countin
     assert fast.plan.node(name).module == "rnn" and fast.plan.node(name).dtype == "float32"
     with torch.no_grad():
         assert rel_err(fast(x), model(x)) <= 1e-3
+
+
+class _GrowingCodebook(nn.Module):
+    """A codebook buffer the forward updates in place (as a VQ-VAE's EMA codebook: its unused
+    codes reach 4e5), and a cache written only by stores of computed values."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.register_buffer("book", torch.randn(32, 8))
+        self.register_buffer("cache", torch.zeros(4, 32))
+
+    def forward(self, x):
+        h = self.enc(x)
+        self.cache.copy_(h[:4])
+        code = (h @ self.book).argmax(-1)  # the nearest code
+        self.book.mul_(30)
+        return self.dec(h + self.cache[:1]) + code.unsqueeze(-1)
+
+
+def test_a_reader_of_a_buffer_the_forward_writes_stays_float32_in_fp16_bf16_has_the_range():
+    """pV f3: calibration restores the buffers between batches, so the plan saw a written
+    buffer's value at conversion only; its fp16 reader (z @ self.embed of an EMA codebook) made
+    inf/NaN from the second call on. The reader keeps float32 in fp16 and names the buffer; bf16
+    (float32's range) computes it; a cache written only by stores is not such a buffer."""
+    torch.manual_seed(0)
+    model, x = _GrowingCodebook().eval(), torch.randn(8, 16)
+    batches = [torch.randn(8, 16) for _ in range(2)]
+    fast = convert_rules(model, (x,), dtype=FP16, calibration=batches)
+    node = fast.plan.node("matmul")
+    assert node.dtype == "float32" and "reads book, which the forward writes" in node.reason
+    assert fast.plan.node("add").dtype == "float16"  # (the cache's reader)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for _ in range(4):  # the book grows to 30**3 x its value: inf in fp16
+            out, want = fast(x), reference(x)
+            assert torch.isfinite(out).all() and relative_l2(out, want) < 1e-2
+    bf16 = convert_rules(model, (x,), dtype=BF16, calibration=batches)
+    assert bf16.plan.node("matmul").dtype == "bfloat16"
