@@ -35,6 +35,14 @@ VALUE_BRANCH_FIX = (
     "convert the parts before and after it and call them from your own forward")
 
 CAPTURE_FIXES = (
+    (("a write through .data is not an op",),
+     "write the buffer in place, which the graph records: self.ema.copy_(new value) (under "
+     "torch.no_grad() where it is computed from activations), or assign it (self.ema = new "
+     "value)"),
+    (("a graph writes a buffer back in its shape",),
+     "allocate the buffer at its largest size once and write each call's part in place, with "
+     "the position as an input: self.kc.index_copy_(1, pos, k) or self.kc[:, pos] = k (a "
+     "HuggingFace decoder: mpgraph.convert_decoder)"),
     (("is wrapped by torch.distributed",),
      "convert the unwrapped model (ddp.module, or the model before fully_shard), then wrap the "
      "converted module: DistributedDataParallel(converted) or fully_shard(converted), on every "

@@ -327,6 +327,44 @@ def test_autograd_grad_in_the_forward_is_a_capture_error_naming_it_and_the_way_o
     assert "file an issue" not in text
 
 
+class _RebindsBuffer(nn.Module):
+    """A buffer updated through ``.data =`` (old EMA code), or a cache grown by ``torch.cat``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.fc = kind, nn.Linear(16, 16)
+        self.register_buffer("ema", torch.zeros(16))
+        self.register_buffer("kc", torch.zeros(2, 1, 16))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.kind == "data":
+            self.ema.data = self.ema.data * 0.9 + 0.1 * h.detach().mean((0, 1))
+            return h - self.ema
+        self.kc = torch.cat([self.kc, h], 1)
+        return (h @ self.kc.transpose(1, 2)).softmax(-1) @ self.kc
+
+
+@pytest.mark.parametrize("kind, says, fix", [
+    ("data", r"buffer ema: _RebindsBuffer's forward assigns self\.ema\.data \(test_capture\.py:\d+: "
+             r"self\.ema\.data = ", r"self\.ema\.copy_\(new value\)"),
+    ("grow", r"buffer kc: _RebindsBuffer's forward gives it a new shape on every call, "
+             r"\(2, \d+, 16\) -> \(2, \d+, 16\) \(test_capture\.py:\d+: self\.kc = torch\.cat",
+     r"self\.kc\.index_copy_\(1, pos, k\)")], ids=["data", "grow"])
+def test_a_buffer_rebound_in_the_forward_is_a_capture_error_naming_it_and_the_way_out(kind, says,
+                                                                                     fix):
+    """pV f4, f8: ``self.ema.data = ...`` and a cache grown with ``torch.cat`` each call were
+    CaptureErrors quoting torch's internals ("We found a fake tensor ... Please file an issue on
+    github", "The size of tensor a (2) must match ... copy_") with the generic fix."""
+    model = _RebindsBuffer(kind).eval()
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(model, (torch.randn(2, 1, 16),))
+    text = str(caught.value)
+    assert re.search(says, text) and re.search(fix, text), text
+    assert "file an issue" not in text and "must match" not in text
+    assert tuple(model.kc.shape) == (2, 1, 16) and not model.ema.any()  # (the model's: untouched)
+
+
 class _Ensemble(nn.Module):
     """torch's ensembling tutorial in a module: stacked members' parameters, vmapped over
     functional_call on a template copy of a member (on the meta device in the tutorial)."""

@@ -1015,6 +1015,54 @@ def _untraceable(model: torch.nn.Module) -> Optional[dict]:
     return None
 
 
+def _rebound_buffers(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[dict]:
+    """The report for a buffer the forward rebinds in a way no graph writes back, if there is
+    one (the tracers' reports then quote torch's internals, not the cause): ``self.ema.data =
+    ...`` (torch.export lifts the new value as a constant), or a buffer given a new shape on
+    every call (``self.kc = torch.cat([self.kc, k], 1)``: the graph writes it back into the old
+    one). One eager run, on the failure path only; the buffers are put back after it."""
+    before = [(path, m, name, b, b.data, tuple(b.shape)) for path, m in model.named_modules()
+              for name, b in m._buffers.items() if b is not None]
+    try:
+        run_kept(model, args, kwargs)
+    except Exception:  # noqa: BLE001 - the tracers' reports say what failed
+        return None
+    finally:
+        after = {(id(m), name): (m._buffers.get(name), b.data_ptr())
+                 for _, m, name, b, *_ in before}
+        for _, m, name, b, data, _ in before:
+            b.data = data
+            m._buffers[name] = b
+    for path, m, name, b, data, shape in before:
+        (now, ptr), attr = after[(id(m), name)], f"self.{name}"
+        buffer = f"buffer {path + '.' if path else ''}{name}"
+        if now is b and ptr != data.data_ptr():
+            return {buffer: (
+                f"{type(m).__name__}'s forward assigns {attr}.data"
+                f"{_line_in_forward(m, f'{attr}.data =')}: a write through .data is not an op, "
+                "so no graph records it")}
+        if isinstance(now, torch.Tensor) and tuple(now.shape) != shape:
+            return {buffer: (
+                f"{type(m).__name__}'s forward gives it a new shape on every call, {shape} -> "
+                f"{tuple(now.shape)}{_line_in_forward(m, f'{attr} =')}: a graph writes a "
+                "buffer back in its shape")}
+    return None
+
+
+def _line_in_forward(module: torch.nn.Module, text: str) -> str:
+    """" (file:line: code)" of the first line of the module's forward that holds ``text``
+    (spaces aside), else ""."""
+    try:
+        lines, first = inspect.getsourcelines(type(module).forward)
+        file = os.path.basename(inspect.getsourcefile(type(module).forward) or "")
+    except (OSError, TypeError):
+        return ""
+    for i, line in enumerate(lines):
+        if text.replace(" ", "") in line.replace(" ", ""):
+            return f" ({file}:{first + i}: {line.strip()})"
+    return ""
+
+
 def reads_training(model: torch.nn.Module) -> list[str]:
     """Paths of the modules whose own forward (user code: not torch's or transformers', whose
     dropout and batch norm the converted module follows) reads ``self.training``: a Python
@@ -1525,7 +1573,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     if eager:  # the tracers' reports blame what the model does with these very inputs
         reports = {EAGER: eager, **reports}
     else:  # (the tracers' reports quote torch's internals, not the cause)
-        reports = _untraceable(work) or reports
+        reports = _untraceable(work) or (has_inputs and _rebound_buffers(work, args, kwargs)) \
+            or reports
     error = CaptureError(reports)
     if kwargs.get("use_cache") is False or getattr(getattr(model, "config", None), "use_cache",
                                                    None) is False:
