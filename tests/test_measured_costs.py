@@ -621,3 +621,16 @@ def test_a_cache_named_low_on_a_cpu_that_emulates_the_dtype_converts(monkeypatch
     with torch.no_grad():
         out, ref = fast(x, pos), model(x, pos)
     assert out.dtype == FP32 and relative_l2(out, ref) < 1e-2
+
+
+def test_a_first_conversion_on_a_machine_keeps_the_callers_random_stream(tmp_path, monkeypatch):
+    """The device's first measurement drew its matrices from torch's global generator: a
+    machine's first convert (a fresh cache) advanced the caller's stream, the next did not."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model, x = _mlp()
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    measure_cpu(fresh=True)
+    measure_calibration(GPU_SPECS["a100-80gb"], "cpu", size=64)
+    mpgraph.convert(model, (x,))
+    assert torch.equal(torch.get_rng_state(), before)

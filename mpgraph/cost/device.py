@@ -75,7 +75,8 @@ def _matmul_rate(dtype: torch.dtype, largest: int = 1024, enough_s: float = 0.02
     emulated (bf16 on an AVX2-only CPU runs at ~1% of fp32: 1024^3 would take a second a run)."""
     n = 128
     while True:
-        a, b = (torch.randn(n, n, device="cpu", dtype=torch.float32).to(dtype) for _ in range(2))
+        g = torch.Generator().manual_seed(0)  # (not the caller's stream: convert keeps it)
+        a, b = (torch.randn(n, n, generator=g, dtype=torch.float32).to(dtype) for _ in range(2))
         t = _best_time(lambda: torch.mm(a, b), 3)
         if n >= largest or t >= enough_s:
             return 2.0 * n ** 3 / t
@@ -106,7 +107,7 @@ def _measure_cpu() -> dict:
         y = torch.empty_like(x)
         t = _best_time(lambda: y.copy_(x), 5)
         bandwidth = 2 * x.numel() * x.element_size() / t
-        z = torch.randn(4 * 1024 * 1024, device=cpu, dtype=fp32)
+        z = torch.randn(4 * 1024 * 1024, generator=torch.Generator().manual_seed(0), dtype=fp32)
         t = _best_time(lambda: torch.nn.functional.gelu(z), 3)
         peak["vector"] = VECTOR_FLOPS_PER_ELEMENT * z.numel() / t
         small = torch.ones(8, device=cpu, dtype=fp32)

@@ -346,8 +346,9 @@ def measure_calibration(spec: DeviceSpec, device: str = "cuda", size: int = 4096
             peak = spec.matmul_peak(dtype)
             if peak is None:
                 continue
-            a = torch.randn(size, size, device=dev).to(dtype)
-            b = torch.randn(size, size, device=dev).to(dtype)
+            g = torch.Generator(device=dev).manual_seed(0)  # (not the caller's stream)
+            a = torch.randn(size, size, device=dev, generator=g).to(dtype)
+            b = torch.randn(size, size, device=dev, generator=g).to(dtype)
             t = _timed(lambda: torch.mm(a, b), dev)
             points.append({"name": f"matmul {size} {key}", "seconds": t})
             efficiency[key] = min(1.0, 2.0 * size ** 3 / t / peak)
