@@ -450,6 +450,9 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)):
         raise TypeError(f"budget_s must be a number of seconds, got {type(budget_s).__name__} "
                         f"{budget_s!r:.40}")
+    if not budget_s > 0:  # (0 measured nothing, NaN bounded nothing; inf: no bound, as asked)
+        raise ValueError(f"budget_s must be a positive number of seconds (the time the measuring "
+                         f"may take, such as 120), got {budget_s!r}")
     args, kwargs = as_call(example_inputs, example_kwargs)
     if has_abstract_tensors(model, args, kwargs):  # (their timings were cached as this CPU's)
         raise ValueError("calibrate times this machine's kernels on real values; the model or "

@@ -538,6 +538,15 @@ def test_calibrate_says_what_it_expects_of_its_arguments():
         mpgraph.calibrate(nn.Linear(4, 4), torch.randn(2, 4), budget_s="5")
 
 
+def test_calibrate_refuses_a_budget_that_is_not_a_positive_time():
+    """budget_s=0 or -1 measured nothing (an empty table, the old cache entries kept, nothing
+    said); budget_s=nan measured everything (no comparison with NaN ever stopped it)."""
+    for budget in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="budget_s must be a positive number of seconds "
+                           rf".*got {budget!r}"):
+            mpgraph.calibrate(nn.Linear(4, 4), torch.randn(2, 4), budget_s=budget)
+
+
 def test_calibrate_refuses_a_model_or_inputs_without_values():
     """calibrate on a meta-device model timed meta kernels and cached them under this CPU's keys:
     a later real conversion of those shapes priced its GELU at 530.7 us (25.0 us real)."""
