@@ -309,6 +309,19 @@ def test_diff_of_two_targets_lists_every_changed_node():
     assert str(d).startswith("A: float16 on NVIDIA T4 (optimal)")
 
 
+def test_diff_heads_a_plan_that_converted_nothing_float32_as_the_report_does():
+    """A plan keeps its low dtype where it converted nothing: diff headed such a plan
+    "A: bfloat16 on ..." where the report said "mpgraph plan: float32 on ..."."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()
+    x = torch.randn(8, 64)
+    kept = mpgraph.convert(m, x, dtype="bf16", target=GPU, overrides={"*": "fp32"})
+    low = mpgraph.convert(m, x, dtype="fp16", target=GPU, strategy="rules")
+    assert not kept.plan.low_nodes and kept.plan.dtype == torch.bfloat16
+    assert mpgraph.report(kept).startswith("mpgraph plan: float32 on ")
+    assert str(mpgraph.diff(kept, low)).splitlines()[:2] == [
+        f"A: float32 on {kept.plan.target} (optimal)", f"B: float16 on {low.plan.target} (rules)"]
+
+
 @pytest.fixture(scope="module")
 def bert_a100():
     """The small BERT (captured with torch.export) planned in float16 for an A100."""

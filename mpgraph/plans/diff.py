@@ -50,7 +50,7 @@ class PlanDiff:
 
 
 def _title(plan: Plan) -> str:
-    return f"{plan.dtype} on {plan.target} ({plan.strategy})".replace("torch.", "")
+    return f"{plan.headline_dtype} on {plan.target} ({plan.strategy})"
 
 
 def diff(plan_a, plan_b) -> PlanDiff:

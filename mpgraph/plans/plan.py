@@ -261,6 +261,13 @@ class Plan:
         return [r for r in self.compute_nodes if r.dtype == low]
 
     @property
+    def headline_dtype(self) -> str:
+        """The plan's low dtype, or float32 where it converted nothing (a plan keeps a low dtype
+        even then: the one it was asked for or would have chosen); the report and diff head it so."""
+        return dtype_name(self.dtype) if self.low_nodes or self.range_nodes or self.weights \
+            else "float32"
+
+    @property
     def unknown_nodes(self) -> list[NodeRecord]:
         return [r for r in self.compute_nodes if r.op_class == "unknown"]
 

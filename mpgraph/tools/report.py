@@ -130,16 +130,9 @@ def _measured(measured, name: str) -> str:
     return f"{n.time_s * 1e6:.3g}{tc}"
 
 
-def _headline_dtype(plan: Plan) -> str:
-    """The plan's low dtype, or float32 where it converted nothing (a plan keeps a low dtype
-    even then: the one it was asked for or would have chosen)."""
-    return dtype_name(plan.dtype) if plan.low_nodes or plan.range_nodes or plan.weights \
-        else "float32"
-
-
 def text_report(plan: Plan, measured: Optional[dict] = None) -> str:
     low = dtype_name(plan.dtype)
-    lines = [f"mpgraph plan: {_headline_dtype(plan)} on {plan.target or '?'} "
+    lines = [f"mpgraph plan: {plan.headline_dtype} on {plan.target or '?'} "
              f"({plan.strategy or '?'} strategy)",
              plan.summary(), ""]
     head = (f"{'node':<28} {'op':<24} {'class':<13} {'dtype':<9} {'t fp32 us':>9} "
@@ -451,7 +444,7 @@ def html_report(plan: Plan, measured: Optional[dict] = None) -> str:
     return f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>mpgraph plan</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>{_STYLE}</style><script>{_SCRIPT}</script></head><body>
-<h1>mpgraph plan: {_headline_dtype(plan)} on {html.escape(plan.target or '?')}</h1>
+<h1>mpgraph plan: {plan.headline_dtype} on {html.escape(plan.target or '?')}</h1>
 <div class="summary"><p>{html.escape(plan.summary())}</p>
 <p>{t['low_nodes']}/{t['nodes']} nodes in {low}; {_size(t['low_flops'])} of {_size(t['flops'])} FLOPs in
 low precision{speed}.</p>
