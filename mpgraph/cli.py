@@ -32,7 +32,9 @@ def _demo(args) -> int:
                   f"-> {r.speedup:.2f}x measured, {estimate}")
         elif r.target == GPU_SPECS[demo.STAND_IN_GPU].name:  # a GPU's plan, run for its numbers
             here = "runs emulated here" if r.device == "cpu" else f"runs on {r.device} untimed"
-            print(f"eager speed: not measured (a plan for {r.target} {here}; {estimate} there)")
+            # (demo.run plans it replayed from CUDA graphs: its eager estimate is lower)
+            print(f"eager speed: not measured (a plan for {r.target} {here}); replayed from CUDA "
+                  f"graphs there: {estimate}")
         else:  # a plan for this machine that was not timed (rounds=0 ran none)
             print(f"eager speed: not measured (no timed rounds; {estimate})")
         print()
