@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import CalibrationError
 from mpgraph.numerics import float_leaves
 from mpgraph.ir.graph import as_call, flat_inputs, is_batch_encoding, mutated_nodes, run_recording
+from mpgraph.ir.modules import guard_error
 from mpgraph.ir.meta import (CONSTANT_INPUTS, OBSERVED, RANGE, REFERENCE, TENSOR, Reference,
                              TensorInfo, ValueRange)
 from mpgraph.passes.infra import Pass, PassResult
@@ -325,8 +326,14 @@ class Calibrate(Pass):
                 try:
                     output = run_recording(gm, args, kwargs, record)
                 except Exception as e:  # noqa: BLE001 - re-raised with the batch and node named
+                    first = str(e).splitlines()[0] if str(e) else ""
+                    if isinstance(e, AssertionError) and first.startswith("Guard failed"):
+                        # torch.export's input guard: what the converted module says of it
+                        raise CalibrationError(f"calibration batch {i} does not fit the graph "
+                                               f"captured from the example: "
+                                               f"{guard_error(gm, first)}") from None
                     raise CalibrationError(f"calibration batch {i} failed after node {last[0]}: "
-                                           f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
+                                           f"{type(e).__name__}: {first}") from e
             if nan_in and computed_bad:  # (it reached what the graph computes)
                 _refuse_nan(nan_in, i)
             for node, m in seen.items():

@@ -479,6 +479,20 @@ def test_a_branch_on_a_size_is_a_guard_kept_with_a_clear_error_not_a_wrong_answe
     assert "generated forward" not in capfd.readouterr().err  # torch's code dump stays off
 
 
+def test_a_calibration_batch_that_breaks_a_guard_says_what_the_converted_module_says():
+    """dynamic=False with a calibration batch of another shape was "calibration batch 1 failed
+    after node x: AssertionError: Guard failed: x.size()[0] == 2" (torch's words, a
+    placeholder's name, no way out); the converted module says why and what to do."""
+    model = Branches().eval()
+    with pytest.raises(mpgraph.CalibrationError, match=r"calibration batch 1 does not fit the "
+                       r"graph captured from the example: .*x\.size\(\)\[0\] == 2\. It was "
+                       r"converted with dynamic=False, for the example's shapes only: convert "
+                       r"with dynamic=True") as error:
+        mpgraph.convert(model, torch.randn(2, 16), dtype="fp16", target=GPU, strategy="rules",
+                        dynamic=False, calibration=[torch.randn(2, 16), torch.randn(3, 16)])
+    assert "Guard failed" not in str(error.value) and "after node" not in str(error.value)
+
+
 def test_a_model_without_branches_converted_at_batch_2_runs_at_batch_1(bert):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
