@@ -355,6 +355,8 @@ class Plan:
         if self.dtype_choice and self.low_nodes:  # (none low: no low dtype was chosen)
             estimates = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in
                                   self.dtype_choice.get("estimates_s", {}).items())
+            if self.tolerance and self.tolerance.get("pinned"):  # (the choice came first)
+                estimates = f"before the tolerance search's pins: {estimates}"
             fallback = self.dtype_choice.get("fallback")
             named = self.dtype_choice.get("named_by")
             text += (f"; {dtype_name(self.dtype)} because {fallback} (the cost model estimated "
