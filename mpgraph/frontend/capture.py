@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 import traceback
+import types
 import warnings
 from typing import Any, Optional
 
@@ -25,7 +26,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.errors import BUILT_CACHE_FIX, EAGER, KV_CACHE_FIX, CaptureError
-from mpgraph.numerics import leaves
+from mpgraph.numerics import leaves, relative_l2
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, python_rng_kept,
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
@@ -723,10 +724,11 @@ def _keep_parametrized(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None
 
 
 def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
-                      kwargs: dict) -> Optional[str]:
+                      kwargs: dict, ran: Optional[list] = None) -> Optional[str]:
     """How the traced graph differs from the model on the example inputs (the outputs, their
     structure, the buffers after the run), or None. The graph's side is its recorded run
-    (PropagateTensorInfo's Observation); the model runs once, eagerly, seeded the same way."""
+    (PropagateTensorInfo's Observation); the model runs once, eagerly, seeded the same way.
+    The model's outputs are appended to ``ran`` (the export graph is compared with them)."""
     if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
            if isinstance(t, torch.Tensor)):
         return None  # no values to compare (a model on the meta device)
@@ -737,6 +739,8 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
             want_buffers = {n: b.clone() for n, b in model.named_buffers()}
     except Exception as e:  # noqa: BLE001 - the export route may do better
         return "running it failed: " + _brief(e)
+    if ran is not None:
+        ran.append(want)
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         given, ran = flat_inputs(gm, args, kwargs), flat_inputs(gm, ran_args, ran_kwargs)
@@ -770,6 +774,49 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
     for name, w in want_buffers.items():
         if not _same(w, got_buffers[name]):
             return f"buffer {name} is not updated as the model updates it"
+    return None
+
+
+_EXPORT_TOLERANCE = 1e-4  # relative L2: an export graph runs the model's own ops, kernels aside
+
+
+def _export_parts(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple, kwargs: dict,
+                  eager) -> Optional[str]:
+    """How an export graph's outputs differ from the model's on the example inputs, or None.
+    ``eager``: the outputs a symbolic attempt's comparison ran the model for (under no_grad),
+    or None. Where those differ, or there are none, the model runs in the grad mode the graph
+    was traced in: torch.nn's fast paths taken under no_grad only (nn.TransformerEncoder's
+    nested tensors) are no difference of the graph's, nor is a branch on
+    torch.is_grad_enabled()."""
+    if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
+           if isinstance(t, torch.Tensor)):
+        return None  # no values to compare (a model on the meta device)
+    got = gm.graph.process_outputs(gm.meta[OBSERVED].output)
+    if eager is not None and _close(eager, got) is None:
+        return None
+    try:
+        with seeded(), state_kept(model):  # (the caller's grad mode, as torch.export traced)
+            want = model(*fresh(args), **fresh(kwargs))
+    except Exception as e:  # noqa: BLE001 - traced, so it ran there: nothing to compare with
+        log.info("the export graph was not compared with the model: %s", _brief(e))
+        return None
+    return _close(want, got)
+
+
+def _close(want, got) -> Optional[str]:
+    """How the outputs ``got`` differ from ``want`` beyond _EXPORT_TOLERANCE, or None."""
+    want, got = leaves(want), leaves(got)
+    if len(want) != len(got):
+        return f"the model returns {len(want)} values, the graph {len(got)}"
+    for i, (w, g) in enumerate(zip(want, got)):
+        if isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor) \
+                and w.shape == g.shape and w.dtype == g.dtype \
+                and (w.is_floating_point() or w.is_complex()):
+            error = relative_l2(g.detach(), w.detach())
+            if error > _EXPORT_TOLERANCE:
+                return f"output {i} differs ({error:.3g} relative L2)"
+        elif not _same(w, g):
+            return f"output {i} differs"
     return None
 
 
@@ -960,11 +1007,12 @@ def _names(code) -> set:
     return names
 
 
-def _calls_in_forward(model: torch.nn.Module, name: str, *functions) -> Optional[str]:
+def _calls_in_forward(model: torch.nn.Module, name: Optional[str], *functions) -> Optional[str]:
     """Where a module's own forward (user code, not torch's or transformers') calls one of
     ``functions``, as "file:line: code", or None: found in its bytecode as ``<module>.<name>``
-    (torch.autograd.grad, torch.func.vmap, an alias of the module) or as a global holding the
-    function (``from torch.func import vmap``)."""
+    (torch.autograd.grad, torch.func.vmap, an alias of the module), as a global holding the
+    function (``from torch.func import vmap``) or as an attribute of a module such a global
+    holds (``torch.compiler.is_compiling``)."""
     import dis
     import linecache
     modules = (torch, torch.autograd, torch.func)
@@ -972,12 +1020,16 @@ def _calls_in_forward(model: torch.nn.Module, name: str, *functions) -> Optional
     def calls(code, glob):
         last = None  # what the instruction before loaded: a name, or a global's value
         for ins in dis.get_instructions(code):
-            value = glob.get(ins.argval) if isinstance(ins.argval, str) else None
-            if (ins.argval == name and (last in ("autograd", "func")
-                                        or any(last is m for m in modules))) or (
-                    ins.opname == "LOAD_GLOBAL" and any(value is f for f in functions)):
+            value = None
+            if ins.opname == "LOAD_GLOBAL":
+                value = glob.get(ins.argval)
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(last, types.ModuleType):
+                value = getattr(last, ins.argval, None)
+            if (name is not None and ins.argval == name and (
+                    last in ("autograd", "func") or any(last is m for m in modules))) or (
+                    value is not None and any(value is f for f in functions)):
                 return (ins.positions.lineno if ins.positions else None) or code.co_firstlineno
-            last = value if ins.opname == "LOAD_GLOBAL" and value is not None else ins.argval
+            last = value if value is not None else ins.argval
         for const in code.co_consts:  # nested functions, lambdas and comprehensions
             if hasattr(const, "co_code"):
                 line = calls(const, glob)
@@ -985,11 +1037,14 @@ def _calls_in_forward(model: torch.nn.Module, name: str, *functions) -> Optional
                     return line
         return None
 
+    seen = set()  # (each class's forward once: a model of 1000 blocks took 0.4 s)
     for m in model.modules():
         forward = getattr(type(m), "forward", None)
         code = getattr(forward, "__code__", None)
-        if code is None or type(m).__module__.startswith(("torch.", "transformers.")):
+        if code is None or code in seen \
+                or type(m).__module__.startswith(("torch.", "transformers.")):
             continue
+        seen.add(code)
         line = calls(code, forward.__globals__)
         if line:
             text = linecache.getline(code.co_filename, line).strip()
@@ -1061,6 +1116,20 @@ def _line_in_forward(module: torch.nn.Module, text: str) -> str:
         if text.replace(" ", "") in line.replace(" ", ""):
             return f" ({file}:{first + i}: {line.strip()})"
     return ""
+
+
+def _tracing_flags() -> tuple:
+    """The functions that tell a forward it is being traced: True under torch.export (and
+    is_fx_tracing under torch.fx too), False when the model runs eagerly."""
+    found = [getattr(m, f, None) for m, f in (
+        (torch.compiler, "is_compiling"), (torch.compiler, "is_exporting"),
+        (torch._dynamo, "is_compiling"), (torch._dynamo.external_utils, "is_compiling"),
+        (torch._utils, "is_compiling"), (torch.fx._symbolic_trace, "is_fx_tracing"))]
+    hf = sys.modules.get("transformers.utils.import_utils")
+    if hf is not None:
+        found += [getattr(hf, "is_torchdynamo_compiling", None),
+                  getattr(hf, "is_torchdynamo_exporting", None)]
+    return tuple(f for f in found if f is not None)
 
 
 def reads_training(model: torch.nn.Module) -> list[str]:
@@ -1493,6 +1562,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         # a causal mask it checks by value stops both tracers inside it)
         attempts.append((SYMBOLIC_WHOLE, lambda: _symbolic_trace(work, args, kwargs, whole=True)))
     failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
+    eager: list = []  # the model's outputs, where a symbolic attempt's comparison ran it
     # the weights as the forward found them: a symbolic trace that changed them ran a write
     # fx does not record (one pass over the weights, taken once for every symbolic attempt)
     versions = _versions(work) if any(n.startswith(SYMBOLIC) for n, _ in attempts) else None
@@ -1512,8 +1582,15 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         put_back()  # (every tracer runs the forward)
         if has_inputs:
             symbolic = name.startswith(SYMBOLIC)
+            # an export graph is compared with the model's outputs where a symbolic attempt ran
+            # the model (free), and where a forward of the user's reads a flag that is True
+            # while torch.export traces (torch.compiler.is_compiling()): then one eager run.
+            # (HF models go straight to torch.export; their own flags branch alike)
+            flag = _calls_in_forward(work, None, *_tracing_flags()) \
+                if name == EXPORT and not eager else None
+            compare = symbolic or bool(name == EXPORT and (eager or flag))
             try:  # one run: shapes, what calibration measures, and what the comparison needs
-                PropagateTensorInfo(args, kwargs, observe=observe or symbolic, buffers=symbolic)(gm)
+                PropagateTensorInfo(args, kwargs, observe=observe or compare, buffers=symbolic)(gm)
             except Exception as e:
                 failure = e
                 reports[name] = "traced, but the traced graph failed on the example inputs: " + _brief(e)
@@ -1523,8 +1600,17 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             # symbolic_trace records what the forward does to proxies: attribute assignments
             # (self.n += 1), output objects it cannot build, reads of self.training are lost or
             # frozen silently; torch.export keeps them, so a trace that parts goes there
-            parted = (_writes_constant(gm) or _parts_from_eager(gm, work, args, kwargs)) \
-                if symbolic else None
+            if symbolic:
+                parted = _writes_constant(gm) or _parts_from_eager(gm, work, args, kwargs, eager)
+            else:
+                parted = _export_parts(gm, work, args, kwargs, eager[-1] if eager else None) \
+                    if compare else None
+                flag = parted and (flag or _calls_in_forward(work, None, *_tracing_flags()))
+                if flag:
+                    parted += (f": {type(model).__name__}'s forward asks whether it is traced "
+                               f"({flag}), True while torch.export traces, so the graph took "
+                               "the branch for traced code. Make both branches compute the "
+                               "same values, or choose the branch with an argument of forward")
             if not observe:
                 gm.meta.pop(OBSERVED, None)
                 for node in gm.graph.nodes:
