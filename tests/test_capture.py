@@ -483,7 +483,6 @@ def test_export_graph_of_a_branch_on_being_traced_is_refused(cls, flag):
         mpgraph.capture(cls().eval(), torch.randn(4, 16))
 
 
-
 class _CompilingAlike(_Compiling):
     def forward(self, x):
         assert x.dim() == 2
@@ -499,3 +498,62 @@ def test_export_graph_of_a_branch_on_being_traced_that_computes_alike_is_taken()
     gm = mpgraph.capture(model, x)
     assert gm.meta[CAPTURE] == "torch.export"
     torch.testing.assert_close(gm(x), model(x))
+
+class _GradBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.l(x)
+        if torch.is_grad_enabled():  # (a training-only path)
+            h = h * 0.5
+        return h
+
+
+class _InferenceBranch(_GradBranch):
+    def forward(self, x):
+        h = self.l(x)
+        if torch.is_inference_mode_enabled():
+            return h
+        return h * 0.5
+
+
+class _Checkpointed(_GradBranch):
+    def forward(self, x):  # (the same values either way)
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.l, x, use_reentrant=False)
+        return self.l(x)
+
+
+def test_a_branch_on_the_grad_mode_refuses_calls_in_a_mode_that_computes_otherwise():
+    # the graph keeps the branch taken at capture: a call under no_grad computed the grad
+    # branch (0.5 off, silently), one under inference_mode the other (0.5 off)
+    x = torch.randn(4, 16)
+    model = _GradBranch().eval()
+    gm = mpgraph.capture(model, x)
+    torch.testing.assert_close(gm(x), model(x))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), pytest.raises(mpgraph.InputMismatchError,
+                                   match=r"branches on the grad mode \(test_capture.py:\d+: if "
+                                         r"torch.is_grad_enabled\(\).*captured with grad "
+                                         r"enabled.*convert it under torch.no_grad\(\)"):
+            gm(x)
+    with torch.no_grad():
+        gm = mpgraph.capture(model, x)
+        torch.testing.assert_close(gm(x), model(x))
+    with pytest.raises(mpgraph.InputMismatchError, match="captured under torch.no_grad"):
+        gm(x)
+
+    model = _InferenceBranch().eval()
+    gm = mpgraph.capture(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+    with torch.inference_mode(), pytest.raises(mpgraph.InputMismatchError,
+                                               match="is_inference_mode_enabled"):
+        gm(x)
+
+    model = _Checkpointed().eval()  # (no difference, nothing refused)
+    gm = mpgraph.capture(model, x)
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), model(x))

@@ -31,7 +31,7 @@ from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, python_rng_kept,
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
 from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
-                             FP32_REGION, OBSERVED, READS_TRAINING, STATIC_SHAPES)
+                             FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING, STATIC_SHAPES)
 from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, keep_backward_hooks,
                                 own_parametrizations)
 from mpgraph.ir.fake import fake_mode, is_abstract
@@ -787,7 +787,7 @@ def _export_parts(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
     or None. Where those differ, or there are none, the model runs in the grad mode the graph
     was traced in: torch.nn's fast paths taken under no_grad only (nn.TransformerEncoder's
     nested tensors) are no difference of the graph's, nor is a branch on
-    torch.is_grad_enabled()."""
+    torch.is_grad_enabled() (_grad_modes_differ)."""
     if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
            if isinstance(t, torch.Tensor)):
         return None  # no values to compare (a model on the meta device)
@@ -1130,6 +1130,47 @@ def _tracing_flags() -> tuple:
         found += [getattr(hf, "is_torchdynamo_compiling", None),
                   getattr(hf, "is_torchdynamo_exporting", None)]
     return tuple(f for f in found if f is not None)
+
+
+def grad_mode() -> str:
+    """The grad mode a call runs in: "inference_mode", "no_grad" or "grad"."""
+    return "inference_mode" if torch.is_inference_mode_enabled() else \
+        "grad" if torch.is_grad_enabled() else "no_grad"
+
+
+_GRAD_MODES = {"grad": lambda: torch.enable_grad(), "no_grad": lambda: torch.no_grad(),
+               "inference_mode": lambda: torch.inference_mode()}
+
+
+def _grad_modes_differ(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict
+                       ) -> Optional[tuple]:
+    """Where a forward of the user's branches on the grad mode (torch.is_grad_enabled(),
+    torch.is_inference_mode_enabled()), which any captured graph keeps as it was at capture:
+    (that line, the mode at capture, the other modes in which the model computes other values
+    on the example inputs), for the converted module to refuse calls in those; else None (a
+    branch that computes the same either way: gradient checkpointing). One eager run per mode,
+    for such forwards only; what they change of ``state`` (``_python_state``) is put back."""
+    where = _calls_in_forward(work, None, torch.is_grad_enabled, torch.is_inference_mode_enabled)
+    if where is None or any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
+                            if isinstance(t, torch.Tensor)):
+        return None  # (a model without values cannot show what it computes: nothing to tell)
+    captured = grad_mode()
+    outputs = {}
+    for mode in [captured] + [m for m in _GRAD_MODES if m != captured]:
+        try:
+            with seeded(), state_kept(work), _GRAD_MODES[mode]():
+                out = work(*fresh(args), **fresh(kwargs))
+                outputs[mode] = pytree.tree_map(
+                    lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, out)
+        except Exception as e:  # noqa: BLE001 - that mode is not told apart
+            log.info("%s: the model was not run under %s: %s", where, mode, _brief(e))
+        finally:
+            _changed_state(work, state)
+    if captured not in outputs:
+        return None
+    differ = tuple(m for m, out in outputs.items()
+                   if m != captured and _close(outputs[captured], out) is not None)
+    return (where, captured, differ) if differ else None
 
 
 def reads_training(model: torch.nn.Module) -> list[str]:
@@ -1634,6 +1675,9 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         readers = reads_training(work)
         if readers:
             gm.meta[READS_TRAINING] = (tuple(readers), bool(work.training))
+        modes = _grad_modes_differ(work, args, kwargs, state) if has_inputs else None
+        if modes:
+            gm.meta[GRAD_MODES] = modes
         if has_inputs:  # every call is checked against the arguments the graph was made with
             gm.call_signature = CallSignature(model, args, kwargs, gm)
             gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \

@@ -41,6 +41,10 @@ EVAL_ONLY = "mpgraph.eval_only"
 # on gm.meta: (module paths whose own forward reads self.training, the flag at capture), written
 # by capture: a Python branch on it is fixed in the graph, and .train()/.eval() say so
 READS_TRAINING = "mpgraph.reads_training"
+# on gm.meta: (where a forward reads torch.is_grad_enabled() or is_inference_mode_enabled(), the
+# grad mode at capture, the modes in which the model computes other values), written by capture:
+# the converted module refuses calls in those modes (the graph keeps the captured branch)
+GRAD_MODES = "mpgraph.grad_modes"
 CAPTURED_TRAINING = "mpgraph.captured_training"  # gm.meta: the flag the graph was traced under
 # on gm.meta: {module path: momentum} of the model's BatchNorms with running statistics, written
 # by capture: a trace in eval holds 0.0 where the momentum is None (a cumulative average)

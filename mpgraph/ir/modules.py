@@ -24,8 +24,8 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import InputMismatchError, MissingWeightsError, WeightOverflowError
 from mpgraph.ir.fake import TRACED_ON, module_tensors
-from mpgraph.ir.meta import (EVAL_ONLY, PACKED, READS_TRAINING, STATIC_SHAPES, TENSOR, TensorInfo,
-                             dtype_name, is_inserted_cast)
+from mpgraph.ir.meta import (EVAL_ONLY, GRAD_MODES, PACKED, READS_TRAINING, STATIC_SHAPES, TENSOR,
+                             TensorInfo, dtype_name, is_inserted_cast)
 
 
 class TrainingBatchNorm(torch.nn.Module):
@@ -1207,6 +1207,8 @@ class ConvertedModule(torch.fx.GraphModule):
         signature = self.__dict__.get("call_signature")
         if signature is not None:
             args, kwargs = signature.check(args, kwargs)
+        if GRAD_MODES in self.meta:
+            self._check_grad_mode(*self.meta[GRAD_MODES])
         wanted = self.__dict__.get("_input_dtypes")
         if wanted:  # (under torch.compile: a guard on each input's dtype, which dynamo keeps)
             for value in (*args, *kwargs.values()):  # (a tensor in a list: the except below)
@@ -1243,6 +1245,29 @@ class ConvertedModule(torch.fx.GraphModule):
                 ".float()?): call module.restore_planned_dtypes(), or load weights with "
                 "load_state_dict (which casts) or by assignment (which takes the plan's dtype) "
                 f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+    def _check_grad_mode(self, where: str, captured: str, differ: tuple) -> None:
+        """A call in a grad mode where the model computes other values than the graph, which
+        keeps the branch its forward took on torch.is_grad_enabled() or
+        torch.is_inference_mode_enabled() at capture (capture's _grad_modes_differ)."""
+        from mpgraph.frontend.capture import grad_mode
+        now = grad_mode()
+        if now not in differ:
+            return
+        signature = self.__dict__.get("call_signature")
+        name = signature.model if signature is not None else type(self).__name__
+        called = {"grad": "with grad enabled", "no_grad": "under torch.no_grad()",
+                  "inference_mode": "under torch.inference_mode()"}
+        way = ("convert it under torch.no_grad() and call it under torch.no_grad() (conversion "
+               "runs outside inference mode, so no graph takes that branch)"
+               if now == "inference_mode" else
+               f"convert it {called[now]} too (with torch."
+               f"{'enable_grad' if now == 'grad' else 'no_grad'}(): mpgraph.convert(...))")
+        raise InputMismatchError(
+            f"{name}'s forward branches on the grad mode ({where}): the graph keeps the branch "
+            f"it took when captured {called[captured]}, and {called[now]} the model computes "
+            f"other values (on the example inputs). Call it {called[captured]}, {way}, or pass "
+            "the choice to forward as an argument")
 
     def _check_has_values(self) -> None:
         """A module planned on meta computes only once every tensor has a value: CPU kernels
