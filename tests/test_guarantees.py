@@ -348,6 +348,33 @@ def test_an_argument_that_was_none_at_conversion_is_refused_when_given_later_not
     assert copy.deepcopy(with_mask).call_signature.tensors == {"x", "mask"}
 
 
+class _TakesANumberToo(nn.Module):
+    """The diffusers timestep: a tensor, or a number made one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(100, 16), nn.Linear(16, 16)
+
+    def forward(self, x, t):
+        if not torch.is_tensor(t):
+            t = torch.tensor([t])
+        return self.fc(x + self.emb(t.expand(x.shape[0])))
+
+
+def test_a_number_where_a_tensor_was_converted_is_refused_by_name():
+    # it was AttributeError: 'int' object has no attribute 'size', from the export's guard
+    model, x = _TakesANumberToo().eval(), torch.randn(4, 16)
+    fast = mpgraph.convert(model, (x, torch.tensor([10])), target=GPU, strategy="rules",
+                           check=False)
+    for number in (10, 0.5):
+        with pytest.raises(TypeError, match=rf"argument 't' was a tensor when _TakesANumberToo "
+                           rf"was converted .*: {number} is not one .* Pass a tensor, "
+                           rf"torch\.tensor\({number}\)"):
+            fast(x, number)
+    with torch.no_grad():
+        assert relative_l2(fast(x, torch.tensor([7])), model(x, 7)) < 4e-3
+
+
 def test_a_value_given_at_conversion_and_left_out_later_is_refused_not_kept():
     """Left out, the model takes its default; the graph would compute with the value given at
     conversion (max |diff| 1.7 here before the check), silently."""

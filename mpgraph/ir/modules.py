@@ -286,6 +286,14 @@ class CallSignature:
                 raise TypeError(f"argument {name!r} was a tensor when {self.model} was converted "
                                 "and the converted graph computes with it: pass a tensor")
             want = self.structures.get(name)
+            if want is None and not isinstance(value, torch.Tensor):
+                # (a model that takes a number too, `if not torch.is_tensor(t): t =
+                # torch.tensor([t])`: the graph holds the branch the tensor took)
+                raise TypeError(
+                    f"argument {name!r} was a tensor when {self.model} was converted and the "
+                    f"converted graph computes with it: {_shown(value)} is not one (the graph "
+                    "holds what the model did with a tensor there). Pass a tensor, "
+                    f"torch.tensor({_shown(value)}) in the dtype and shape converted with")
             if want is not None and not isinstance(value, torch.Tensor) \
                     and _structure(value) != want:
                 raise TypeError(
