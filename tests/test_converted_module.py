@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import GPU
 
 import mpgraph
+from mpgraph.ir.meta import dtype_name
 from mpgraph.numerics import relative_l2
 
 
@@ -492,6 +493,49 @@ def test_an_input_the_plans_cast_alone_reads_takes_any_float_dtype():
             assert torch.equal(fast(x.to(dtype)), want)
             assert torch.equal(torch.compile(fast, backend="eager", fullgraph=True)(
                 x.to(dtype)), want)  # (no graph break: fullgraph refused the check's)
+
+
+class _MaskEitherWay(nn.Module):
+    """Takes a bool mask (True: keep) or an additive float one, as torch's SDPA does, and raw
+    uint8 pixels-like ids or float features."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.emb = nn.Linear(16, 16), nn.Embedding(10, 16)
+
+    def forward(self, x, mask, ids):
+        if x.dtype == torch.uint8:
+            x = x.float() / 255
+        s = self.q(x + self.emb(ids)) @ x.transpose(-1, -2)
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, float("-inf"))
+        else:
+            s = s + mask
+        return s.softmax(-1)
+
+
+def test_an_input_in_another_kind_of_dtype_is_refused_even_where_the_model_reads_dtypes():
+    """The graph holds the dtype branch the example took: a bool mask into a conversion with an
+    additive one computed `s + mask` (0.23 off, silently), uint8 pixels into a float conversion
+    skipped the /255 (218x off); the other way round, torch's raw errors from inside the graph."""
+    torch.manual_seed(0)
+    model = _MaskEitherWay().eval()
+    x, ids = torch.rand(2, 6, 16), torch.randint(0, 10, (2, 6))
+    keep = torch.ones(2, 6, 6, dtype=torch.bool)
+    keep[:, :, 4:] = False
+    additive = torch.zeros(2, 6, 6).masked_fill(~keep, float("-inf"))
+    pixels = (x * 255).to(torch.uint8)
+    for example, other in ((additive, keep), (keep, additive)):
+        fast = mpgraph.convert(model, (x, example, ids), target=GPU, check=False)
+        with pytest.raises(TypeError, match=rf"input mask is {dtype_name(other.dtype)}, it was "
+                           rf"{dtype_name(example.dtype)} when the model was converted: .* "
+                           r"convert with an example of this kind of dtype"):
+            fast(x, other, ids)
+        with pytest.raises(TypeError, match=r"input x is uint8, it was float32 when"):
+            fast(pixels, example, ids)
+        with torch.no_grad():  # another integer dtype of the same ids computes the same
+            assert torch.equal(fast(x, example, ids.int()), fast(x, example, ids))
+            assert relative_l2(fast(x, example, ids), model(x, example, ids)) < 1e-5
 
 
 # -- a value fixed at capture that the graph takes as an input (use_cache=False) ---------------

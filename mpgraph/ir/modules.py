@@ -1224,6 +1224,11 @@ class ConvertedModule(torch.fx.GraphModule):
                         and value.dtype not in wanted:
                     self._refuse_input_dtypes(args, kwargs)
                     break
+        for name, (index, dtype) in self.__dict__.get("_input_kinds", {}).items():
+            value = args[index] if index < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype \
+                    and _kind(value.dtype) != _kind(dtype):
+                self._refuse_input_kind(name, value.dtype, dtype)
         for names in self.__dict__.get("tied_parameters", ()):
             self._check_tied(names)
         copies = self.__dict__.get("weight_copies")
@@ -1306,6 +1311,16 @@ class ConvertedModule(torch.fx.GraphModule):
         off = self._inputs_off_dtype(args, kwargs)
         if off:
             raise _off_dtype_error(off, "")
+
+    @compiler_disable(
+        "mpgraph: an input in another kind of dtype (integer, bool, float) than the converted "
+        "module was converted with (the call raises a TypeError naming it)")
+    def _refuse_input_kind(self, name: str, got: torch.dtype, want: torch.dtype) -> None:
+        """An input whose dtype is of another kind than at conversion (uint8 pixels where float
+        ones were converted, a bool mask for an additive one): the graph holds what the model
+        did with the example's kind, a branch on its dtype included, checked even where the
+        model's code casts or reads dtypes (which lifts the float dtype check)."""
+        raise _off_dtype_error([(name, got, want)], "", kind=True)
 
     def _inputs_off_dtype(self, args: tuple, kwargs: dict) -> list:
         """(placeholder, dtype given, dtype converted with) of float inputs whose dtype is not
@@ -1416,6 +1431,7 @@ class ConvertedModule(torch.fx.GraphModule):
             info.dtype for n in self.graph.nodes if n.op == "placeholder"
             and isinstance(info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point
             and not _cast_only(n))
+        self.__dict__["_input_kinds"] = _input_kinds(self)
         return code
 
     def _fixed_defaults(self) -> None:
@@ -1583,13 +1599,49 @@ def _reads_dtypes(graph: torch.fx.Graph) -> bool:
     return False
 
 
-def _off_dtype_error(off: list, detail: str) -> TypeError:
-    """The error for inputs ``(name, dtype given, dtype converted with)`` in another dtype."""
+def _off_dtype_error(off: list, detail: str, kind: bool = False) -> TypeError:
+    """The error for inputs ``(name, dtype given, dtype converted with)`` in another dtype;
+    ``kind``: another kind of dtype, which a cast does not make the same input (uint8 pixels)."""
+    way = (f"it holds what the model's code did with a {dtype_name(off[0][2])} input (a branch "
+           "on its dtype, if x.dtype == torch.uint8: ..., took the example's way): convert with "
+           "an example of this kind of dtype (one converted module per kind)" if kind else
+           "pass it in that dtype (x.float()), or convert with an example in this one")
     return TypeError(
         "; ".join(f"input {name} is {dtype_name(got)}, it was {dtype_name(want)} when the model "
                   "was converted" for name, got, want in off[:3])
-        + ": the converted graph computes with the dtypes it was converted with; pass it in that "
-        f"dtype (x.float()), or convert with an example in this one{detail}")
+        + f": the converted graph computes with the dtypes it was converted with; {way}{detail}")
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "integer"
+
+
+def _input_kinds(gm: torch.fx.GraphModule) -> dict:
+    """{argument of the graph's forward: (its position, dtype converted with)} for the
+    arguments that are one tensor input each (an item of a container is not checked)."""
+    import inspect
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [n for n, p in inspect.signature(gm.forward).parameters.items()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "in_spec", None)
+    if spec is None:  # (fx's own: one placeholder per argument)
+        by_name = {n.target: n for n in placeholders}
+    else:  # (torch.export's: the placeholders are the leaves of ((args), {kwargs}))
+        by_name, leaves = {}, 0
+        positional, keywords = spec.children_specs
+        for name, child in zip([*names[:positional.num_children], *keywords.context],
+                               [*positional.children_specs, *keywords.children_specs]):
+            if child.is_leaf() and leaves < len(placeholders):
+                by_name[name] = placeholders[leaves]
+            leaves += child.num_leaves
+    # (torch.export's own record of an input, where no pass has rewritten the graph since)
+    return {name: (names.index(name), info.dtype) for name, node in by_name.items()
+            if name in names and isinstance(info := node.meta.get(TENSOR, node.meta.get("val")),
+                                            (TensorInfo, torch.Tensor))}
 
 
 def _own_call():
