@@ -520,6 +520,43 @@ def test_a_calibration_batch_that_breaks_a_guard_says_what_the_converted_module_
     assert "Guard failed" not in str(error.value) and "after node" not in str(error.value)
 
 
+class Unbatched(nn.Module):
+    """torch.nn's convention: a (L, C) input is one sample of a (B, L, C) batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, batch=None):
+        x = x if batch is None else batch["x"]
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(0)
+        h = self.fc(x).softmax(1)
+        return h.squeeze(0) if unbatched else h
+
+
+def test_an_input_of_another_rank_than_converted_is_named_with_its_rank():
+    # the export's guard raised a bare IndexError (size()[2] of a rank-2 input); the other way
+    # round it named "x.size()[1] == 16 ... fixed dimension 1", not the rank
+    torch.manual_seed(0)
+    model, batched, one = Unbatched().eval(), torch.randn(2, 5, 16), torch.randn(5, 16)
+    for example, other in ((batched, one), (one, batched)):
+        fast = mpgraph.convert(model, example, target=GPU, strategy="rules", check=False)
+        assert fast.plan.capture == "torch.export"
+        with pytest.raises(mpgraph.InputMismatchError, match=rf"input x has {other.dim()} "
+                           rf"dimensions, it had {example.dim()} when the model was converted: "
+                           r".* convert with an example of this rank"):
+            fast(other)
+        with torch.no_grad():
+            assert relative_l2(fast(example), model(example)) < 4e-3
+    # an item of a dict: after the guard's failure
+    fast = mpgraph.convert(model, (batched, {"x": batched}), target=GPU, strategy="rules",
+                           check=False)
+    with pytest.raises(mpgraph.InputMismatchError, match=r"has 2 dimensions, it had 3"):
+        fast(batched, {"x": one})
+
+
 def test_a_model_without_branches_converted_at_batch_2_runs_at_batch_1(bert):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = mpgraph.convert(bert, ids, dtype="fp16", target=GPU)

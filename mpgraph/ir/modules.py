@@ -1224,11 +1224,13 @@ class ConvertedModule(torch.fx.GraphModule):
                         and value.dtype not in wanted:
                     self._refuse_input_dtypes(args, kwargs)
                     break
-        for name, (index, dtype) in self.__dict__.get("_input_kinds", {}).items():
+        for name, (index, dtype, rank) in self.__dict__.get("_input_kinds", {}).items():
             value = args[index] if index < len(args) else kwargs.get(name)
-            if isinstance(value, torch.Tensor) and value.dtype != dtype \
-                    and _kind(value.dtype) != _kind(dtype):
-                self._refuse_input_kind(name, value.dtype, dtype)
+            if isinstance(value, torch.Tensor):  # (~0.5 us an input)
+                if value.dtype is not dtype and _kind(value.dtype) != _kind(dtype):
+                    self._refuse_input_kind(name, value.dtype, dtype)
+                if rank is not None and value.dim() != rank:
+                    self._refuse_input_rank(name, value.dim(), rank)
         for names in self.__dict__.get("tied_parameters", ()):
             self._check_tied(names)
         copies = self.__dict__.get("weight_copies")
@@ -1237,7 +1239,10 @@ class ConvertedModule(torch.fx.GraphModule):
         refresh_fused(self)
         try:
             return super().__call__(*args, **kwargs)
-        except AssertionError as e:  # torch.export's input guard (_guards_fn)
+        except (AssertionError, IndexError) as e:  # torch.export's input guard (_guards_fn)
+            off = self._inputs_off_rank(args, kwargs)  # (an item of a container: size()[2])
+            if off:
+                raise _rank_error(off) from None
             if not str(e).startswith("Guard failed"):
                 raise
             raise guard_error(self, str(e)) from None
@@ -1321,6 +1326,29 @@ class ConvertedModule(torch.fx.GraphModule):
         did with the example's kind, a branch on its dtype included, checked even where the
         model's code casts or reads dtypes (which lifts the float dtype check)."""
         raise _off_dtype_error([(name, got, want)], "", kind=True)
+
+    @compiler_disable(
+        "mpgraph: an input in another number of dimensions than the converted module was "
+        "converted with (the call raises an InputMismatchError naming it)")
+    def _refuse_input_rank(self, name: str, got: int, want: int) -> None:
+        """An input of another rank than at conversion: torch.export's guard indexed a missing
+        dimension (a bare IndexError) or named a size, not the rank."""
+        raise _rank_error([(name, got, want)])
+
+    def _inputs_off_rank(self, args: tuple, kwargs: dict) -> list:
+        """(placeholder, rank given, rank converted with) of the inputs of a torch.export graph
+        in another number of dimensions than at conversion."""
+        from mpgraph.ir.graph import flat_inputs
+        if getattr(self.graph._codegen, "pytree_info", None) is None:
+            return []  # (symbolic_trace's graph computes any rank the model's code does)
+        try:
+            values = flat_inputs(self, args, kwargs)
+        except Exception:  # noqa: BLE001 (inputs that do not map: nothing to say here)
+            return []
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        return [(node.name, v.dim(), rank) for node, v in zip(placeholders, values)
+                if isinstance(v, torch.Tensor) and (rank := _rank(node)) is not None
+                and v.dim() != rank]
 
     def _inputs_off_dtype(self, args: tuple, kwargs: dict) -> list:
         """(placeholder, dtype given, dtype converted with) of float inputs whose dtype is not
@@ -1612,6 +1640,27 @@ def _off_dtype_error(off: list, detail: str, kind: bool = False) -> TypeError:
         + f": the converted graph computes with the dtypes it was converted with; {way}{detail}")
 
 
+def _rank_error(off: list) -> InputMismatchError:
+    """The error for inputs ``(name, rank given, rank converted with)``."""
+    return InputMismatchError(
+        "; ".join(f"input {name} has {got} dimensions, it had {want} when the model was "
+                  "converted" for name, got, want in off[:3])
+        + ": torch.export's graph holds what the model's code did at the example's rank (a "
+        "branch on x.dim(), the unbatched-input convention, took the example's way) and computes "
+        "for that rank only: convert with an example of this rank (one converted module per rank)")
+
+
+def _rank(placeholder: torch.fx.Node) -> Optional[int]:
+    info = placeholder.meta.get(TENSOR, placeholder.meta.get("val"))
+    return len(info.shape) if isinstance(info, (TensorInfo, torch.Tensor)) else None
+
+
+def _children(spec) -> list:
+    """A TreeSpec's children (newer torch warns that ``children_specs`` is deprecated)."""
+    return list(spec.children()) if callable(getattr(spec, "children", None)) \
+        else spec.children_specs
+
+
 def _kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "bool"
@@ -1621,8 +1670,10 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def _input_kinds(gm: torch.fx.GraphModule) -> dict:
-    """{argument of the graph's forward: (its position, dtype converted with)} for the
-    arguments that are one tensor input each (an item of a container is not checked)."""
+    """{argument of the graph's forward: (its position, dtype converted with, rank converted
+    with or None)} for the arguments that are one tensor input each (an item of a container is
+    not checked before the call). The rank of torch.export's inputs only: its graph holds the
+    model's branches on x.dim(); symbolic_trace's computes any rank the model's code does."""
     import inspect
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [n for n, p in inspect.signature(gm.forward).parameters.items()
@@ -1632,14 +1683,15 @@ def _input_kinds(gm: torch.fx.GraphModule) -> dict:
         by_name = {n.target: n for n in placeholders}
     else:  # (torch.export's: the placeholders are the leaves of ((args), {kwargs}))
         by_name, leaves = {}, 0
-        positional, keywords = spec.children_specs
+        positional, keywords = _children(spec)
         for name, child in zip([*names[:positional.num_children], *keywords.context],
-                               [*positional.children_specs, *keywords.children_specs]):
+                               [*_children(positional), *_children(keywords)]):
             if child.is_leaf() and leaves < len(placeholders):
                 by_name[name] = placeholders[leaves]
             leaves += child.num_leaves
     # (torch.export's own record of an input, where no pass has rewritten the graph since)
-    return {name: (names.index(name), info.dtype) for name, node in by_name.items()
+    return {name: (names.index(name), info.dtype, _rank(node) if spec is not None else None)
+            for name, node in by_name.items()
             if name in names and isinstance(info := node.meta.get(TENSOR, node.meta.get("val")),
                                             (TensorInfo, torch.Tensor))}
 
