@@ -155,9 +155,9 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         # float32" of a bf16 base model with float32 LoRA adapters, 0.0026 off float32)
         record = dataclasses.replace(
             record, kept_fp32=None if not record.low_nodes else record.kept_fp32,
-            computes_in=f"{found} where its {_what(model)} are ({mixed})", warning=(
-                f"{type(model).__name__} holds {found} {_what(model)} ({mixed}) beside float32 "
-                "ones: mpgraph plans its float32 nodes, its "
+            computes_in=f"{found} where its parameters are ({mixed})", warning=(
+                f"{type(model).__name__} holds {found} parameters ({mixed}) beside float32 ones: "
+                "mpgraph plans its float32 nodes, its "
                 f"{found} parts compute as the model has them, and the check compares with the "
                 "model as it computes, not float32. Convert model.float() to plan all of it"))
         warnings.warn(record.warning, UserWarning, stacklevel=2)
@@ -244,22 +244,13 @@ def _refuse_converted(model) -> None:
             f"rest and keep {path!r} as converted")
 
 
-def _what(model: torch.nn.Module) -> str:
-    """What holds the model's low values: its parameters, or its buffers too."""
-    low = any(t.dtype in (torch.float16, torch.bfloat16) for t in model.buffers())
-    return "parameters and buffers" if low else "parameters"
-
-
 def _computes_low(model: torch.nn.Module) -> tuple[str, str]:
     """The low floating dtypes of a model's parameters (one loaded with
     torch_dtype=torch.bfloat16; its float32 buffers, such as rotary inv_freq, do not count), as
     text, "" where none is low; and where float32 ones sit beside them (a bf16 base model's
     float32 LoRA adapters), how many of them are low ("6 of 10"), else ""."""
-    lows = (torch.float16, torch.bfloat16)
     floats = [t for t in model.parameters() if t.is_floating_point()]
-    # (a float32 model's own bf16 buffer, a lookup table, computes low as well: not "vs float32")
-    floats += [t for t in model.buffers() if t.dtype in lows]
-    low = [t for t in floats if t.dtype in lows]
+    low = [t for t in floats if t.dtype in (torch.float16, torch.bfloat16)]
     if not low:
         return "", ""
     found = " and ".join(sorted({dtype_name(t.dtype) for t in low}))

@@ -1119,26 +1119,3 @@ def test_a_node_reading_the_models_own_float64_value_is_not_planned_low():
     assert {r.name for r in fast.plan.low_nodes} == {"a", "b"}
     assert rel_err(fast(x), model(x)) == pytest.approx(fast.plan.check["error"], rel=1e-3)
 
-
-class Bf16Table(nn.Module):
-    """A float32 model that keeps a lookup table as a bf16 buffer."""
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-        self.register_buffer("table", torch.randn(16, 16).bfloat16())
-
-    def forward(self, x):
-        return self.fc(x) + (x.bfloat16() @ self.table).float()
-
-
-def test_a_float32_model_with_a_bf16_buffer_is_checked_as_it_computes():
-    """Its plan said "kept all nodes in float32 ... error 0 vs float32" with no warning, where
-    the model itself computes part of its output in bf16."""
-    torch.manual_seed(0)
-    model, x = Bf16Table().eval(), torch.randn(4, 16)
-    with pytest.warns(UserWarning, match=r"Bf16Table holds bfloat16 parameters and buffers "
-                                         r"\(1 of 3\) beside float32 ones"):
-        fast = mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules")
-    assert "vs float32" not in fast.plan.summary()
-    assert "vs the model as it computes" in fast.plan.summary()
-    assert rel_err(fast(x), model(x)) == pytest.approx(fast.plan.check["error"], rel=1e-3)
