@@ -664,3 +664,29 @@ def test_a_batch_1_example_says_the_file_takes_batch_1_only(tmp_path):
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message="the float16 plan was calibrated on one batch")
         export_onnx(model, torch.randn(2, 4, 16), tmp_path / "two.onnx")
+
+
+def test_moe_experts_export_with_transformers_own_onnx_translation(tmp_path):
+    """transformers' MoE experts run as its custom op grouped_mm_fallback, which torch.onnx has
+    no ONNX function for ('No ONNX function found for transformers.grouped_mm_fallback': nothing
+    was written); the file now takes transformers' own translation of it (a MatMul per expert),
+    in fp16, validated on onnxruntime and run at another batch and sequence length."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.exporters.exporter_onnx")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
+        use_cache=False)).eval()
+    ids = torch.randint(1, 100, (2, 16))
+    path = tmp_path / "moe.onnx"
+    result = mpgraph.export_onnx(model, (), path, example_kwargs={"input_ids": ids},
+                                 dtype="fp16", target=GPU)
+    assert result.exporter.startswith("torch.onnx.export(dynamo=True)")
+    assert max(result.validation.err_vs_fp32) < 1e-2
+    grouped = [r for r in result.plan.nodes if "grouped_mm" in r.name]
+    assert grouped and {r.dtype for r in grouped} == {"float16"}
+    other = torch.randint(1, 100, (3, 9))
+    out = mpgraph.ort_session(path, device="cpu").run(None, {"input_ids": other.numpy()})[0]
+    with torch.no_grad():
+        assert relative_l2(out, model(other).logits) < 1e-2

@@ -328,7 +328,9 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
             program = torch.onnx.export(converted, call_args, kwargs=kwargs or None,
                                         dynamo=True, opset_version=opset,
                                         dynamic_shapes=dynamic_shapes, output_names=names,
-                                        optimize=False, verbose=False)
+                                        optimize=False, verbose=False,
+                                        custom_translation_table=borrowed_translations(
+                                            converted) or None)
         written = written_buffers(program)
         if written:
             log.warning("the forward writes %s: an ONNX file holds no state, so every run of it "
@@ -373,6 +375,31 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
                           f"  torch.onnx.export(dynamo=True): {reason}\n"
                           f"  torch.onnx.export(dynamo=False): {_brief(ts_error)}") from ts_error
     return Exported(model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: {reason}]")
+
+
+# ops torch.onnx has no ONNX function for, translated by the library that defines them: the MoE
+# experts of transformers (its custom op grouped_mm_fallback, and aten._grouped_mm it may call)
+# by transformers' own ONNX exporter (a MatMul per expert)
+BORROWED_TRANSLATIONS = {"transformers.grouped_mm_fallback": "transformers.exporters.exporter_onnx",
+                         "aten._grouped_mm": "transformers.exporters.exporter_onnx"}
+
+
+def borrowed_translations(gm: torch.fx.GraphModule) -> dict:
+    """torch.onnx's ``custom_translation_table`` for the ``BORROWED_TRANSLATIONS`` ops that
+    ``gm`` calls, from their library's own table (none where that library has none)."""
+    import importlib
+    called = {target_name(n).replace("::", ".") for n in gm.graph.nodes if n.op == "call_function"}
+    table = {}
+    for op, where in BORROWED_TRANSLATIONS.items():
+        if not any(name == op or name.startswith(op + ".") for name in called):
+            continue
+        try:
+            theirs = importlib.import_module(where)._ONNX_TRANSLATION_TABLE
+        except (ImportError, AttributeError) as e:
+            log.info("no ONNX translation of %s from %s: %s", op, where, e)
+            continue
+        table.update({k: f for k, f in theirs.items() if str(k).startswith(op + ".")})
+    return table
 
 
 @contextlib.contextmanager
