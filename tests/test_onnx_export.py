@@ -690,3 +690,36 @@ def test_moe_experts_export_with_transformers_own_onnx_translation(tmp_path):
     out = mpgraph.ort_session(path, device="cpu").run(None, {"input_ids": other.numpy()})[0]
     with torch.no_grad():
         assert relative_l2(out, model(other).logits) < 1e-2
+
+
+@torch.library.custom_op("mpgraph_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class CustomOpModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, mask=None, twice=True):  # (converted without mask: fixed to None)
+        return _twice(self.fc(x)) if twice else self.fc(x)
+
+
+def test_a_custom_op_without_onnx_function_is_named_not_the_fallbacks_argument_refusal(tmp_path):
+    """Qwen2-MoE's export failed on an op with no ONNX function; the error then told the user
+    to convert with position_ids (the TorchScript fallback passes every forward parameter, and
+    the converted module refused that call): advice about an argument never given, the real
+    blocker named only inside the exporter's text."""
+    with pytest.raises(mpgraph.ExportError, match=r"the graph calls mpgraph_test\.twice, which "
+                                                  r"torch\.onnx has no ONNX function for") as info:
+        export_onnx(CustomOpModel().eval(), (), tmp_path / "x.onnx",
+                    example_kwargs={"x": torch.randn(2, 16), "twice": True})
+    assert "cannot call the converted module" in str(info.value)
+    assert "Convert with it" not in str(info.value) and "'mask'" not in str(info.value)
+    assert os.listdir(tmp_path) == []

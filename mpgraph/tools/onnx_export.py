@@ -371,10 +371,28 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
                               opset_version=legacy_opset, output_names=names)
         model = ir.load(tmp)
     except Exception as ts_error:
-        raise ExportError("the model could not be exported to ONNX:\n"
+        missing = re.search(r"No ONNX function found for <OpOverload\(op='([\w.]+)'", reason)
+        blocker = (f"the graph calls {missing.group(1)}, which torch.onnx has no ONNX function "
+                   "for (a custom op: export a model that computes it with torch operators)\n"
+                   if missing else "")
+        # (the TorchScript exporter calls forward with every parameter, those the conversion
+        # fixed too: the converted module's refusal is no advice about the user's arguments)
+        ts_reason = ("it cannot call the converted module (it passes every parameter of the "
+                     "forward, those fixed at conversion too)" if _argument_check_refused(ts_error)
+                     else _brief(ts_error))
+        raise ExportError("the model could not be exported to ONNX:\n" + blocker +
                           f"  torch.onnx.export(dynamo=True): {reason}\n"
-                          f"  torch.onnx.export(dynamo=False): {_brief(ts_error)}") from ts_error
+                          f"  torch.onnx.export(dynamo=False): {ts_reason}") from ts_error
     return Exported(model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: {reason}]")
+
+
+def _argument_check_refused(error: BaseException) -> bool:
+    """The converted module's own argument check (CallSignature) raised ``error``."""
+    import traceback
+    from mpgraph.ir import modules
+    return isinstance(error, TypeError) and any(
+        os.path.abspath(f.filename) == os.path.abspath(modules.__file__)
+        and f.name in ("check", "_one") for f in traceback.extract_tb(error.__traceback__))
 
 
 # ops torch.onnx has no ONNX function for, translated by the library that defines them: the MoE
