@@ -232,6 +232,30 @@ def _constant(value) -> Optional[float]:
     return flat[0].item() if bool((flat == flat[0]).all()) else None
 
 
+def _described(args: tuple, kwargs: dict) -> str:
+    """'2 positional arguments (a tuple of 0, a dict) and keyword arguments x, mask'."""
+    def kind(value) -> str:
+        if isinstance(value, torch.Tensor):
+            return "a tensor"
+        if isinstance(value, (tuple, list)):
+            return f"a {type(value).__name__} of {len(value)}"
+        return f"a {type(value).__name__}"
+    parts = [f"{len(args)} positional argument{'' if len(args) == 1 else 's'}"
+             + (f" ({', '.join(kind(a) for a in args)})" if args else "")]
+    if kwargs:
+        parts.append(f"keyword arguments {', '.join(kwargs)}")
+    return " and ".join(parts)
+
+
+def _pair_hint(args: tuple, kwargs: dict) -> str:
+    """The way out for a batch given as an (args, kwargs) pair, as torch.export takes one."""
+    if len(args) == 2 and isinstance(args[0], (tuple, list)) and isinstance(args[1], dict) \
+            and not kwargs:
+        return (" (an (args, kwargs) pair is two positional arguments: give the dict of keyword "
+                "arguments, with the positional ones by name)")
+    return ""
+
+
 class Calibrate(Pass):
     """Analysis: writes ``mpgraph.range`` (a ValueRange) on every node with a float output."""
     stage = "calibrate"
@@ -252,15 +276,23 @@ class Calibrate(Pass):
         try:
             got = flat_inputs(gm, args, kwargs)
         except (TypeError, ValueError) as e:
-            raise CalibrationError(f"calibration batch {i} does not match the model's "
-                                   f"arguments: {e}") from None
+            # (torch.export's structures as text are two pytree dumps: what each side is instead)
+            why = "" if "TreeSpec" in str(e) else f" ({e})"
+            took = f"; the model was converted with {_described(*self.example)}" \
+                if self.example is not None else ""
+            raise CalibrationError(
+                f"calibration batch {i} does not match the model's arguments{why}: it is "
+                f"{_described(args, kwargs)}{took}. Give each batch as the model is called: a "
+                f"dict of keyword arguments, a tuple of positional arguments or one tensor"
+                f"{_pair_hint(args, kwargs)}") from None
         if self.example is None:
             return
         want = flat_inputs(gm, *self.example)
         for j, (g, w) in enumerate(zip(got, want)):
             if isinstance(w, torch.Tensor) and not isinstance(g, torch.Tensor):
                 raise CalibrationError(f"calibration batch {i}, input {j}: expected a tensor like "
-                                       f"the example input, got {type(g).__name__}")
+                                       f"the example input, got {type(g).__name__}"
+                                       f"{_pair_hint(args, kwargs)}")
             if isinstance(w, torch.Tensor) and (g.dim() != w.dim() or g.dtype != w.dtype):
                 raise CalibrationError(
                     f"calibration batch {i}, input {j}: shape {tuple(g.shape)} {g.dtype} does not "

@@ -105,6 +105,38 @@ def test_calibration_accepts_generators_tuples_and_dicts():
     assert gm.plan.calibration_batches == 1
 
 
+class ExportCaptured(nn.Module):
+    """A shape branch: symbolic_trace fails on it, torch.export captures it (its input spec)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        return self.fc(x) * mask if x.size(-1) == 16 else x
+
+
+def test_an_args_kwargs_pair_as_a_batch_is_an_error_naming_both_sides_and_the_way_out():
+    """A batch given as (args, kwargs), as torch.export takes its example, is two positional
+    arguments here: the error was two raw pytree TreeSpec dumps."""
+    x, mask = torch.randn(4, 16), torch.ones(4, 16)
+    with pytest.raises(mpgraph.CalibrationError) as info:
+        _convert16(_seeded(ExportCaptured), (), example_kwargs={"x": x, "mask": mask},
+                   calibration=[((), {"x": x, "mask": mask})])
+    assert str(info.value) == (
+        "calibration batch 0 does not match the model's arguments: it is 2 positional arguments "
+        "(a tuple of 0, a dict); the model was converted with 0 positional arguments and keyword "
+        "arguments x, mask. Give each batch as the model is called: a dict of keyword arguments, "
+        "a tuple of positional arguments or one tensor (an (args, kwargs) pair is two positional "
+        "arguments: give the dict of keyword arguments, with the positional ones by name)")
+    with pytest.raises(mpgraph.CalibrationError, match=r"input 0: expected a tensor like the "
+                                                       r"example input, got tuple \(an \(args, "
+                                                       r"kwargs\) pair is two positional"):
+        _convert16(_seeded(MaskedAttention), (), example_kwargs=dict(zip("x mask".split(),
+                                                                        mask_inputs())),
+                   calibration=[((), dict(zip("x mask".split(), mask_inputs())))])
+
+
 @pytest.mark.parametrize("calibration, message", [
     ([], "calibration is empty"),
     ([torch.randn(4, 7)], "failed after node"),             # wrong feature size
