@@ -723,3 +723,37 @@ def test_a_custom_op_without_onnx_function_is_named_not_the_fallbacks_argument_r
     assert "cannot call the converted module" in str(info.value)
     assert "Convert with it" not in str(info.value) and "'mask'" not in str(info.value)
     assert os.listdir(tmp_path) == []
+
+
+class CastRoundTrip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):  # (fc1 low: the model's .float() and the plan's cast back, a round trip)
+        return self.fc3(torch.relu(self.fc2(self.fc1(x).float())))
+
+
+def test_each_file_cast_is_labelled_with_the_plan_cast_it_was_traced_from(tmp_path):
+    """The file's Casts were paired with the plan's by position: the two the exporter folds (an
+    exact fp16->fp32->fp16 round trip) shifted every later label (the output's cast labelled as
+    the model's .float(), and reported missing with the round trip's second cast)."""
+    torch.manual_seed(0)
+    path = tmp_path / "rt.onnx"
+    result = export_onnx(CastRoundTrip().eval(), torch.randn(4, 16), path, dtype="fp16",
+                         target=GPU, validate=False)
+    plan = {c.name: c for c in result.plan.cast_sequence()}
+    folded = [name for name, c in plan.items() if c.value == "fc1" or c.value.startswith("float")]
+    assert len(folded) == 2 and result.casts_expected == result.casts_in_file + 2
+    assert result.cast_differences == [
+        f"plan cast {name} ({plan[name].src}->{plan[name].dst} of {plan[name].value}) has no "
+        "Cast in the file" for name in folded]
+    to = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16"}
+    labelled = {}
+    for node in load_with_types(str(path)).graph:
+        if node.op_type == "Cast" and "mpgraph.cast" in node.metadata_props:
+            rec = plan[node.metadata_props["mpgraph.cast"]]
+            assert (to[node.inputs[0].dtype], to[ir.DataType(node.attributes["to"].value)]) == \
+                (rec.src, rec.dst)
+            labelled[rec.name] = node.metadata_props["mpgraph.value"]
+    assert labelled == {"x_to_f16": "x", "fc3_to_f32": "fc3"}

@@ -462,15 +462,32 @@ def _provenance(plan: Plan, exporter: str) -> dict[str, str]:
     }
 
 
-def _postprocess(model, plan: Plan, exporter: str, ir) -> tuple[dict, tuple[int, int, list[str]]]:
+def node_origins(program, gm: torch.fx.GraphModule) -> dict[str, str]:
+    """The node of ``gm`` each node of torch.export's ``program`` was traced from (torch.fx's
+    ``from_node`` provenance), by name: how the file's Casts are paired with the plan's."""
+    origins = {}
+    for node in program.graph.nodes if program is not None else ():
+        sources = list(node.meta.get("from_node") or ())
+        while sources:
+            source = sources.pop(0)
+            if source.graph_id == id(gm.graph):
+                origins[node.name] = source.name
+                break
+            sources += source.from_node
+    return origins
+
+
+def _postprocess(model, plan: Plan, exporter: str, ir,
+                 origins: Optional[dict] = None) -> tuple[dict, tuple[int, int, list[str]]]:
     """The plan's edits on the exported IR (mpgraph.tools.onnx_passes), the casts paired with
-    the plan's, and the plan's provenance in the model's metadata."""
+    the plan's (by ``origins``, node_origins', where known), and the plan's provenance in the
+    model's metadata."""
     from mpgraph.tools.onnx_passes import AnnotatePlanCasts, plan_passes
     edits = {}
     for p in plan_passes():
         p(model)
         edits[p.description] = p.count
-    annotate = AnnotatePlanCasts(plan)
+    annotate = AnnotatePlanCasts(plan, origins)
     annotate(model)
     model.metadata_props.update(_provenance(plan, exporter))
     return edits, (annotate.in_file, annotate.expected, annotate.differences)
@@ -596,8 +613,8 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
         """The IR edited, saved in the work directory and validated; the result."""
         model = exported.model
         with stage("export"):
-            edits, (in_file, expected, differences) = _postprocess(model, converted.plan,
-                                                                   exported.how, ir)
+            edits, (in_file, expected, differences) = _postprocess(
+                model, converted.plan, exported.how, ir, node_origins(exported.program, converted))
             if differences:
                 log.warning("Cast nodes in the file differ from the plan:\n  %s",
                             "\n  ".join(differences))

@@ -9,6 +9,9 @@ with the plan's and labels each. They follow onnx-ir's pass contract (``ir.passe
 """
 from __future__ import annotations
 
+import re
+from typing import Optional
+
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
@@ -182,26 +185,47 @@ class SoftmaxFp32(_CountingPass):
 
 
 class AnnotatePlanCasts(ir.passes.InPlacePass):
-    """Pair the file's precision casts with the plan's, in order, and label each with its origin
-    (``metadata_props``); ``in_file``, ``expected`` and ``differences`` say how they matched."""
+    """Pair the file's precision casts with the plan's and label each with its origin
+    (``metadata_props``); ``in_file``, ``expected`` and ``differences`` say how they matched.
 
-    def __init__(self, plan: Plan):
+    A Cast is paired with the plan cast it was traced from: ``origins`` maps the exporter's
+    torch.fx node names (each ONNX node's ``pkg.torch.onnx.fx_node``) to the converted graph's
+    node names. The rest (a Cast a pass put back, an exporter without provenance) are aligned
+    in order by their types: a Cast the exporter dropped is reported alone, where pairing by
+    position mislabelled every later one."""
+
+    def __init__(self, plan: Plan, origins: Optional[dict] = None):
         super().__init__()
         self.plan = plan
+        self.origins = origins or {}
         self.in_file, self.expected, self.differences = 0, 0, []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        import difflib
         ours = [n for n in model.graph if is_precision_cast(n) and ORIGIN not in n.metadata_props]
         expected = self.plan.cast_sequence()
+        unused: dict[str, list[int]] = {}  # plan cast name -> its places in expected, unpaired
+        for j, rec in enumerate(expected):
+            unused.setdefault(rec.name, []).append(j)
+        pairs: dict[int, int] = {}  # ours index -> expected index
+        for i, node in enumerate(ours):
+            places = unused.get(self.origins.get(_fx_name(node)), [])
+            if places:
+                pairs[i] = places.pop(0)
+        rest = [i for i in range(len(ours)) if i not in pairs]
+        left = sorted(set(range(len(expected))) - set(pairs.values()))
+        aligned = difflib.SequenceMatcher(None, [_types(ours[i]) for i in rest],
+                                          [_plan_types(expected[j]) for j in left], autojunk=False)
+        for a, b, size in aligned.get_matching_blocks():
+            pairs.update((rest[a + k], left[b + k]) for k in range(size))
         differences = []
         for i, node in enumerate(ours):
-            if i >= len(expected):
-                differences.append(f"extra Cast {node.name} ({node.inputs[0].dtype.name}->"
-                                   f"{cast_to(node).name}) not in the plan")
+            if i not in pairs:
+                got = _types(node)
+                differences.append(f"extra Cast {node.name} ({got[0]}->{got[1]}) not in the plan")
                 continue
-            rec = expected[i]
-            got = (node.inputs[0].dtype.name, cast_to(node).name)
-            want = (ir_dtype(getattr(torch, rec.src)).name, ir_dtype(getattr(torch, rec.dst)).name)
+            rec = expected[pairs[i]]
+            got, want = _types(node), _plan_types(rec)
             if got != want:
                 differences.append(f"Cast {node.name} is {got[0]}->{got[1]}, plan cast {rec.name} "
                                    f"is {want[0]}->{want[1]}")
@@ -210,10 +234,26 @@ class AnnotatePlanCasts(ir.passes.InPlacePass):
             node.metadata_props["mpgraph.cast"] = rec.name
             node.metadata_props["mpgraph.value"] = rec.value
             node.metadata_props["mpgraph.inserted_by"] = rec.inserted_by
+        paired = set(pairs.values())
         differences += [f"plan cast {rec.name} ({rec.src}->{rec.dst} of {rec.value}) has no Cast "
-                        "in the file" for rec in expected[len(ours):]]
+                        "in the file" for j, rec in enumerate(expected) if j not in paired]
         self.in_file, self.expected, self.differences = len(ours), len(expected), differences
         return ir.passes.PassResult(model, modified=bool(ours))
+
+
+def _fx_name(node) -> Optional[str]:
+    """The torch.fx node the exporter translated ``node`` from (its ``pkg.torch.onnx.fx_node``
+    metadata: ``%_to_copy_3 : [num_users=1] = ...``)."""
+    found = re.match(r"%(\S+) :", node.metadata_props.get("pkg.torch.onnx.fx_node", ""))
+    return found.group(1) if found else None
+
+
+def _types(node) -> tuple[str, str]:
+    return node.inputs[0].dtype.name, cast_to(node).name
+
+
+def _plan_types(rec) -> tuple[str, str]:
+    return ir_dtype(getattr(torch, rec.src)).name, ir_dtype(getattr(torch, rec.dst)).name
 
 
 def plan_passes() -> list[_CountingPass]:
