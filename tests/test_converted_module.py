@@ -538,6 +538,46 @@ def test_an_input_in_another_kind_of_dtype_is_refused_even_where_the_model_reads
             assert relative_l2(fast(x, example, ids), model(x, example, ids)) < 1e-5
 
 
+class _MaskInADict(_MaskEitherWay):
+    def forward(self, x, batch):
+        return super().forward(x, batch["mask"], batch["ids"])
+
+
+class _Pixels(nn.Module):
+    """fx traces it: its graph computes whatever dtype the model's own cast takes."""
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, img):
+        return self.conv(img.float() / 255)
+
+
+def test_the_dtype_kind_check_covers_container_items_and_spares_graphs_without_dtype_branches():
+    """The kind check (review rB): a bool mask passed as batch["mask"] into an additive-mask
+    conversion was 0.237 off, silently; uint8 pixels into an fx graph that casts them itself
+    (no branch: fx cannot trace one) were refused, where they computed right before."""
+    torch.manual_seed(0)
+    x, ids = torch.rand(2, 6, 16), torch.randint(0, 10, (2, 6))
+    keep = torch.ones(2, 6, 6, dtype=torch.bool)
+    keep[:, :, 4:] = False
+    additive = torch.zeros(2, 6, 6).masked_fill(~keep, float("-inf"))
+    model = _MaskInADict().eval()
+    fast = mpgraph.convert(model, (x, {"mask": additive, "ids": ids}), target=GPU, check=False)
+    with pytest.raises(TypeError, match=r"input batch \(.*\) is bool, it was float32 when the "
+                                        r"model was converted"):
+        fast(x, {"mask": keep, "ids": ids})
+    with torch.no_grad():
+        assert relative_l2(fast(x, {"mask": additive, "ids": ids.int()}),
+                           model(x, {"mask": additive, "ids": ids})) < 1e-5
+    pixels = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    cnn = _Pixels().eval()
+    fast = mpgraph.convert(cnn, pixels.float(), target=GPU, check=False)
+    assert fast.plan.capture == "torch.fx.symbolic_trace"
+    with torch.no_grad():
+        assert relative_l2(fast(pixels), cnn(pixels)) < 1e-5
+
+
 # -- a value fixed at capture that the graph takes as an input (use_cache=False) ---------------
 
 def test_forward_and_torch_export_of_a_converted_hf_model_find_use_cache_fixed_at_capture():

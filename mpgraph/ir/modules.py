@@ -1231,6 +1231,11 @@ class ConvertedModule(torch.fx.GraphModule):
                     self._refuse_input_kind(name, value.dtype, dtype)
                 if rank is not None and value.dim() != rank:
                     self._refuse_input_rank(name, value.dim(), rank)
+        nested = self.__dict__.get("_nested_kinds")
+        if nested:  # (a tensor in a dict or list argument: ~10 us, only for such arguments)
+            off = self._inputs_off_kind(args, kwargs, nested)
+            if off:
+                self._refuse_input_kind(*off)
         for names in self.__dict__.get("tied_parameters", ()):
             self._check_tied(names)
         copies = self.__dict__.get("weight_copies")
@@ -1334,6 +1339,20 @@ class ConvertedModule(torch.fx.GraphModule):
         """An input of another rank than at conversion: torch.export's guard indexed a missing
         dimension (a bare IndexError) or named a size, not the rank."""
         raise _rank_error([(name, got, want)])
+
+    def _inputs_off_kind(self, args: tuple, kwargs: dict, nested: dict) -> Optional[tuple]:
+        """(placeholder, dtype given, dtype converted with) of the first tensor inside a
+        container argument whose dtype is of another kind than at conversion, or None."""
+        from mpgraph.ir.graph import flat_inputs
+        try:
+            values = flat_inputs(self, args, kwargs)
+        except Exception:  # noqa: BLE001 (inputs that do not map: the call says why)
+            return None
+        for index, (name, dtype) in nested.items():
+            value = values[index] if index < len(values) else None
+            if isinstance(value, torch.Tensor) and _kind(value.dtype) != _kind(dtype):
+                return name, value.dtype, dtype
+        return None
 
     def _inputs_off_rank(self, args: tuple, kwargs: dict) -> list:
         """(placeholder, rank given, rank converted with) of the inputs of a torch.export graph
@@ -1459,7 +1478,7 @@ class ConvertedModule(torch.fx.GraphModule):
             info.dtype for n in self.graph.nodes if n.op == "placeholder"
             and isinstance(info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point
             and not _cast_only(n))
-        self.__dict__["_input_kinds"] = _input_kinds(self)
+        self.__dict__["_input_kinds"], self.__dict__["_nested_kinds"] = _input_kinds(self)
         return code
 
     def _fixed_defaults(self) -> None:
@@ -1630,7 +1649,9 @@ def _reads_dtypes(graph: torch.fx.Graph) -> bool:
 def _off_dtype_error(off: list, detail: str, kind: bool = False) -> TypeError:
     """The error for inputs ``(name, dtype given, dtype converted with)`` in another dtype;
     ``kind``: another kind of dtype, which a cast does not make the same input (uint8 pixels)."""
-    way = (f"it holds what the model's code did with a {dtype_name(off[0][2])} input (a branch "
+    was = dtype_name(off[0][2])
+    way = (f"it holds what the model's code did with {'an' if was.startswith('int') else 'a'} "
+           f"{was} input (a branch "
            "on its dtype, if x.dtype == torch.uint8: ..., took the example's way): convert with "
            "an example of this kind of dtype (one converted module per kind)" if kind else
            "pass it in that dtype (x.float()), or convert with an example in this one")
@@ -1669,31 +1690,40 @@ def _kind(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point else "integer"
 
 
-def _input_kinds(gm: torch.fx.GraphModule) -> dict:
-    """{argument of the graph's forward: (its position, dtype converted with, rank converted
-    with or None)} for the arguments that are one tensor input each (an item of a container is
-    not checked before the call). The rank of torch.export's inputs only: its graph holds the
-    model's branches on x.dim(); symbolic_trace's computes any rank the model's code does."""
+def _input_kinds(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
+    """For a torch.export graph, whose graph holds the model's branches on an input's dtype or
+    x.dim() as the example took them: {argument of the graph's forward: (its position, dtype
+    and rank converted with)} for the arguments that are one tensor each, and {placeholder
+    index: (name, dtype converted with)} for the tensors inside container arguments. Nothing
+    for symbolic_trace's graph, which holds no such branch (fx cannot trace one: the model
+    went to torch.export) and computes any dtype or rank the model's code does (uint8 pixels
+    into ``img.float() / 255``)."""
     import inspect
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [n for n, p in inspect.signature(gm.forward).parameters.items()
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "in_spec", None)
-    if spec is None:  # (fx's own: one placeholder per argument)
-        by_name = {n.target: n for n in placeholders}
-    else:  # (torch.export's: the placeholders are the leaves of ((args), {kwargs}))
-        by_name, leaves = {}, 0
-        positional, keywords = _children(spec)
-        for name, child in zip([*names[:positional.num_children], *keywords.context],
-                               [*_children(positional), *_children(keywords)]):
-            if child.is_leaf() and leaves < len(placeholders):
-                by_name[name] = placeholders[leaves]
-            leaves += child.num_leaves
-    # (torch.export's own record of an input, where no pass has rewritten the graph since)
-    return {name: (names.index(name), info.dtype, _rank(node) if spec is not None else None)
-            for name, node in by_name.items()
-            if name in names and isinstance(info := node.meta.get(TENSOR, node.meta.get("val")),
-                                            (TensorInfo, torch.Tensor))}
+    if spec is None:
+        return {}, {}
+
+    def info(node):  # (torch.export's own record, where no pass has rewritten the graph since)
+        found = node.meta.get(TENSOR, node.meta.get("val"))
+        return found if isinstance(found, (TensorInfo, torch.Tensor)) else None
+
+    by_name, nested, leaves = {}, {}, 0  # (the placeholders: the leaves of ((args), {kwargs}))
+    positional, keywords = _children(spec)
+    for name, child in zip([*names[:positional.num_children], *keywords.context],
+                           [*_children(positional), *_children(keywords)]):
+        if child.is_leaf() and leaves < len(placeholders):
+            by_name[name] = placeholders[leaves]
+        else:
+            for index in range(leaves, min(leaves + child.num_leaves, len(placeholders))):
+                if (found := info(placeholders[index])) is not None:
+                    nested[index] = (f"{name} ({placeholders[index].name})", found.dtype)
+        leaves += child.num_leaves
+    return ({name: (names.index(name), found.dtype, _rank(node))
+             for name, node in by_name.items()
+             if name in names and (found := info(node)) is not None}, nested)
 
 
 def _own_call():
