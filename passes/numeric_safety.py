@@ -52,10 +52,12 @@ constraint on a node that would otherwise compute in low precision. Rules:
   the model was trained with in whatever precision; their readers are not held to this, and the
   value check measures them.
 - ``written_buffer`` (fp16 only): an op that could compute low reading a float32 buffer the
-  forward writes in place (through its views), except a cache written only by stores. Calibration
-  restores the buffers between batches, so it sees their value at conversion only, never what the
-  model's own updates make of them (a VQ-VAE's EMA codebook grows to 4e5 in one call: inf in
-  fp16). bf16 has float32's range: any float32 value it is cast from fits, so it clears this.
+  forward writes in place, or a value computed from one through any op up to one that bounds its
+  output (``_BOUNDING``: ``h @ (embed_avg / cluster_size)``), except a cache written only by
+  stores. Calibration restores the buffers between batches, so it sees their value at conversion
+  only, never what the model's own updates make of them (a VQ-VAE's EMA codebook grows to 4e5 in
+  one call: inf in fp16) nor what is computed from them. bf16 has float32's range: any float32
+  value it is cast from fits, so it clears this.
 
 Long reductions (sum, mean, var, norms, cumsum) are float32-only by op class in every low dtype,
 so no rule is needed for them here; matmul and conv accumulate in float32 on every backend we
@@ -297,11 +299,12 @@ class NumericSafety(Pass):
         for node, found in rules.underflow_findings(gm).items():
             findings.setdefault(node, []).extend(found)
         if rules.narrow:  # (bf16 has float32's range: a cast of any float32 value fits)
-            for node, names in written_buffer_readers(gm).items():
+            for node, (names, via) in written_buffer_readers(gm).items():
+                what = _listed(names) if via is None else f"{via}, computed from {_listed(names)}"
                 findings.setdefault(node, []).append(SafetyFinding("written_buffer", (
-                    f"reads {_listed(names)}, which the forward writes in place: calibration "
-                    f"saw only its value at conversion, so the values the model's updates make "
-                    f"of it are not proven to fit {dtype_name(self.low)}")))
+                    f"reads {what}, which the forward writes in place: calibration saw only "
+                    f"its value at conversion, so the values the model's updates make of it "
+                    f"are not proven to fit {dtype_name(self.low)}")))
         periodic = periodic_findings(gm)  # the same in every dtype: never cleared
         alt_underflow = alt.underflow_findings(gm) if alt is not None else {}
         for node, found in list(findings.items()):
@@ -553,27 +556,64 @@ def written_weight_findings(gm) -> dict[torch.fx.Node, list[SafetyFinding]]:
     return out
 
 
-def written_buffer_readers(gm) -> dict[torch.fx.Node, list[str]]:
-    """Nodes that could compute low reading a float32 buffer the forward writes in place (through
-    its views), with the buffers' names: calibration restores the buffers between batches, so it
-    only sees their values at conversion, not those the model's own updates make of them (a
-    VQ-VAE's EMA codebook: 4e5 after one call, inf in fp16). A buffer written only by stores (a
-    KV cache) holds computed values calibration does see: it is stored low, its readers are not
-    listed."""
-    out: dict[torch.fx.Node, list[str]] = {}
+# ops whose output is bounded whatever their input holds (softmax sums to 1, a norm divides by
+# its own statistics, a clamp with two constant bounds): a value computed from a written buffer
+# through them is in range again
+_BOUNDING = frozenset({"softmax", "_softmax", "_safe_softmax", "softmin", "sigmoid", "tanh",
+                       "hardsigmoid", "hardtanh", "softsign", "sin", "cos", "layer_norm",
+                       "native_layer_norm", "group_norm", "native_group_norm", "rms_norm"})
+
+
+def _bounds_output(node: torch.fx.Node) -> bool:
+    if node.op not in CALLS or OP_CLASS not in node.meta:
+        return False
+    name = op_name(node)
+    if name in ("clamp", "clip", "clamp_", "clip_"):
+        bounds = (_arg(node, 1, "min"), _arg(node, 2, "max"))
+        return all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+    return name in _BOUNDING
+
+
+def _declares_writing(node: torch.fx.Node, buffers: set, gm) -> bool:
+    """A module that declares it writes one of ``buffers`` (a batch norm's running statistics)."""
+    if node.op != "call_module":
+        return False
+    written = getattr(gm.get_submodule(node.target), "mutates_args", ())
+    return any(i < len(node.args) and node.args[i] in buffers for i in written)
+
+
+def written_buffer_readers(gm) -> dict[torch.fx.Node, tuple[list[str], Optional[str]]]:
+    """Nodes that could compute low reading a float32 buffer the forward writes in place, or a
+    value computed from one (``h @ (self.embed_avg / self.cluster_size)``: through any op up to
+    one that bounds its output, ``_BOUNDING``), with the buffers' names and the value read when
+    it is not the buffer: calibration restores the buffers between batches, so it only sees
+    their values at conversion, not those the model's own updates make of them (a VQ-VAE's EMA
+    codebook: 4e5 after one call, inf in fp16), nor what is computed from them. A buffer written
+    only by stores (a KV cache) holds computed values calibration does see: it is stored low,
+    its readers are not listed."""
+    carried: dict[torch.fx.Node, dict[str, None]] = {}  # value -> the written buffers it is from
     for buffer in mutated_nodes(gm.graph, gm):
-        if buffer.op != "get_attr" or not is_float32_tensor(buffer.meta.get(TENSOR)) \
-                or stored_into_only(buffer, gm):
+        if buffer.op == "get_attr" and is_float32_tensor(buffer.meta.get(TENSOR)) \
+                and not stored_into_only(buffer, gm):
+            carried[buffer] = {str(buffer.target): None}
+    aliases = set(carried)  # the buffers and their views: an in-place op on one is its writer
+    out: dict[torch.fx.Node, tuple[list[str], Optional[str]]] = {}
+    for node in gm.graph.nodes:  # (in order: a value comes after those it is computed from)
+        read = [a for a in input_nodes(node) if a in carried]
+        if not read or node in aliases:
             continue
-        stack = [buffer]
-        while stack:
-            value = stack.pop()
-            for user in value.users:
-                if user.args and user.args[0] is value and is_inplace(user, gm):
-                    continue  # (its writer, in float32 as the buffer)
-                if user.op in CALLS and OP_CLASS in user.meta \
-                        and user.meta[OP_CLASS].op_class in (TENSOR_CORE, FOLLOW):
-                    out.setdefault(user, []).append(str(buffer.target))
-                if is_view(user):
-                    stack.append(user)
+        first = node.args[0] if node.args else None
+        if first in aliases and is_inplace(node, gm) or _declares_writing(node, aliases, gm):
+            continue  # (its writer, in float32 as the buffer; a training batch norm's output
+            # is normalised by the batch's statistics, not the running ones it writes)
+        if is_view(node) and first in aliases:
+            aliases.add(node)
+        names = list(dict.fromkeys(name for a in read for name in carried[a]))
+        if node.op in CALLS and OP_CLASS in node.meta \
+                and node.meta[OP_CLASS].op_class in (TENSOR_CORE, FOLLOW):
+            direct = any(a in aliases for a in read)
+            out[node] = (names, None if direct else read[0].name)
+        info = node.meta.get(TENSOR)
+        if not _bounds_output(node) and (info is None or is_float32_tensor(info)):
+            carried[node] = dict.fromkeys(names)
     return out

@@ -640,3 +640,53 @@ def test_a_reader_of_a_buffer_the_forward_writes_stays_float32_in_fp16_bf16_has_
             assert torch.isfinite(out).all() and relative_l2(out, want) < 1e-2
     bf16 = convert_rules(model, (x,), dtype=BF16, calibration=batches)
     assert bf16.plan.node("matmul").dtype == "bfloat16"
+
+
+class _DividedCodebook(nn.Module):
+    """The EMA VQ-VAE pattern (``embed_avg / cluster_size``): the matmul reads the written
+    buffer through an elementwise op, and a softmax bounds what follows it."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.register_buffer("book", torch.randn(32, 8))
+        self.register_buffer("usage", torch.ones(8))
+
+    def forward(self, x):
+        h = self.enc(x)
+        scores = h @ (self.book / self.usage)
+        self.book.mul_(30)
+        return self.dec(h) + scores.softmax(-1).sum(-1, keepdim=True)
+
+
+class _BatchNormCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.fc = nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(self.c2(torch.relu(self.b1(self.c1(x)))).mean((2, 3)))
+
+
+def test_a_value_computed_from_a_written_buffer_is_unproven_up_to_an_op_that_bounds_it():
+    """rA f5: ``h @ (self.book / self.usage)`` kept matmul float16 (only the direct reader, the
+    division, had the finding), NaN from the 4th call on. The finding follows the values
+    computed from the buffer up to an op that bounds them (the softmax: the dec and the add after
+    it stay low); a batch norm in training is the writer of its running statistics, not a
+    reader whose output carries them (the CNN's layers after it stay low)."""
+    torch.manual_seed(0)
+    model, x = _DividedCodebook().eval(), torch.randn(8, 16)
+    batches = [torch.randn(8, 16) for _ in range(2)]
+    fast = convert_rules(model, (x,), dtype=FP16, calibration=batches)
+    node = fast.plan.node("matmul")
+    assert node.dtype == "float32" and "reads truediv, computed from book" in node.reason
+    assert fast.plan.node("dec").dtype == "float16"
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for _ in range(4):
+            out, want = fast(x), reference(x)
+            assert torch.isfinite(out).all() and relative_l2(out, want) < 1e-2
+    cnn = mpgraph.convert(_BatchNormCNN().train(), (torch.randn(4, 3, 8, 8),), dtype=FP16,
+                          target="a100", mode="train", strategy="rules")
+    assert [cnn.plan.node(n).dtype for n in ("relu", "conv2d_1", "linear")] == ["float16"] * 3
