@@ -1,6 +1,8 @@
 """Exceptions raised by mpgraph. Each says what went wrong and what to do about it."""
 from __future__ import annotations
 
+import re
+
 
 class MpgraphError(Exception):
     """Base class for every error mpgraph raises on purpose."""
@@ -64,7 +66,10 @@ CAPTURE_FIXES = (
      "it on the model itself (the model's own backward hooks are kept on the converted "
      "module), or keep that submodule out of the converted graph (convert the parts before "
      "and after it and call it, hooked, from your own forward)"),
-    (("Could not extract specialized integer",), VALUE_AS_NUMBER_FIX),
+    # torch.export on int(t) / float(t): a guard on a bare symbol ("expression zuf0"; a branch's
+    # is a comparison, "Eq(u0, 1)", "u0 > 1.5"); torch.fx: "float() argument must be ... 'Proxy'"
+    (re.compile(r"Could not extract specialized integer|data-dependent expression [a-z]+\d+ \("
+                r"|(?:int|float)\(\) argument must be .* not 'Proxy'"), VALUE_AS_NUMBER_FIX),
     (("cannot be used as inputs to control flow", "data-dependent", "DataDependent"),
      VALUE_BRANCH_FIX),
     (("DynamicCache", "Cache in output", "past_key_values"), KV_CACHE_FIX),
@@ -97,6 +102,11 @@ EAGER_FIX = ("the model's own forward fails on these example inputs, before any 
              "line above is where it fails")
 
 
+def _says(text: str, words) -> bool:
+    """Whether a report says one of ``words`` (or matches the pattern ``words``)."""
+    return bool(words.search(text)) if isinstance(words, re.Pattern) else any(w in text for w in words)
+
+
 class CaptureError(MpgraphError):
     """Neither torch.fx.symbolic_trace nor torch.export could capture the model.
 
@@ -122,11 +132,11 @@ class CaptureError(MpgraphError):
                             if line.strip().startswith("raised at "))
         if EAGER in self.reports:  # the model's own forward failed: its report says why
             eager = self.reports[EAGER]
-            self.fixes = [fix for words, fix in CAPTURE_FIXES if any(w in eager for w in words)] \
+            self.fixes = [fix for words, fix in CAPTURE_FIXES if _says(eager, words)] \
                 or [EAGER_FIX]
         else:
             self.fixes = [fix for words, fix in SOURCE_FIXES if any(w in sources for w in words)] \
-                or [fix for words, fix in CAPTURE_FIXES if any(w in text for w in words)] \
+                or [fix for words, fix in CAPTURE_FIXES if _says(text, words)] \
                 or [GENERAL_FIX]
             if VALUE_AS_NUMBER_FIX in self.fixes:  # (its report says "data-dependent" too)
                 self.fixes = [fix for fix in self.fixes if fix != VALUE_BRANCH_FIX]

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpgraph
+from mpgraph.errors import VALUE_AS_NUMBER_FIX, VALUE_BRANCH_FIX
 from mpgraph.ir.meta import CAPTURE, TENSOR, TensorInfo
 from mpgraph.numerics import relative_l2
 
@@ -77,6 +78,37 @@ def test_capture_error_for_a_value_turned_into_a_python_number_says_item_not_tor
     assert len(info.value.fixes) == 1 and info.value.fixes[0].startswith(
         "the code at the line named above turns a tensor's value into a Python number")
     assert "write `t.item()` instead" in info.value.fixes[0]
+
+
+class ValueAsFloat(nn.Module):
+    def forward(self, x):
+        s = float(x.abs().max())  # a scale: .item() converts, torch.cond is no fit
+        return x / s
+
+
+def test_capture_error_for_float_of_a_value_says_item_not_torch_cond():
+    """rA f3: float(t) got the torch.cond branch fix: torch.export's guard on a bare symbol
+    ('data-dependent expression zuf0') was not read as a value made a number."""
+    with pytest.raises(mpgraph.CaptureError) as info:
+        mpgraph.capture(ValueAsFloat(), (torch.randn(2, 8),))
+    assert info.value.fixes == [VALUE_AS_NUMBER_FIX]
+
+
+@pytest.mark.parametrize("tracer, message, fix", [
+    ("torch.fx.symbolic_trace", "TypeError: float() argument must be a string or a real number, "
+                                "not 'Proxy'", VALUE_AS_NUMBER_FIX),
+    ("torch.fx.symbolic_trace", "TypeError: int() argument must be a string, a bytes-like object "
+                                "or a real number, not 'Proxy'", VALUE_AS_NUMBER_FIX),
+    ("torch.export", "GuardOnDataDependentSymNode: Could not guard on data-dependent expression "
+                     "Eq(u0, 1) (unhinted: Eq(u0, 1)).", VALUE_BRANCH_FIX),
+    ("torch.export", "GuardOnDataDependentSymNode: Could not guard on data-dependent expression "
+                     "zuf0 > 1.5 (unhinted: zuf0 > 1.5).", VALUE_BRANCH_FIX),
+])
+def test_capture_error_says_item_for_a_number_and_torch_cond_for_a_comparison(tracer, message,
+                                                                            fix):
+    """fx's float()/int() of a Proxy is a value made a number (no example inputs: fx's report
+    alone); a guard on a comparison is a branch."""
+    assert mpgraph.CaptureError({tracer: message}).fixes == [fix]
 
 
 def test_capture_error_names_the_line_inside_a_library_module_that_stopped_the_trace():
