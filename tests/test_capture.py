@@ -589,3 +589,54 @@ def test_a_branch_on_the_grad_mode_refuses_calls_in_a_mode_that_computes_otherwi
     gm = mpgraph.capture(model, x)
     with torch.inference_mode():
         torch.testing.assert_close(gm(x), model(x))
+
+
+class _GradBranchInAHelper(_GradBranch):
+    def forward(self, x):
+        return self._scale(self.l(x))
+
+    def _scale(self, h):
+        return h * 0.5 if torch.is_grad_enabled() else h
+
+
+class _CheckpointedEncoder(nn.Module):
+    """Checkpoints in training only, around an encoder whose no_grad fast path (nested
+    tensors, padding) differs from its grad path at padded positions whatever the model's
+    branch does."""
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+                                         1, enable_nested_tensor=True)
+
+    def forward(self, x, pad):
+        if torch.is_grad_enabled() and self.training:
+            return torch.utils.checkpoint.checkpoint(self.enc, x, None, pad, use_reentrant=False)
+        return self.enc(x, src_key_padding_mask=pad)
+
+
+def test_the_grad_mode_check_reads_helpers_and_blames_no_torch_fast_path():
+    """Review rB: a branch on the grad mode in a method the forward calls was missed (0.5 off
+    under no_grad, silently); a forward reading the grad mode around nn.TransformerEncoder
+    was refused under no_grad for the encoder's own fast path (its padded positions), where
+    the branch computes alike; converted under inference_mode, calls under inference_mode and
+    no_grad were refused as 'captured with grad enabled'."""
+    import warnings
+    x = torch.randn(4, 16)
+    gm = mpgraph.capture(_GradBranchInAHelper().eval(), x)
+    with torch.no_grad(), pytest.raises(mpgraph.InputMismatchError,
+                                        match=r"test_capture.py:\d+: return h \* 0.5 if"):
+        gm(x)
+    model = _CheckpointedEncoder().eval()
+    seq, pad = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the nested-tensor fast path's warning: said elsewhere)
+        gm = mpgraph.capture(model, (seq, pad))
+        with torch.no_grad():
+            real = ~pad
+            torch.testing.assert_close(gm(seq, pad)[real], model(seq, pad)[real])
+    model = _GradBranch().eval()
+    with torch.inference_mode():
+        gm = mpgraph.capture(model, x)
+        torch.testing.assert_close(gm(x), model(x))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))

@@ -364,9 +364,14 @@ def outside_inference_mode(fn, arguments: dict):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
+                inference = torch.is_inference_mode_enabled()
                 with torch.inference_mode(False), contextlib.ExitStack() as stack:
                     for device in autocast:
                         stack.enter_context(torch.autocast(device, enabled=False))
+                    if inference and arguments.get("mode") != "train":
+                        # (grad stays off, as the caller had it: a forward's branch on
+                        # torch.is_grad_enabled() is captured as it runs under inference_mode)
+                        stack.enter_context(torch.no_grad())
                     args, kwargs = pytree.tree_map(normal, (args, kwargs))
                     return fn(*args, **kwargs)
             finally:
@@ -1046,19 +1051,49 @@ def _calls_in_forward(model: torch.nn.Module, name: Optional[str], *functions) -
                     return line
         return None
 
-    seen = set()  # (each class's forward once: a model of 1000 blocks took 0.4 s)
+    seen = set()  # (each function once: a model of 1000 blocks took 0.4 s)
     for m in model.modules():
-        forward = getattr(type(m), "forward", None)
-        code = getattr(forward, "__code__", None)
-        if code is None or code in seen \
-                or type(m).__module__.startswith(("torch.", "transformers.")):
+        if type(m).__module__.startswith(("torch.", "transformers.")):
             continue
-        seen.add(code)
-        line = calls(code, forward.__globals__)
-        if line:
-            text = linecache.getline(code.co_filename, line).strip()
-            return f"{os.path.basename(code.co_filename)}:{line}: {text}"
+        # its forward (a decorated one: the function under the decorator), then the user's
+        # helpers it calls, two calls deep: methods of its class (self.scale(h)) and functions
+        # of the user's modules (a flag read in a helper was missed)
+        todo = [(inspect.unwrap(getattr(type(m), "forward", None) or (lambda: None)), 0)]
+        while todo:
+            function, depth = todo.pop()
+            code = getattr(function, "__code__", None)
+            if code is None or code in seen:
+                continue
+            seen.add(code)
+            glob = getattr(function, "__globals__", {})
+            line = calls(code, glob)
+            if line:
+                text = linecache.getline(code.co_filename, line).strip()
+                return f"{os.path.basename(code.co_filename)}:{line}: {text}"
+            if depth < 2:
+                todo += [(helper, depth + 1) for helper in _helpers(code, type(m), glob)]
     return None
+
+
+def _helpers(code, klass: type, glob: dict) -> list:
+    """The user's functions a forward's ``code`` names: methods of its class loaded as
+    attributes, functions of the user's modules loaded as globals (not torch's or
+    transformers'), unwrapped from their decorators."""
+    import dis
+    found = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            value = inspect.getattr_static(klass, ins.argval, None) \
+                if isinstance(ins.argval, str) else None
+            value = getattr(value, "__func__", value)  # (static and class methods)
+        elif ins.opname == "LOAD_GLOBAL":
+            value = glob.get(ins.argval)
+        else:
+            continue
+        if isinstance(value, types.FunctionType) and not (value.__module__ or "").startswith(
+                ("torch", "transformers")):
+            found.append(inspect.unwrap(value))
+    return found
 
 
 def _untraceable(model: torch.nn.Module) -> Optional[dict]:
@@ -1141,6 +1176,17 @@ def _tracing_flags() -> tuple:
     return tuple(f for f in found if f is not None)
 
 
+@contextlib.contextmanager
+def _mha_fastpath(enabled: bool):
+    """torch.nn.MultiheadAttention's/TransformerEncoder's inference fast path switched."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
 def grad_mode() -> str:
     """The grad mode a call runs in: "inference_mode", "no_grad" or "grad"."""
     return "inference_mode" if torch.is_inference_mode_enabled() else \
@@ -1166,8 +1212,9 @@ def _grad_modes_differ(work: torch.nn.Module, args: tuple, kwargs: dict, state: 
     captured = grad_mode()
     outputs = {}
     for mode in [captured] + [m for m in _GRAD_MODES if m != captured]:
-        try:
-            with seeded(), state_kept(work), _GRAD_MODES[mode]():
+        try:  # (torch.nn's own no_grad-only fast path, nested tensors in nn.TransformerEncoder,
+            # off: its padding differs from the graph's in every mode, no branch of the model's)
+            with seeded(), state_kept(work), _GRAD_MODES[mode](), _mha_fastpath(False):
                 out = work(*fresh(args), **fresh(kwargs))
                 outputs[mode] = pytree.tree_map(
                     lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, out)
