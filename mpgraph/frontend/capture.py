@@ -1543,13 +1543,25 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
         value = namespace.get(key, _ABSENT)
         if value is old or (type(value) is type(old) and not _differ(value, old)):
             continue
-        changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
+        if _first_call_state(old, value):
+            log.info("the forward set global %s on its first call: put back", key)
+        else:
+            changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
         if restore:
             if old is _ABSENT:
                 namespace.pop(key, None)
             else:
                 namespace[key] = old
     return changed
+
+
+def _first_call_state(old, value) -> bool:
+    """Whether a global went from "not yet" (None, False, unset) to a value the tracers did not
+    make: a warn-once flag, a lazily built cache, which the model's later calls keep and the
+    graph needs not (said, it advised a buffer for a warn-once flag). Put back all the same:
+    conversion leaves the user's state as it was."""
+    return (old is None or old is False or old is _ABSENT) \
+        and not isinstance(value, torch.fx.Proxy)  # (one made from the traced inputs)
 
 
 def _set_by_hooks(module: torch.nn.Module) -> set:
