@@ -1172,6 +1172,42 @@ def test_a_forward_that_writes_a_module_global_is_said_and_it_is_put_back():
     assert (random.random(), np.random.rand()) == drawn  # the caller's streams as they were
 
 
+def _bump():
+    global STEP
+    STEP += 1
+    return STEP
+
+
+class HelperStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x) * min(1.0, _bump() / 10)  # the global assigned in a helper
+
+
+class DecoratedStep(HelperStep):
+    @torch.no_grad()
+    def forward(self, x):
+        global STEP
+        STEP += 1
+        return self.fc(x) * min(1.0, STEP / 10)
+
+
+@pytest.mark.parametrize("cls", [HelperStep, DecoratedStep])
+def test_a_global_assigned_in_a_helper_or_a_decorated_forward_is_said_and_put_back(cls):
+    """Found by review: the scan of the forwards' bytecode for STORE_GLOBAL missed a module
+    function the forward calls and a decorated forward (the decorator's code was scanned):
+    STEP went 0 -> 3, silently. The module's globals are now compared before and after."""
+    global STEP
+    STEP = 0
+    with pytest.warns(UserWarning, match=rf"{cls.__name__}'s forward changes module globals: "
+                                         r"global STEP \(0 -> 1\)"):
+        mpgraph.convert(cls().eval(), (_x(2, 16),))
+    assert STEP == 0
+
+
 _WARNED, _TABLE = False, None
 
 

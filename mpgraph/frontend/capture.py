@@ -1429,47 +1429,49 @@ def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:
 
 
 class _State(dict):
-    """``_python_state``: the attributes by (module path, name); ``globals``, the module globals
-    the forwards assign, as (namespace, name, value)."""
+    """``_python_state``: the attributes by (module path, name); ``globals``, the namespaces of
+    the user's module classes' code as (namespace, copy of it)."""
     globals: list
 
 
 def _python_state(model: torch.nn.Module) -> dict:
     """Each module's own Python attributes (``self.step``, ``self.initialised``, ``self.cache``),
-    with a copy of the lists, dicts and sets among them, and the module globals its forwards
+    with a copy of the lists, dicts and sets among them, and the module globals its code may
     assign (``global STEP; STEP += 1``): what a forward may change that no graph records."""
     state = _State({where: (value, _contents(value)) for where, value in _user_attributes(model)})
-    state.globals = [(namespace, name, namespace.get(name, _ABSENT))
-                     for namespace, name in _globals_written(model)]
+    state.globals = [(namespace, _own_names(namespace)) for namespace in _user_namespaces(model)]
     return state
 
 
 _ABSENT = object()
 
 
-def _globals_written(model: torch.nn.Module) -> list:
-    """(namespace, name) of each module global that the methods of the user's module classes
-    (not torch's or transformers') assign or delete: STORE_GLOBAL in their bytecode."""
-    import dis
+def _user_namespaces(model: torch.nn.Module) -> list:
+    """The module namespaces (``__globals__``) of the methods of the user's module classes (not
+    torch's or transformers'), decorators unwrapped: where the forward, or a helper function of
+    its module it calls (``bump()``), assigns a global. A snapshot of names, not a bytecode scan
+    of the methods (which missed both)."""
     found = {}
-
-    def scan(code, namespace):
-        for ins in dis.get_instructions(code):
-            if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-                found[(id(namespace), ins.argval)] = (namespace, ins.argval)
-        for const in code.co_consts:  # nested functions, lambdas and comprehensions
-            if hasattr(const, "co_code"):
-                scan(const, namespace)
-
     for kind in {type(m) for m in model.modules()}:
         for cls in kind.__mro__:
             if cls.__module__.startswith(("torch.", "transformers.", "builtins")):
                 continue
             for function in vars(cls).values():
-                code = getattr(function, "__code__", None)
-                if code is not None and hasattr(function, "__globals__"):
-                    scan(code, function.__globals__)
+                try:
+                    function = inspect.unwrap(getattr(function, "__func__", function))
+                except ValueError:  # (a cycle of __wrapped__)
+                    continue
+                namespace = getattr(function, "__globals__", None)
+                if isinstance(namespace, dict) and not str(namespace.get("__name__", "")) \
+                        .startswith(("torch.", "transformers.")):
+                    found[id(namespace)] = namespace
     return list(found.values())
+
+
+def _own_names(namespace: dict) -> dict:
+    """A module's globals, shallow, without its dunders (``__warningregistry__``, which a
+    warning adds)."""
+    return {k: v for k, v in namespace.items() if not (k.startswith("__") and k.endswith("__"))}
 
 
 def _user_attributes(model: torch.nn.Module):
@@ -1539,19 +1541,21 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
             changed.append(f"self.{path + '.' if path else ''}{key} (deleted)")
             if restore:
                 setattr(model.get_submodule(path), key, old)
-    for namespace, key, old in getattr(before, "globals", ()):
-        value = namespace.get(key, _ABSENT)
-        if value is old or (type(value) is type(old) and not _differ(value, old)):
-            continue
-        if _first_call_state(old, value):
-            log.info("the forward set global %s on its first call: put back", key)
-        else:
-            changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
-        if restore:
-            if old is _ABSENT:
-                namespace.pop(key, None)
+    for namespace, names in getattr(before, "globals", ()):
+        now_names = _own_names(namespace)
+        for key in names.keys() | now_names.keys():
+            old, value = names.get(key, _ABSENT), now_names.get(key, _ABSENT)
+            if value is old or (type(value) is type(old) and not _differ(value, old)):
+                continue
+            if _first_call_state(old, value):
+                log.info("the forward set global %s on its first call: put back", key)
             else:
-                namespace[key] = old
+                changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
+            if restore:
+                if old is _ABSENT:
+                    namespace.pop(key, None)
+                else:
+                    namespace[key] = old
     return changed
 
 
