@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
+import inspect
 import io
 import random
 import threading
@@ -1280,6 +1282,58 @@ def test_a_try_except_in_a_traced_forward_is_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         mpgraph.convert(OptionalImport().eval(), (_x(16, 8),))
+
+
+def _logged(f):
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, **kwargs)
+    return wrapper
+
+
+class LoggedSafeCholesky(SafeCholesky):
+    @_logged
+    def forward(self, x):
+        h = self.fc(x)
+        try:
+            return torch.linalg.cholesky(h.T @ h)
+        except RuntimeError:
+            return torch.eye(8)
+
+
+class SafeInAMethod(SafeCholesky):
+    def _safe(self, a):
+        try:
+            return torch.linalg.cholesky(a)
+        except RuntimeError:
+            return torch.eye(8)
+
+    def _never_called(self, a):
+        try:
+            return a.inverse()
+        except RuntimeError:
+            return a
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self._safe(h.T @ h)
+
+
+@pytest.mark.parametrize("cls, function", [(LoggedSafeCholesky, "forward"),
+                                           (SafeInAMethod, "_safe")])
+def test_a_try_except_in_a_method_the_forward_calls_or_a_decorated_forward_is_said(cls, function):
+    """Found by review: only the forward's own source was read, and its line counted from the
+    decorator's code (a functools.wraps decorator's line was named): a try in a method the
+    forward calls (self._safe(x)) said nothing. The try's own line is named; a method the
+    forward does not call is not."""
+    lines, first = inspect.getsourcelines(inspect.unwrap(getattr(cls, function)))
+    line = first + next(i for i, text in enumerate(lines) if text.strip() == "try:")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mpgraph.convert(cls().eval(), (_x(16, 8),))
+    text = " ".join(str(w.message) for w in said if "catches exceptions" in str(w.message))
+    assert f"test_adversarial.py:{line}: try: (in the {function} of {cls.__name__})" in text
+    assert text.count("try:") == 1  # (not _never_called's)
 
 
 def test_a_value_cast_to_a_weights_dtype_follows_the_models_dtype():

@@ -1264,14 +1264,14 @@ def _say_where_exceptions_are_caught(gm: torch.fx.GraphModule, model: torch.nn.M
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     found = []
     for path, m in model.named_modules():
-        forward = getattr(type(m), "forward", None)
-        if getattr(forward, "__code__", None) is None \
-                or type(m).__module__.startswith(("torch.", "transformers.")) \
+        if type(m).__module__.startswith(("torch.", "transformers.")) \
                 or any(path == c or path.startswith(c + ".") for c in called):
             continue
-        where = _caught_in(forward)
-        if where:
-            found.append(f"{where} (in the forward of {path or type(model).__name__})")
+        for function in _forward_and_its_methods(type(m)):
+            where = _caught_in(function)
+            if where:
+                found.append(f"{where} (in the {function.__name__} of "
+                             f"{path or type(model).__name__})")
     if found:
         warnings.warn(
             f"{type(model).__name__}'s forward catches exceptions: {'; '.join(found[:3])}. The "
@@ -1280,6 +1280,33 @@ def _say_where_exceptions_are_caught(gm: torch.fx.GraphModule, model: torch.nn.M
             "traced one, or raises the error the model caught). Compute such a fallback with "
             "tensors (torch.linalg.cholesky_ex and torch.where, torch.cond), or keep that part "
             "out of the graph: convert the parts before and after it", UserWarning, stacklevel=5)
+
+
+def _forward_and_its_methods(cls: type) -> list:
+    """A class's forward, decorators unwrapped (a ``functools.wraps`` decorator's own code is
+    not the user's), and the methods of the class it calls on ``self`` (``self._safe(x)``),
+    one level deep: the user code a trace of the forward ran through."""
+    import dis
+    try:
+        forward = inspect.unwrap(getattr(cls, "forward", None))
+    except ValueError:  # (a cycle of __wrapped__)
+        return []
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return []
+    found, previous = [forward], None
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None \
+                and previous.opname == "LOAD_FAST" and previous.argval in code.co_varnames[:1]:
+            method = inspect.getattr_static(cls, ins.argval, None)
+            method = getattr(method, "__func__", method)  # (a staticmethod's, classmethod's)
+            if inspect.isfunction(method):
+                method = inspect.unwrap(method)
+                if method not in found and not str(getattr(method, "__module__", "")) \
+                        .startswith(("torch.", "transformers.")):
+                    found.append(method)
+        previous = ins
+    return found
 
 
 def _caught_in(function) -> Optional[str]:
