@@ -32,8 +32,8 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view
                               mutated_nodes, run_kept, run_recording, seeded, state_kept)
 from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
                              FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING, STATIC_SHAPES)
-from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, keep_backward_hooks,
-                                own_parametrizations)
+from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, grad_mode,
+                                keep_backward_hooks, own_parametrizations)
 from mpgraph.ir.fake import fake_mode, is_abstract
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.op_table import MODULE_TABLE
@@ -1185,12 +1185,6 @@ def _mha_fastpath(enabled: bool):
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(before)
-
-
-def grad_mode() -> str:
-    """The grad mode a call runs in: "inference_mode", "no_grad" or "grad"."""
-    return "inference_mode" if torch.is_inference_mode_enabled() else \
-        "grad" if torch.is_grad_enabled() else "no_grad"
 
 
 _GRAD_MODES = {"grad": lambda: torch.enable_grad(), "no_grad": lambda: torch.no_grad(),

@@ -1273,7 +1273,6 @@ class ConvertedModule(torch.fx.GraphModule):
         """A call in a grad mode where the model computes other values than the graph, which
         keeps the branch its forward took on torch.is_grad_enabled() or
         torch.is_inference_mode_enabled() at capture (capture's _grad_modes_differ)."""
-        from mpgraph.frontend.capture import grad_mode
         now = grad_mode()
         if now not in differ:
             return
@@ -1680,6 +1679,12 @@ def _children(spec) -> list:
     """A TreeSpec's children (newer torch warns that ``children_specs`` is deprecated)."""
     return list(spec.children()) if callable(getattr(spec, "children", None)) \
         else spec.children_specs
+
+
+def grad_mode() -> str:
+    """The grad mode a call runs in: "inference_mode", "no_grad" or "grad"."""
+    return "inference_mode" if torch.is_inference_mode_enabled() else \
+        "grad" if torch.is_grad_enabled() else "no_grad"
 
 
 def _kind(dtype: torch.dtype) -> str:
