@@ -621,6 +621,16 @@ class _GrowingCodebook(nn.Module):
         return self.dec(h + self.cache[:1]) + code.unsqueeze(-1)
 
 
+def _stays_finite(fast, model, x, calls: int = 4) -> None:
+    """The converted module called as often as a copy of the model, whose buffers it writes:
+    finite and close on every call."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for _ in range(calls):
+            out, want = fast(x), reference(x)
+            assert torch.isfinite(out).all() and relative_l2(out, want) < 1e-2
+
+
 def test_a_reader_of_a_buffer_the_forward_writes_stays_float32_in_fp16_bf16_has_the_range():
     """pV f3: calibration restores the buffers between batches, so the plan saw a written
     buffer's value at conversion only; its fp16 reader (z @ self.embed of an EMA codebook) made
@@ -633,11 +643,7 @@ def test_a_reader_of_a_buffer_the_forward_writes_stays_float32_in_fp16_bf16_has_
     node = fast.plan.node("matmul")
     assert node.dtype == "float32" and "reads book, which the forward writes" in node.reason
     assert fast.plan.node("add").dtype == "float16"  # (the cache's reader)
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        for _ in range(4):  # the book grows to 30**3 x its value: inf in fp16
-            out, want = fast(x), reference(x)
-            assert torch.isfinite(out).all() and relative_l2(out, want) < 1e-2
+    _stays_finite(fast, model, x)  # (the book grows to 30**3 x its value: inf in fp16)
     bf16 = convert_rules(model, (x,), dtype=BF16, calibration=batches)
     assert bf16.plan.node("matmul").dtype == "bfloat16"
 
@@ -682,11 +688,7 @@ def test_a_value_computed_from_a_written_buffer_is_unproven_up_to_an_op_that_bou
     node = fast.plan.node("matmul")
     assert node.dtype == "float32" and "reads truediv, computed from book" in node.reason
     assert fast.plan.node("dec").dtype == "float16"
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        for _ in range(4):
-            out, want = fast(x), reference(x)
-            assert torch.isfinite(out).all() and relative_l2(out, want) < 1e-2
+    _stays_finite(fast, model, x)
     cnn = mpgraph.convert(_BatchNormCNN().train(), (torch.randn(4, 3, 8, 8),), dtype=FP16,
                           target="a100", mode="train", strategy="rules")
     assert [cnn.plan.node(n).dtype for n in ("relu", "conv2d_1", "linear")] == ["float16"] * 3
