@@ -1490,9 +1490,11 @@ def _user_namespaces(model: torch.nn.Module) -> list:
 
 
 def _own_names(namespace: dict) -> dict:
-    """A module's globals, shallow, without its dunders (``__warningregistry__``, which a
-    warning adds)."""
-    return {k: v for k, v in namespace.items() if not (k.startswith("__") and k.endswith("__"))}
+    """A module's globals, shallow, without the names that start with "__": its dunders
+    (``__warningregistry__``, which a warning adds) and what torch.compile installs there for a
+    compiled function the forward calls (``__compiled_fn_1_...``, ``__builtins_dict___0``: put
+    back as absent, the user's model failed with a NameError after conversion)."""
+    return {k: v for k, v in namespace.items() if not k.startswith("__")}
 
 
 def _user_attributes(model: torch.nn.Module):
@@ -1569,9 +1571,11 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
             if value is old or (type(value) is type(old) and not _differ(value, old)):
                 continue
             if _first_call_state(old, value):
-                log.info("the forward set global %s on its first call: put back", key)
-            else:
-                changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
+                # (left as the forward set it, as its first call would: a lookup table a
+                # custom op's kernel reads was put back to None, and the graph failed on it)
+                log.info("the forward set global %s on its first call: kept", key)
+                continue
+            changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
             if restore:
                 if old is _ABSENT:
                     namespace.pop(key, None)
@@ -1582,11 +1586,14 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
 
 def _first_call_state(old, value) -> bool:
     """Whether a global went from "not yet" (None, False, unset) to a value the tracers did not
-    make: a warn-once flag, a lazily built cache, which the model's later calls keep and the
-    graph needs not (said, it advised a buffer for a warn-once flag). Put back all the same:
-    conversion leaves the user's state as it was."""
+    make: a warn-once flag, a lazily built cache, as the model's first call would set it (said,
+    it advised a buffer for a warn-once flag). A value made from the traced inputs (an fx
+    Proxy, torch.export's fake or functional tensors: ``LAST_ATTN = a.detach()`` on every call)
+    is no such state."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
     return (old is None or old is False or old is _ABSENT) \
-        and not isinstance(value, torch.fx.Proxy)  # (one made from the traced inputs)
+        and not isinstance(value, (torch.fx.Proxy, FakeTensor, FunctionalTensor))
 
 
 def _set_by_hooks(module: torch.nn.Module) -> set:
