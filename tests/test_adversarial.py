@@ -1650,3 +1650,29 @@ def test_a_dtype_read_of_a_value_that_follows_the_input_stays_read_at_run_time()
     fast = mpgraph.convert(model, (_x(2, 8),), dtype="bf16", target=GPU, strategy="rules")
     for dtype in (torch.float16, torch.float64):
         assert fast(_x(2, 8).to(dtype)).dtype == model(_x(2, 8).to(dtype)).dtype == dtype
+
+
+class MemoisedAngles(nn.Module):
+    """Rotary-style tables memoised in a dict by length: both paths of the try compute alike."""
+    def __init__(self):
+        super().__init__()
+        self.fc, self._cache = nn.Linear(16, 16), {}
+
+    def _angles(self, n):
+        try:
+            return self._cache[n]
+        except KeyError:
+            self._cache[n] = torch.arange(n, dtype=torch.float32)[:, None] / 10
+            return self._cache[n]
+
+    def forward(self, x):
+        return self.fc(x) * self._angles(x.shape[0]).cos()
+
+
+def test_a_memo_that_catches_a_lookup_miss_is_no_try_except_warning():
+    """Review rC: a helper's `try: return self._cache[n] except KeyError: build it` drew the
+    "forward catches exceptions" warning and its advice to compute the fallback with tensors."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mpgraph.convert(MemoisedAngles().eval(), (_x(4, 16),), dtype="bf16", target="a100")
+    assert not [w for w in said if "catches exceptions" in str(w.message)]

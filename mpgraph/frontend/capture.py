@@ -1305,14 +1305,16 @@ def _forward_and_its_methods(cls: type) -> list:
 
 def _caught_in(function) -> Optional[str]:
     """The first ``try`` with an ``except`` in a function's source, as "file:line: try:", or
-    None (no source; handlers of ImportError alone, which are about the environment)."""
+    None (no source; handlers of ImportError alone, which are about the environment, or of a
+    lookup miss alone, a memo's ``try: return self._cache[n] except KeyError: build it``, whose
+    two paths compute the same)."""
     import ast
     import textwrap
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError):
         return None
-    imports = {"ImportError", "ModuleNotFoundError"}
+    imports = {"ImportError", "ModuleNotFoundError", "KeyError", "AttributeError", "LookupError"}
     for node in ast.walk(tree):
         if isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))) and any(
                 not {getattr(n, "id", None) for n in ([h.type] if not isinstance(
