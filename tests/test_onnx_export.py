@@ -725,6 +725,26 @@ def test_a_custom_op_without_onnx_function_is_named_not_the_fallbacks_argument_r
     assert os.listdir(tmp_path) == []
 
 
+class Whitens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.linalg.cholesky(h.T @ h + torch.eye(8))
+
+
+def test_torchs_own_op_without_onnx_function_is_not_called_a_custom_op(tmp_path):
+    """Review rC: torch.linalg.cholesky's aten.linalg_cholesky_ex was named 'a custom op' with
+    the advice to compute it with torch operators, which it is."""
+    with pytest.raises(mpgraph.ExportError, match=r"the graph calls aten\.linalg_cholesky_ex, "
+                                                  r".* \(torch's own op: keep it out of the "
+                                                  r"exported part") as info:
+        export_onnx(Whitens().eval(), torch.randn(16, 8), tmp_path / "w.onnx")
+    assert "a custom op" not in str(info.value)
+
+
 class CastRoundTrip(nn.Module):
     def __init__(self):
         super().__init__()

@@ -372,9 +372,12 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
         model = ir.load(tmp)
     except Exception as ts_error:
         missing = re.search(r"No ONNX function found for <OpOverload\(op='([\w.]+)'", reason)
-        blocker = (f"the graph calls {missing.group(1)}, which torch.onnx has no ONNX function "
-                   "for (a custom op: export a model that computes it with torch operators)\n"
-                   if missing else "")
+        op = missing.group(1) if missing else ""
+        blocker = (f"the graph calls {op}, which torch.onnx has no ONNX function for ("
+                   + ("torch's own op: keep it out of the exported part, convert and export the "
+                      "parts around it" if op.startswith("aten.") else
+                      "a custom op: export a model that computes it with torch operators")
+                   + ")\n" if missing else "")
         # (the TorchScript exporter calls forward with every parameter, those the conversion
         # fixed too: the converted module's refusal is no advice about the user's arguments)
         ts_reason = ("it cannot call the converted module (it passes every parameter of the "
