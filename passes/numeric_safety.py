@@ -76,7 +76,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.ir.graph import (CALLS, fetch_attr, input_nodes, is_inplace, is_view, mutated_nodes,
-                              owner_of, stored_into_only)
+                              owner_of, stored_into_only, stored_through_views_only)
 from mpgraph.ir.meta import (FUSED, OP_CLASS, RANGE, SAFETY, TENSOR, OpInfo, SafetyFinding, ValueRange,
                              dtype_name, is_float32_tensor)
 from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
@@ -594,7 +594,8 @@ def written_buffer_readers(gm) -> dict[torch.fx.Node, tuple[list[str], Optional[
     carried: dict[torch.fx.Node, dict[str, None]] = {}  # value -> the written buffers it is from
     for buffer in mutated_nodes(gm.graph, gm):
         if buffer.op == "get_attr" and is_float32_tensor(buffer.meta.get(TENSOR)) \
-                and not stored_into_only(buffer, gm):
+                and not stored_into_only(buffer, gm) \
+                and not stored_through_views_only(buffer, gm):  # (a cache written by slices)
             carried[buffer] = {str(buffer.target): None}
     aliases = set(carried)  # the buffers and their views: an in-place op on one is its writer
     out: dict[torch.fx.Node, tuple[list[str], Optional[str]]] = {}

@@ -137,6 +137,27 @@ def stored_into_only(buffer: torch.fx.Node, root: torch.nn.Module) -> list[torch
     return writers if writers and stores else []
 
 
+def stored_through_views_only(buffer: torch.fx.Node, root: torch.nn.Module) -> bool:
+    """Whether every write into ``buffer`` or a view of it (``self.cache_k[:, s:s + T] = k``:
+    torch.export's ``copy_`` into a slice) is a plain store of values computed without reading
+    the buffer: a cache whose contents calibration sees computed, not state that accumulates."""
+    views, stack, writers = set(), [buffer], []
+    while stack:
+        value = stack.pop()
+        views.add(value)
+        for user in value.users:
+            if user.args and user.args[0] is value and (
+                    is_inplace(user, root) or user.target is operator.setitem):
+                writers.append(user)
+            elif is_view(user) and user.args and user.args[0] is value:
+                stack.append(user)
+    return bool(writers) and all(
+        _store_name(w) in _STORES and not w.kwargs.get("accumulate")
+        and not (len(w.args) > 3 and w.args[3] is True and _store_name(w) == "index_put_")
+        and not _reads_attr(list(w.args[1:]) + list(w.kwargs.values()), buffer.target)
+        for w in writers)
+
+
 def _reads_attr(values: list, target: str) -> bool:
     """Whether any node in ``values`` is computed from a read of the attribute ``target``."""
     stack = [v for v in pytree.tree_leaves(values) if isinstance(v, torch.fx.Node)]
