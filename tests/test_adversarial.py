@@ -1372,14 +1372,39 @@ class SafeInAMethod(SafeCholesky):
         return self._safe(h.T @ h)
 
 
-@pytest.mark.parametrize("cls, function", [(LoggedSafeCholesky, "forward"),
+def _module_safe_cholesky(a):
+    try:
+        return torch.linalg.cholesky(a)
+    except RuntimeError:
+        return torch.linalg.cholesky(a + 1e-3 * torch.eye(a.shape[-1]))
+
+
+class SafeInAFunction(SafeCholesky):
+    def forward(self, x):
+        h = self.fc(x)
+        return _module_safe_cholesky(h.T @ h)
+
+
+class SafeTwoDeep(SafeInAMethod):
+    def _factor(self, a):
+        return self._safe(a)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self._factor(h.T @ h)
+
+
+@pytest.mark.parametrize("cls, function", [(SafeInAFunction, "_module_safe_cholesky"),
+                                           (SafeTwoDeep, "_safe"),
+                                           (LoggedSafeCholesky, "forward"),
                                            (SafeInAMethod, "_safe")])
 def test_a_try_except_in_a_method_the_forward_calls_or_a_decorated_forward_is_said(cls, function):
     """Found by review: only the forward's own source was read, and its line counted from the
     decorator's code (a functools.wraps decorator's line was named): a try in a method the
     forward calls (self._safe(x)) said nothing. The try's own line is named; a method the
     forward does not call is not."""
-    lines, first = inspect.getsourcelines(inspect.unwrap(getattr(cls, function)))
+    lines, first = inspect.getsourcelines(inspect.unwrap(getattr(cls, function, None)
+                                                         or globals()[function]))
     line = first + next(i for i, text in enumerate(lines) if text.strip() == "try:")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

@@ -1278,28 +1278,24 @@ def _say_where_exceptions_are_caught(gm: torch.fx.GraphModule, model: torch.nn.M
 
 def _forward_and_its_methods(cls: type) -> list:
     """A class's forward, decorators unwrapped (a ``functools.wraps`` decorator's own code is
-    not the user's), and the methods of the class it calls on ``self`` (``self._safe(x)``),
-    one level deep: the user code a trace of the forward ran through."""
-    import dis
+    not the user's), and the user's functions it calls, two calls deep (``_helpers``: methods
+    of the class, ``self._safe(x)``, and functions of the user's modules, a module-level
+    ``safe_cholesky(a)``): the user code a trace of the forward ran through."""
     try:
         forward = inspect.unwrap(getattr(cls, "forward", None))
     except ValueError:  # (a cycle of __wrapped__)
         return []
-    code = getattr(forward, "__code__", None)
-    if code is None:
+    if getattr(forward, "__code__", None) is None:
         return []
-    found, previous = [forward], None
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None \
-                and previous.opname == "LOAD_FAST" and previous.argval in code.co_varnames[:1]:
-            method = inspect.getattr_static(cls, ins.argval, None)
-            method = getattr(method, "__func__", method)  # (a staticmethod's, classmethod's)
-            if inspect.isfunction(method):
-                method = inspect.unwrap(method)
-                if method not in found and not str(getattr(method, "__module__", "")) \
-                        .startswith(("torch.", "transformers.")):
-                    found.append(method)
-        previous = ins
+    found, todo = [forward], [(forward, 0)]
+    while todo:
+        function, depth = todo.pop(0)
+        if depth >= 2:
+            continue
+        for helper in _helpers(function.__code__, cls, getattr(function, "__globals__", {})):
+            if helper not in found and getattr(helper, "__code__", None) is not None:
+                found.append(helper)
+                todo.append((helper, depth + 1))
     return found
 
 
