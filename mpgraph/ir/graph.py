@@ -130,11 +130,17 @@ def stored_into_only(buffer: torch.fx.Node, root: torch.nn.Module) -> list[torch
     accumulates across calls: rounding it to a low dtype on every call drifts."""
     writers = [u for u in buffer.users if u.args and u.args[0] is buffer and is_inplace(u, root)
                or u.op == "call_function" and u.target is operator.setitem and u.args[0] is buffer]
-    stores = all(_store_name(w) in _STORES and not w.kwargs.get("accumulate")
-                 and not (len(w.args) > 3 and w.args[3] is True and _store_name(w) == "index_put_")
-                 and not _reads_attr(list(w.args[1:]) + list(w.kwargs.values()), buffer.target)
-                 for w in writers)
-    return writers if writers and stores else []
+    return writers if writers and all(_plain_store(w, buffer) for w in writers) else []
+
+
+def _plain_store(writer: torch.fx.Node, buffer: torch.fx.Node) -> bool:
+    """Whether ``writer`` stores into ``buffer`` (or a view of it) values computed without
+    reading it: no accumulation (``index_put_(..., accumulate=True)``, ``acc.copy_(0.9 * acc +
+    y)``)."""
+    name = _store_name(writer)
+    return name in _STORES and not writer.kwargs.get("accumulate") \
+        and not (len(writer.args) > 3 and writer.args[3] is True and name == "index_put_") \
+        and not _reads_attr(list(writer.args[1:]) + list(writer.kwargs.values()), buffer.target)
 
 
 def stored_through_views_only(buffer: torch.fx.Node, root: torch.nn.Module) -> bool:
@@ -151,11 +157,7 @@ def stored_through_views_only(buffer: torch.fx.Node, root: torch.nn.Module) -> b
                 writers.append(user)
             elif is_view(user) and user.args and user.args[0] is value:
                 stack.append(user)
-    return bool(writers) and all(
-        _store_name(w) in _STORES and not w.kwargs.get("accumulate")
-        and not (len(w.args) > 3 and w.args[3] is True and _store_name(w) == "index_put_")
-        and not _reads_attr(list(w.args[1:]) + list(w.kwargs.values()), buffer.target)
-        for w in writers)
+    return bool(writers) and all(_plain_store(w, buffer) for w in writers)
 
 
 def _reads_attr(values: list, target: str) -> bool:
