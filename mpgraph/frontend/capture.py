@@ -729,11 +729,11 @@ def _keep_parametrized(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None
 
 
 def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
-                      kwargs: dict, ran: Optional[list] = None) -> Optional[str]:
+                      kwargs: dict, outputs: Optional[list] = None) -> Optional[str]:
     """How the traced graph differs from the model on the example inputs (the outputs, their
     structure, the buffers after the run), or None. The graph's side is its recorded run
     (PropagateTensorInfo's Observation); the model runs once, eagerly, seeded the same way.
-    The model's outputs are appended to ``ran`` (the export graph is compared with them)."""
+    The model's outputs are appended to ``outputs`` (the export graph is compared with them)."""
     if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
            if isinstance(t, torch.Tensor)):
         return None  # no values to compare (a model on the meta device)
@@ -744,8 +744,8 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
             want_buffers = {n: b.clone() for n, b in model.named_buffers()}
     except Exception as e:  # noqa: BLE001 - the export route may do better
         return "running it failed: " + _brief(e)
-    if ran is not None:
-        ran.append(want)
+    if outputs is not None:
+        outputs.append(want)
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         given, ran = flat_inputs(gm, args, kwargs), flat_inputs(gm, ran_args, ran_kwargs)
@@ -809,10 +809,10 @@ def _export_parts(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
     if parted is not None:  # the model against itself: one drawing from a random state of its
         # own (a torch.Generator it keeps: noise injection) gives other values on each run
         with seeded(), state_kept(model):
-            again = model(*fresh(args), **fresh(kwargs))
-        if _close(want, again) is not None:
+            itself = _close(want, model(*fresh(args), **fresh(kwargs)))
+        if itself is not None:
             log.info("the export graph was not compared with the model: the model's own runs "
-                     "differ (%s)", _close(want, again))
+                     "differ (%s)", itself)
             return None
     return parted
 
@@ -1051,27 +1051,21 @@ def _calls_in_forward(model: torch.nn.Module, name: Optional[str], *functions) -
                     return line
         return None
 
-    seen = set()  # (each function once: a model of 1000 blocks took 0.4 s)
+    classes, seen = set(), set()  # (each class and function once: 1000 blocks took 0.4 s)
     for m in model.modules():
-        if type(m).__module__.startswith(("torch.", "transformers.")):
+        if type(m) in classes or type(m).__module__.startswith(("torch.", "transformers.")):
             continue
-        # its forward (a decorated one: the function under the decorator), then the user's
-        # helpers it calls, two calls deep: methods of its class (self.scale(h)) and functions
-        # of the user's modules (a flag read in a helper was missed)
-        todo = [(inspect.unwrap(getattr(type(m), "forward", None) or (lambda: None)), 0)]
-        while todo:
-            function, depth = todo.pop()
-            code = getattr(function, "__code__", None)
-            if code is None or code in seen:
+        classes.add(type(m))
+        # its forward and the user's helpers it calls (a flag read in a helper was missed)
+        for function in _forward_and_its_methods(type(m)):
+            code = function.__code__
+            if code in seen:
                 continue
             seen.add(code)
-            glob = getattr(function, "__globals__", {})
-            line = calls(code, glob)
+            line = calls(code, function.__globals__)
             if line:
                 text = linecache.getline(code.co_filename, line).strip()
                 return f"{os.path.basename(code.co_filename)}:{line}: {text}"
-            if depth < 2:
-                todo += [(helper, depth + 1) for helper in _helpers(code, type(m), glob)]
     return None
 
 
@@ -1701,7 +1695,7 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         # a causal mask it checks by value stops both tracers inside it)
         attempts.append((SYMBOLIC_WHOLE, lambda: _symbolic_trace(work, args, kwargs, whole=True)))
     failure = None  # the last tracer's exception (CaptureError.exception, for debugging)
-    eager: list = []  # the model's outputs, where a symbolic attempt's comparison ran it
+    ran: list = []  # the model's outputs, where a symbolic attempt's comparison ran it
     # the weights as the forward found them: a symbolic trace that changed them ran a write
     # fx does not record (one pass over the weights, taken once for every symbolic attempt)
     versions = _versions(work) if any(n.startswith(SYMBOLIC) for n, _ in attempts) else None
@@ -1726,8 +1720,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             # while torch.export traces (torch.compiler.is_compiling()): then one eager run.
             # (HF models go straight to torch.export; their own flags branch alike)
             flag = _calls_in_forward(work, None, *_tracing_flags()) \
-                if name == EXPORT and not eager else None
-            compare = symbolic or bool(name == EXPORT and (eager or flag))
+                if name == EXPORT and not ran else None
+            compare = symbolic or bool(name == EXPORT and (ran or flag))
             try:  # one run: shapes, what calibration measures, and what the comparison needs
                 PropagateTensorInfo(args, kwargs, observe=observe or compare, buffers=symbolic)(gm)
             except Exception as e:
@@ -1740,9 +1734,9 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             # (self.n += 1), output objects it cannot build, reads of self.training are lost or
             # frozen silently; torch.export keeps them, so a trace that parts goes there
             if symbolic:
-                parted = _writes_constant(gm) or _parts_from_eager(gm, work, args, kwargs, eager)
+                parted = _writes_constant(gm) or _parts_from_eager(gm, work, args, kwargs, ran)
             else:
-                parted = _export_parts(gm, work, args, kwargs, eager[-1] if eager else None) \
+                parted = _export_parts(gm, work, args, kwargs, ran[-1] if ran else None) \
                     if compare else None
                 flag = parted and (flag or _calls_in_forward(work, None, *_tracing_flags()))
                 if flag:
