@@ -1272,7 +1272,10 @@ def test_autocast_regions_are_exact_nested_decorators_enabled_ones_and_items_rea
     fast = mpgraph.convert(_Decorated().eval(), (x,), dtype="fp16", target=GPU, strategy="rules")
     dtypes = {r.name: r.dtype for r in fast.plan.compute_nodes}
     assert dtypes["a"] == dtypes["b"] == "float16" and dtypes["mul"] == dtypes["add"] == "float32"
-    assert not fx_traceback.current_meta.get("custom")
+    # (our key only: torch's own annotations can sit there, e.g. one a thread's torch.manual_seed
+    # leaves while another thread exports: its export flag and node meta are process globals)
+    from mpgraph.ir.meta import FP32_REGION
+    assert FP32_REGION not in (fx_traceback.current_meta.get("custom") or {})
     asked = mpgraph.convert(_AskedLow().eval(), (x,), dtype="fp16", target=GPU, strategy="rules")
     assert {r.name: r.dtype for r in asked.plan.compute_nodes} \
         == {"a": "float16", "relu": "float16", "b": "float16"}
