@@ -728,14 +728,19 @@ def _keep_parametrized(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None
         kept.append(path)
 
 
+def _without_values(args: tuple, kwargs: dict) -> bool:
+    """Example inputs on the meta device (or fake): the model cannot show what it computes."""
+    return any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor))
+
+
 def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
                       kwargs: dict, outputs: Optional[list] = None) -> Optional[str]:
     """How the traced graph differs from the model on the example inputs (the outputs, their
     structure, the buffers after the run), or None. The graph's side is its recorded run
     (PropagateTensorInfo's Observation); the model runs once, eagerly, seeded the same way.
     The model's outputs are appended to ``outputs`` (the export graph is compared with them)."""
-    if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
-           if isinstance(t, torch.Tensor)):
+    if _without_values(args, kwargs):
         return None  # no values to compare (a model on the meta device)
     try:
         with torch.no_grad(), seeded(), state_kept(model):
@@ -793,8 +798,7 @@ def _export_parts(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
     was traced in: torch.nn's fast paths taken under no_grad only (nn.TransformerEncoder's
     nested tensors) are no difference of the graph's, nor is a branch on
     torch.is_grad_enabled() (_grad_modes_differ)."""
-    if any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
-           if isinstance(t, torch.Tensor)):
+    if _without_values(args, kwargs):
         return None  # no values to compare (a model on the meta device)
     got = gm.graph.process_outputs(gm.meta[OBSERVED].output)
     if eager is not None and _close(eager, got) is None:
@@ -916,8 +920,7 @@ def _waive_harmless_guards(gm: torch.fx.GraphModule, model: torch.nn.Module, arg
     model's that changes the answer stays (if x.shape[0] == 1: ...). ``model`` is capture's
     own copy, whose tensors the graph shares."""
     guard = getattr(gm, EXPORT_GUARD, None)
-    if not isinstance(guard, InputGuard) or any(
-            isinstance(t, torch.Tensor) and is_abstract(t) for t in pytree.tree_leaves((args, kwargs))):
+    if not isinstance(guard, InputGuard) or _without_values(args, kwargs):
         return  # (a model without values cannot show what it computes: its guards stay)
     constant = None
     for dim in (0, 1):
@@ -1194,8 +1197,7 @@ def _grad_modes_differ(work: torch.nn.Module, args: tuple, kwargs: dict, state: 
     branch that computes the same either way: gradient checkpointing). One eager run per mode,
     for such forwards only; what they change of ``state`` (``_python_state``) is put back."""
     where = _calls_in_forward(work, None, torch.is_grad_enabled, torch.is_inference_mode_enabled)
-    if where is None or any(is_abstract(t) for t in pytree.tree_leaves((args, kwargs))
-                            if isinstance(t, torch.Tensor)):
+    if where is None or _without_values(args, kwargs):
         return None  # (a model without values cannot show what it computes: nothing to tell)
     captured = grad_mode()
     outputs = {}

@@ -1339,16 +1339,22 @@ class ConvertedModule(torch.fx.GraphModule):
         dimension (a bare IndexError) or named a size, not the rank."""
         raise _rank_error([(name, got, want)])
 
-    def _inputs_off_kind(self, args: tuple, kwargs: dict, nested: dict) -> Optional[tuple]:
-        """(placeholder, dtype given, dtype converted with) of the first tensor inside a
-        container argument whose dtype is of another kind than at conversion, or None."""
+    def _placed_inputs(self, args: tuple, kwargs: dict) -> list:
+        """(placeholder, value) of each flat input of a call, or [] for inputs that do not map
+        onto the graph's (the call itself says why)."""
         from mpgraph.ir.graph import flat_inputs
         try:
             values = flat_inputs(self, args, kwargs)
-        except Exception:  # noqa: BLE001 (inputs that do not map: the call says why)
-            return None
+        except Exception:  # noqa: BLE001 (inputs that do not map: nothing to say here)
+            return []
+        return list(zip((n for n in self.graph.nodes if n.op == "placeholder"), values))
+
+    def _inputs_off_kind(self, args: tuple, kwargs: dict, nested: dict) -> Optional[tuple]:
+        """(placeholder, dtype given, dtype converted with) of the first tensor inside a
+        container argument whose dtype is of another kind than at conversion, or None."""
+        placed = self._placed_inputs(args, kwargs)
         for index, (name, dtype) in nested.items():
-            value = values[index] if index < len(values) else None
+            value = placed[index][1] if index < len(placed) else None
             if isinstance(value, torch.Tensor) and _kind(value.dtype) != _kind(dtype):
                 return name, value.dtype, dtype
         return None
@@ -1356,28 +1362,16 @@ class ConvertedModule(torch.fx.GraphModule):
     def _inputs_off_rank(self, args: tuple, kwargs: dict) -> list:
         """(placeholder, rank given, rank converted with) of the inputs of a torch.export graph
         in another number of dimensions than at conversion."""
-        from mpgraph.ir.graph import flat_inputs
         if getattr(self.graph._codegen, "pytree_info", None) is None:
             return []  # (symbolic_trace's graph computes any rank the model's code does)
-        try:
-            values = flat_inputs(self, args, kwargs)
-        except Exception:  # noqa: BLE001 (inputs that do not map: nothing to say here)
-            return []
-        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        return [(node.name, v.dim(), rank) for node, v in zip(placeholders, values)
+        return [(node.name, v.dim(), rank) for node, v in self._placed_inputs(args, kwargs)
                 if isinstance(v, torch.Tensor) and (rank := _rank(node)) is not None
                 and v.dim() != rank]
 
     def _inputs_off_dtype(self, args: tuple, kwargs: dict) -> list:
         """(placeholder, dtype given, dtype converted with) of float inputs whose dtype is not
         the one the graph was converted with."""
-        from mpgraph.ir.graph import flat_inputs
-        try:
-            values = flat_inputs(self, args, kwargs)
-        except Exception:  # noqa: BLE001 (inputs that do not map: nothing to say here)
-            return []
-        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        return [(node.name, v.dtype, info.dtype) for node, v in zip(placeholders, values)
+        return [(node.name, v.dtype, info.dtype) for node, v in self._placed_inputs(args, kwargs)
                 if isinstance(v, torch.Tensor) and v.is_floating_point()
                 and isinstance(info := node.meta.get(TENSOR), TensorInfo)
                 and info.dtype.is_floating_point and info.dtype != v.dtype
