@@ -1299,6 +1299,45 @@ def test_globals_made_from_the_inputs_are_said_and_torch_compiles_names_are_left
         torch.testing.assert_close(fast(x), want)
 
 
+_ROPE = None
+
+
+def _rope(n):
+    global _ROPE
+    if _ROPE is None:  # built on the first call, from its sequence length
+        f = torch.arange(n, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, 16, 2) / 16)
+        _ROPE = (f.cos(), f.sin())
+    return _ROPE
+
+
+class LazyRotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x):
+        cos, sin = _rope(x.shape[1])
+        a, b = self.q(x).chunk(2, -1)
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+def test_a_global_holding_a_tuple_of_traced_values_is_put_back():
+    """Review rD f1: a rotary table built lazily into a global as (cos, sin) from the input's
+    length held fx's Proxies after the trace, and was kept as first-call state (the check
+    looked at the tuple, not at its items): conversion failed (CaptureError: the model
+    returns Proxy), and the user's model returned a Proxy after it. Now said and put back."""
+    global _ROPE
+    _ROPE = None
+    model, x = LazyRotary().eval(), _x(2, 6, 16)
+    with pytest.warns(UserWarning, match=r"global _ROPE \(None -> a tuple of traced values\)"):
+        fast = mpgraph.convert(model, (x,))
+    assert not any(isinstance(v, torch.fx.Proxy) for v in _ROPE or ())
+    with torch.no_grad():
+        want = model(x)
+        assert isinstance(want, torch.Tensor)
+        torch.testing.assert_close(fast(x), want)
+
+
 class SafeCholesky(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1581,13 +1581,21 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
 def _first_call_state(old, value) -> bool:
     """Whether a global went from "not yet" (None, False, unset) to a value the tracers did not
     make: a warn-once flag, a lazily built cache, as the model's first call would set it (said,
-    it advised a buffer for a warn-once flag). A value made from the traced inputs (an fx
-    Proxy, torch.export's fake or functional tensors: ``LAST_ATTN = a.detach()`` on every call)
-    is no such state."""
+    it advised a buffer for a warn-once flag). A value made from the traced inputs
+    (``LAST_ATTN = a.detach()`` on every call) is no such state."""
+    return (old is None or old is False or old is _ABSENT) and not _traced(value)
+
+
+def _traced(value) -> bool:
+    """Whether a tracer made the value, or an item of it, from the traced inputs: an fx Proxy,
+    torch.export's fake or functional tensors and symbolic sizes, also inside a tuple, list or
+    dict (``_ROPE = (f.cos(), f.sin())`` was kept holding fx's Proxies: the user's model then
+    returned a Proxy, and torch.export failed on them)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
-    return (old is None or old is False or old is _ABSENT) \
-        and not isinstance(value, (torch.fx.Proxy, FakeTensor, FunctionalTensor))
+    made = (torch.fx.Proxy, FakeTensor, FunctionalTensor, torch.SymInt, torch.SymFloat,
+            torch.SymBool)
+    return any(isinstance(leaf, made) for leaf in pytree.tree_leaves(value))
 
 
 def _set_by_hooks(module: torch.nn.Module) -> set:
@@ -1641,6 +1649,8 @@ def _brief_value(value) -> str:
         return "a traced value"
     if isinstance(value, torch.Tensor):
         return f"a tensor {tuple(value.shape)}"
+    if not pytree.tree_is_leaf(value) and _traced(value):
+        return f"a {type(value).__name__} of traced values"
     return f"a {type(value).__name__}"
 
 
