@@ -159,7 +159,8 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = T
     # at batch 2 ran the batch-2 branch at batch 1, silently)
     # a custom autograd.Function is one op that keeps its backward (frontend.functions)
     watch = None if state is None or changed is None else model.register_forward_hook(
-        lambda module, inputs, output: changed.extend(_changed_state(module, state, restore=False)))
+        lambda module, inputs, output: changed.extend(
+            _changed_state(module, state, restore=False, traced=True)))
     try:
         with _quiet(), _size_oblivious(), opaque_functions("train" if train else "inference"), \
                 _explicit_keywords(model, args, kwargs):
@@ -1520,10 +1521,12 @@ def _users_state(module: torch.nn.Module, key: str, value) -> bool:
                 or (callable(value) and not isinstance(value, (torch.Tensor, torch.fx.Proxy))))
 
 
-def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -> list[str]:
+def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True,
+                   traced: bool = False) -> list[str]:
     """The attributes a run of the forward changed (set, rebound, added to, deleted), put back
     as they were (``restore``): each tracer runs the forward, and the next one must see the
-    model unchanged (a Proxy fx left on ``self.running`` failed torch.export after it)."""
+    model unchanged (a Proxy fx left on ``self.running`` failed torch.export after it).
+    ``traced``: the run was a tracer's, where a global's first-call state may be kept."""
     now = dict(_user_attributes(model))
     changed = []
     for (path, key), value in now.items():
@@ -1564,9 +1567,14 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True) -
             old, value = names.get(key, _ABSENT), now_names.get(key, _ABSENT)
             if value is old or (type(value) is type(old) and not _differ(value, old)):
                 continue
-            if _first_call_state(old, value):
+            if traced and _first_call_state(old, value):
                 # (left as the forward set it, as its first call would: a lookup table a
-                # custom op's kernel reads was put back to None, and the graph failed on it)
+                # custom op's kernel reads was put back to None, and the graph failed on it).
+                # Only a tracer's run tells: there a value made from the inputs is a traced
+                # one. The eager runs come after it, where such state is set already: what
+                # one sets (_LAST = h.detach(), a plain tensor there) is the inputs' (kept,
+                # it held the example's activation). The state conversion leaves from now on:
+                names[key] = value
                 log.info("the forward set global %s on its first call: kept", key)
                 continue
             changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
@@ -1611,7 +1619,9 @@ def _say_what_state_changes(model: torch.nn.Module, changed: list[str]) -> None:
     forward computes from one it changes (a step counter, a flag set by a first-call
     initialisation) is frozen at its value when traced. Said, once; a cache the forward fills
     the same way each call (rotary tables, a recorded shape) is harmless."""
-    shown = sorted(set(changed))
+    # each name once, as the first run changed it (a tracer's: the eager runs after it set
+    # the same global from the example, "a traced value" then "a tensor (2, 16)")
+    shown = sorted({c.split(" (")[0]: c for c in reversed(changed)}.values())
     what = " and ".join(w for w, said in (
         ("its Python attributes", any(c.startswith("self.") for c in shown)),
         ("module globals", any(c.startswith("global ") for c in shown))) if said)
@@ -1696,8 +1706,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     # once): said when one of them is taken
     changes: list[str] = []
 
-    def put_back() -> None:
-        changes.extend(_changed_state(work, state))
+    def put_back(traced: bool = False) -> None:
+        changes.extend(_changed_state(work, state, traced=traced))
 
     if has_inputs:
         attempts.append((EXPORT, lambda: _export(work, args, kwargs, dynamic, export_only, state,
@@ -1720,11 +1730,11 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
             failure = e
             reports[name] = _brief(e)
             log.info("%s failed: %s", name, reports[name])
-            changed = _changed_state(work, state)
+            changed = _changed_state(work, state, traced=True)
             if changed:  # (what the forward did before it failed may be why)
                 reports[name] += f" (the forward changed {', '.join(changed[:3])})"
             continue
-        put_back()  # (every tracer runs the forward)
+        put_back(traced=True)  # (every tracer runs the forward)
         if has_inputs:
             symbolic = name.startswith(SYMBOLIC)
             # an export graph is compared with the model's outputs where a symbolic attempt ran
