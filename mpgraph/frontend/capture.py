@@ -1484,12 +1484,23 @@ def _user_namespaces(model: torch.nn.Module) -> list:
     return list(found.values())
 
 
+# The names torch.compile installs in a compiled function's module globals, which its compiled
+# code reads back (torch/_dynamo: OutputGraph.install_global and install_global_by_id, whose
+# names end in _<id>_c<compile id>, unique_id's resume and comprehension functions, import
+# aliases, codegen's ___module_ and the resume code's ___context_manager_)
+_COMPILE_NAMES = re.compile(
+    r"__(compiled_fn|resume_at|builtins_dict__|import_|gen_rand_values|warnings_warn_wrapper"
+    r"|comprehension_|subclass_|optimizer_)|___|.*_\d+_c\d+$")
+
+
 def _own_names(namespace: dict) -> dict:
-    """A module's globals, shallow, without the names that start with "__": its dunders
-    (``__warningregistry__``, which a warning adds) and what torch.compile installs there for a
-    compiled function the forward calls (``__compiled_fn_1_...``, ``__builtins_dict___0``: put
-    back as absent, the user's model failed with a NameError after conversion)."""
-    return {k: v for k, v in namespace.items() if not k.startswith("__")}
+    """A module's globals, shallow, without its dunders (``__warningregistry__``, which a
+    warning adds) and what torch.compile installs there for a compiled function the forward
+    calls (``__compiled_fn_1_...``, ``__builtins_dict___0``: put back as absent, the user's
+    model failed with a NameError after conversion). A global of the user's named ``__calls``
+    is the user's (every name starting with "__" was left out: changed unsaid)."""
+    return {k: v for k, v in namespace.items()
+            if not (k.startswith("__") and k.endswith("__")) and not _COMPILE_NAMES.match(k)}
 
 
 def _user_attributes(model: torch.nn.Module):
