@@ -12,6 +12,7 @@ import copy
 import functools
 import inspect
 import io
+import os
 import random
 import threading
 import types
@@ -1795,3 +1796,65 @@ def test_a_memo_that_catches_a_lookup_miss_is_no_try_except_warning():
         warnings.simplefilter("always")
         mpgraph.convert(MemoisedAngles().eval(), (_x(4, 16),), dtype="bf16", target="a100")
     assert not [w for w in said if "catches exceptions" in str(w.message)]
+
+
+_LIBRARY_LIKE = """
+import torch, torch.nn as nn
+
+
+class EinopsError(ValueError):
+    pass
+
+
+def reduce(tensor, pattern):
+    try:
+        return tensor.flatten(1)
+    except EinopsError as e:  # (einops' reduce: re-raised with the pattern named)
+        raise EinopsError(f"Error while processing {pattern}: {e}")
+
+
+def safe_cholesky(a):
+    try:
+        return torch.linalg.cholesky(a)
+    except RuntimeError:
+        return torch.eye(a.shape[-1])
+
+
+class Flatten(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return reduce(self.fc(x), "b n c -> b (n c)")
+
+
+class Factor(Flatten):
+    def forward(self, x):
+        h = self.fc(x)
+        return safe_cholesky(h.T @ h)
+"""
+
+
+def _catches(model, x):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mpgraph.convert(model, (x,))
+    return [str(w.message) for w in said if "catches exceptions" in str(w.message)]
+
+
+def test_a_handler_that_re_raises_or_a_librarys_try_is_no_try_except_warning(tmp_path,
+                                                                            monkeypatch):
+    """Review rD f2: einops' rearrange, whose reduce re-raises its own error with the pattern
+    named, drew the "forward catches exceptions" warning naming einops' line. A handler that
+    ends in raise computes no other path; an installed library's try (its file under
+    site-packages or the standard library) is not the user's to change, so neither is said."""
+    from mpgraph.frontend import capture
+    (tmp_path / "rd_f2_library_like.py").write_text(_LIBRARY_LIKE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import rd_f2_library_like as library
+    assert not _catches(library.Flatten().eval(), _x(2, 4, 8))
+    assert _catches(library.Factor().eval(), _x(16, 8))  # a fallback in the user's file: said
+    monkeypatch.setattr(capture, "_LIBRARIES", capture._LIBRARIES + (
+        os.path.join(os.path.realpath(tmp_path), ""),))  # now an installed library's file
+    assert not _catches(library.Factor().eval(), _x(16, 8))

@@ -15,6 +15,7 @@ import operator
 import os
 import re
 import sys
+import sysconfig
 import threading
 import traceback
 import types
@@ -1259,7 +1260,7 @@ def _say_where_exceptions_are_caught(gm: torch.fx.GraphModule, model: torch.nn.M
                 or any(path == c or path.startswith(c + ".") for c in called):
             continue
         for function in _forward_and_its_methods(type(m)):
-            where = _caught_in(function)
+            where = None if _in_a_library(function) else _caught_in(function)
             if where:
                 found.append(f"{where} (in the {function.__name__} of "
                              f"{path or type(model).__name__})")
@@ -1296,11 +1297,25 @@ def _forward_and_its_methods(cls: type) -> list:
     return found
 
 
+# Where installed libraries (site-packages, dist-packages) and the standard library live.
+_LIBRARIES = tuple({os.path.join(os.path.realpath(path), "")
+                    for key, path in sysconfig.get_paths().items()
+                    if key in ("purelib", "platlib", "stdlib")})
+
+
+def _in_a_library(function) -> bool:
+    """Whether a function's file is an installed library's or the standard library's: their
+    try/excepts (einops' reduce re-raising with the pattern named) are not the user's to change."""
+    path = os.path.realpath(function.__code__.co_filename)
+    return path.startswith(_LIBRARIES)
+
+
 def _caught_in(function) -> Optional[str]:
     """The first ``try`` with an ``except`` in a function's source, as "file:line: try:", or
     None (no source; handlers of ImportError alone, which are about the environment, or of a
     lookup miss alone, a memo's ``try: return self._cache[n] except KeyError: build it``, whose
-    two paths compute the same)."""
+    two paths compute the same; a handler that ends in ``raise`` computes no other path, it
+    fails as the converted module would)."""
     import ast
     import textwrap
     try:
@@ -1311,7 +1326,8 @@ def _caught_in(function) -> Optional[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))) and any(
                 not {getattr(n, "id", None) for n in ([h.type] if not isinstance(
-                    h.type, ast.Tuple) else h.type.elts)} <= imports for h in node.handlers):
+                    h.type, ast.Tuple) else h.type.elts)} <= imports
+                and not isinstance(h.body[-1], ast.Raise) for h in node.handlers):
             code = function.__code__
             return (f"{os.path.basename(code.co_filename)}:"
                     f"{code.co_firstlineno + node.lineno - 1}: try:")
