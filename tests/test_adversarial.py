@@ -1798,6 +1798,60 @@ def test_a_memo_that_catches_a_lookup_miss_is_no_try_except_warning():
     assert not [w for w in said if "catches exceptions" in str(w.message)]
 
 
+
+def _has_fused_kernels():
+    try:
+        import rd_f3_fused_kernels  # noqa: F401  (an optional extension, not installed)
+        return True
+    except Exception:
+        return False
+
+
+_TABLES = []
+
+
+def _table(i):
+    try:
+        return _TABLES[i]
+    except IndexError:
+        _TABLES.append(torch.linspace(0.5, 1.5, 16) * (i + 1))
+        return _TABLES[i]
+
+
+class KernelProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if _has_fused_kernels() else h
+
+
+class ListMemo(KernelProbe):
+    def forward(self, x):
+        return self.fc(x) * _table(0)
+
+
+class IndexFallback(KernelProbe):
+    def forward(self, x):
+        h = self.fc(x)
+        try:
+            return h[torch.tensor([1, 3])]  # an index out of range on a shorter input
+        except IndexError:
+            return h[:1]
+
+
+def test_a_try_whose_body_only_imports_or_looks_up_is_no_try_except_warning():
+    """Review rD f3: an optional kernel's probe (`try: import ... except Exception`) and a list
+    memo (`try: return _TABLES[i] except IndexError: build it`) drew the "forward catches
+    exceptions" warning: whether such a body raises is set by the environment or the memo,
+    alike on every input. A body that indexes the forward's own tensor is still said."""
+    assert not _catches(KernelProbe().eval(), _x(4, 16))
+    assert not _catches(ListMemo().eval(), _x(4, 16))
+    assert _catches(IndexFallback().eval(), _x(4, 16))
+
+
 _LIBRARY_LIKE = """
 import torch, torch.nn as nn
 
