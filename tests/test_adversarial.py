@@ -1912,3 +1912,32 @@ def test_a_handler_that_re_raises_or_a_librarys_try_is_no_try_except_warning(tmp
     monkeypatch.setattr(capture, "_LIBRARIES", capture._LIBRARIES + (
         os.path.join(os.path.realpath(tmp_path), ""),))  # now an installed library's file
     assert not _catches(library.Factor().eval(), _x(16, 8))
+
+
+_VIA_A_MODULE = """
+import torch.nn as nn
+import rd_f4_linalg_utils
+
+
+class ViaModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return rd_f4_linalg_utils.safe_cholesky(h.T @ h)
+"""
+
+
+def test_a_try_except_in_a_function_called_as_a_modules_attribute_is_said(tmp_path,
+                                                                         monkeypatch):
+    """Review rD f4: `import linalg_utils; linalg_utils.safe_cholesky(a)` was not followed (only
+    `from linalg_utils import safe_cholesky` was): no warning, and the converted module raised
+    torch's LinAlgError on a rank-deficient input where the model falls back."""
+    (tmp_path / "rd_f4_linalg_utils.py").write_text(_LIBRARY_LIKE)
+    (tmp_path / "rd_f4_model.py").write_text(_VIA_A_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import rd_f4_model
+    said = _catches(rd_f4_model.ViaModule().eval(), _x(16, 8))
+    assert said and "rd_f4_linalg_utils.py:" in said[0] and "in the safe_cholesky" in said[0]

@@ -1032,23 +1032,15 @@ def _calls_in_forward(model: torch.nn.Module, name: Optional[str], *functions) -
     (torch.autograd.grad, torch.func.vmap, an alias of the module), as a global holding the
     function (``from torch.func import vmap``) or as an attribute of a module such a global
     holds (``torch.compiler.is_compiling``)."""
-    import dis
     import linecache
     modules = (torch, torch.autograd, torch.func)
 
     def calls(code, glob):
-        last = None  # what the instruction before loaded: a name, or a global's value
-        for ins in dis.get_instructions(code):
-            value = None
-            if ins.opname == "LOAD_GLOBAL":
-                value = glob.get(ins.argval)
-            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(last, types.ModuleType):
-                value = getattr(last, ins.argval, None)
+        for ins, value, last in _loads(code, glob):
             if (name is not None and ins.argval == name and (
                     last in ("autograd", "func") or any(last is m for m in modules))) or (
                     value is not None and any(value is f for f in functions)):
                 return (ins.positions.lineno if ins.positions else None) or code.co_firstlineno
-            last = value if value is not None else ins.argval
         for const in code.co_consts:  # nested functions, lambdas and comprehensions
             if hasattr(const, "co_code"):
                 line = calls(const, glob)
@@ -1074,20 +1066,35 @@ def _calls_in_forward(model: torch.nn.Module, name: Optional[str], *functions) -
     return None
 
 
+def _loads(code, glob: dict):
+    """Each instruction of ``code`` with what it loads where that is known, a global's value or
+    an attribute of a module the instruction before loaded (``torch.func.vmap``,
+    ``linalg_utils.safe_cholesky``), else None; and what the instruction before loaded (that
+    value, or the name it loaded)."""
+    import dis
+    last = None
+    for ins in dis.get_instructions(code):
+        value = None
+        if ins.opname == "LOAD_GLOBAL":
+            value = glob.get(ins.argval)
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(last, types.ModuleType):
+            value = getattr(last, ins.argval, None)
+        yield ins, value, last
+        last = value if value is not None else ins.argval
+
+
 def _helpers(code, klass: type, glob: dict) -> list:
     """The user's functions a forward's ``code`` names: methods of its class loaded as
-    attributes, functions of the user's modules loaded as globals (not torch's or
-    transformers'), unwrapped from their decorators."""
-    import dis
+    attributes, functions of the user's modules loaded as globals or as attributes of a module
+    (``import linalg_utils; linalg_utils.safe_cholesky(a)``), not torch's or transformers',
+    unwrapped from their decorators."""
     found = []
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+    for ins, value, _ in _loads(code, glob):
+        if value is None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
             value = inspect.getattr_static(klass, ins.argval, None) \
                 if isinstance(ins.argval, str) else None
             value = getattr(value, "__func__", value)  # (static and class methods)
-        elif ins.opname == "LOAD_GLOBAL":
-            value = glob.get(ins.argval)
-        else:
+        elif ins.opname not in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD"):
             continue
         if isinstance(value, types.FunctionType) and not (value.__module__ or "").startswith(
                 ("torch", "transformers")):
