@@ -450,6 +450,21 @@ def test_an_override_to_float32_of_the_cache_or_its_writes_keeps_the_cache_float
             assert kinds["value_cache_0"] == "float16"
 
 
+def test_a_tolerance_converts_with_one_cache_dtype_for_both_graphs():
+    """Each graph's tolerance search pinned the cache on its own: the prefill plan kept
+    value_cache_0 float32, the decode plan bfloat16, and sharing it was a ValueError. A cache
+    tensor either plan keeps float32 is float32 in both."""
+    model = llama()
+    example = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS, dtype="bf16",
+                                      target=GPU, tolerance=1e-3)
+    ours, theirs = ({n: fetch_attr(gm, n) for n in cache_names(gm)}
+                    for gm in (decoder.prefill, decoder.decode))
+    assert all(ours[n] is theirs[n] for n in ours)  # one cache, in one dtype
+    assert "float32" in {c.dtype for c in decoder.cache_plan}
+    compare(model, decoder, torch.bfloat16, prompt())
+
+
 def test_fewer_rows_than_the_cache_with_a_repetition_penalty_give_hf_s_tokens():
     """The processors were built for the prompt's rows and then given the cache's batch:
     HF's repetition penalty refused ('Incompatible prompt_ignore_length batch size')."""

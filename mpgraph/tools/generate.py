@@ -599,15 +599,17 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
         log.info("convert_decoder: the %s graph fell back to bfloat16 (%s): the other graph too",
                  "prefill" if fell_back[0] is prefill else "decode",
                  fell_back[0].plan.dtype_choice["fallback"])
-        bf16 = dict(options, dtype=torch.bfloat16)
+        options = dict(options, dtype=torch.bfloat16)  # (and for any reconversion below)
         if fell_back[0] is prefill:
-            decode = convert_decode(**bf16)
+            decode = convert_decode(**options)
         else:
-            prefill = convert_prefill(**bf16)
+            prefill = convert_prefill(**options)
     names = cache_names(prefill)
     if names != cache_names(decode):
         raise ValueError(f"the two graphs have different cache buffers: {names} vs "
                          f"{cache_names(decode)}")
+    prefill, decode = _agree_on_float32_cache(prefill, decode, names, options,
+                                              convert_prefill, convert_decode)
     for gm, which in ((prefill, "prefill"), (decode, "decode")):
         writes = _in_place_writes(gm, set(names))
         missing = [n for n in names if not writes.get(n)]
@@ -631,6 +633,29 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     out.reset_cache()
     log.info("%s", out.summary())
     return out
+
+
+def _agree_on_float32_cache(prefill, decode, names, options, convert_prefill, convert_decode):
+    """The graphs share the cache, so a cache tensor one plan keeps float32 (its own tolerance
+    search or error attribution pinned the tensor's writes or readers) is pinned float32 in the
+    other as well, by an override of its name, and that graph converted again; until the two
+    agree (a reconversion may pin another)."""
+    pinned: dict = {}
+    for _ in range(len(names)):
+        dtypes = [{n: fetch_attr(gm, n).dtype for n in names} for gm in (prefill, decode)]
+        fp32 = [n for n in names if dtypes[0][n] != dtypes[1][n]
+                and torch.float32 in (dtypes[0][n], dtypes[1][n])]
+        if not fp32:
+            break
+        log.info("convert_decoder: %s float32 in one plan only: pinned float32 in both",
+                 ", ".join(fp32))
+        pinned.update(dict.fromkeys(fp32, "fp32"))
+        again = dict(options, overrides={**(options.get("overrides") or {}), **pinned})
+        if any(dtypes[0][n] != torch.float32 for n in fp32):
+            prefill = convert_prefill(**again)
+        if any(dtypes[1][n] != torch.float32 for n in fp32):
+            decode = convert_decode(**again)
+    return prefill, decode
 
 
 @dataclasses.dataclass
