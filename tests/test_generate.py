@@ -465,6 +465,28 @@ def test_a_tolerance_converts_with_one_cache_dtype_for_both_graphs():
     compare(model, decoder, torch.bfloat16, prompt())
 
 
+def test_overrides_take_the_causal_lm_s_own_module_paths(caplog):
+    """The graphs are captured from a wrapper holding the LM as 'model': 'model.layers.0' (a
+    path of lm.named_modules()) matched nothing and was dropped; only 'model.model.layers.0'
+    worked. The LM's paths are prefixed; a key that matches nothing is a warning, as convert's."""
+    model, planned = built("llama", "bf16")
+
+    def low(decoder, *paths):
+        return [r.name for gm in (decoder.prefill, decoder.decode) for r in gm.plan.low_nodes
+                if r.module.startswith(paths)]
+    assert low(planned, "model.model.layers.0.", "model.lm_head")  # (low without overrides)
+    for key in ("model.layers.0", "model.model.layers.0"):  # (the wrapper's path still works)
+        with caplog.at_level("WARNING"):
+            decoder = mpgraph.convert_decoder(
+                model, prompt(), max_cache_len=SLOTS, dtype="bf16", target=GPU,
+                overrides={key: "fp32", "lm_head": "fp32", "layers.9": "fp32"})
+        assert not low(decoder, "model.model.layers.0.", "model.lm_head"), key
+        assert low(decoder, "model.model.layers.1.")
+        unmatched = [r.getMessage() for r in caplog.records if "matched no node" in r.message]
+        assert unmatched and all("'layers.9'" in m for m in unmatched)
+        caplog.clear()
+
+
 def test_fewer_rows_than_the_cache_with_a_repetition_penalty_give_hf_s_tokens():
     """The processors were built for the prompt's rows and then given the cache's batch:
     HF's repetition penalty refused ('Incompatible prompt_ignore_length batch size')."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import functools
 import inspect
 import logging
@@ -582,6 +583,8 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
                for part in _in_slices(p, batch)] if calibration is not None else None
     decode_args = _step_args(ids[:, -1:].contiguous(), length, max_cache_len)
     options = dict(convert_options, dtype=dtype, target=target)
+    if "overrides" in options:
+        options["overrides"] = _in_step_paths(options["overrides"], model)
 
     def convert_prefill(**options):
         return convert(step, prefill_args, calibration=prompts, **options).eval()
@@ -633,6 +636,24 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     out.reset_cache()
     log.info("%s", out.summary())
     return out
+
+
+def _in_step_paths(overrides, model):
+    """``overrides`` keyed by the causal LM's own module paths (``"model.layers.0"``,
+    ``"lm_head"``, as in ``model.named_modules()``) keyed as the graphs know them: they are
+    captured from the StaticCacheStep, which holds the LM as ``model``. A key that names no
+    module of the LM stays as given: node names, ``op:``/``class:`` keys, the step's own paths,
+    and globs that match the LM's root too (``"*"`` covers the cache buffers as well)."""
+    if not isinstance(overrides, dict):
+        return overrides  # (convert names what is wrong with it)
+    paths = [name for name, _ in model.named_modules() if name]
+
+    def ours(key) -> bool:
+        return (isinstance(key, str) and not key.startswith(("node:", "op:", "class:"))
+                and not fnmatch.fnmatchcase("", key)
+                and any(fnmatch.fnmatchcase(p, key) or fnmatch.fnmatchcase(p, key + ".*")
+                        for p in paths))
+    return {f"model.{key}" if ours(key) else key: value for key, value in overrides.items()}
 
 
 def _agree_on_float32_cache(prefill, decode, names, options, convert_prefill, convert_decode):
