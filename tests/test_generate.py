@@ -332,6 +332,21 @@ def test_misuse_is_refused_with_the_reason():
         mpgraph.convert_decoder(nn.Linear(4, 4), prompt(), max_cache_len=SLOTS)
 
 
+def test_float_token_ids_are_refused_not_truncated():
+    """generate made input_ids long: [[5.9, 17.7, ...]] generated from the prompt [5, 17, ...]
+    (HF's embedding refuses floats), and torch.rand ids said 'masks every token of row 0'."""
+    model, decoder = built("llama", "fp16")
+    ids = prompt()
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor of token ids, "
+                                         "got float32"):
+        decoder.generate(ids.float() + 0.9, max_new_tokens=2)
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
+        decoder.generate(torch.rand(2, PROMPT), max_new_tokens=2)
+    with pytest.raises(ValueError, match="forced_tokens must be an integer tensor"):
+        mpgraph.generate(decoder, ids, 2, forced_tokens=torch.full((2, 2), 7.5))
+    assert decoder.generate(ids.int(), max_new_tokens=2).shape == (2, PROMPT + 2)
+
+
 def test_generate_follows_the_model_s_generation_config_eos_as_hf_does():
     """No eos_token_id given: the model's generation config's EOS stops each row (issue 25.9:
     12 tokens past EOS were emitted where HF's generate stops)."""

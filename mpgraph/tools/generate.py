@@ -809,6 +809,13 @@ def _generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a (batch, length) tensor, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    for what, tokens in (("input_ids", input_ids), ("forced_tokens", forced_tokens)):
+        if isinstance(tokens, torch.Tensor) and (
+                tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool):
+            # (made long below: 5.9 became token 5, where HF's embedding refuses it)
+            raise ValueError(f"{what} must be an integer tensor of token ids, got "
+                             f"{dtype_name(tokens.dtype)} (the tokenizer's ids, as "
+                             "convert_decoder's example_ids)")
     for name, why in _REFUSED.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"generate({name}=...): {why}; run it with the HF model's own "
