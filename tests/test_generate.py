@@ -347,6 +347,13 @@ def test_float_token_ids_are_refused_not_truncated():
     assert decoder.generate(ids.int(), max_new_tokens=2).shape == (2, PROMPT + 2)
 
 
+def test_an_empty_batch_is_refused_with_the_reason():
+    """A (0, L) batch passed the mask checks and failed in torch's max() of an empty tensor."""
+    model, decoder = built("llama", "fp16")
+    with pytest.raises(ValueError, match=r"input_ids \(0, 8\) holds no prompt"):
+        decoder.generate(prompt()[:0], max_new_tokens=2)
+
+
 def test_generate_follows_the_model_s_generation_config_eos_as_hf_does():
     """No eos_token_id given: the model's generation config's EOS stops each row (issue 25.9:
     12 tokens past EOS were emitted where HF's generate stops)."""

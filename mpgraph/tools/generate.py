@@ -816,6 +816,9 @@ def _generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
             raise ValueError(f"{what} must be an integer tensor of token ids, got "
                              f"{dtype_name(tokens.dtype)} (the tokenizer's ids, as "
                              "convert_decoder's example_ids)")
+    if input_ids.shape[0] == 0:  # (a torch reduction error on the mask further down)
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no prompt: generate takes "
+                         "a batch of at least one")
     for name, why in _REFUSED.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"generate({name}=...): {why}; run it with the HF model's own "
