@@ -354,6 +354,19 @@ def test_an_empty_batch_is_refused_with_the_reason():
         decoder.generate(prompt()[:0], max_new_tokens=2)
 
 
+def test_max_cache_len_must_be_an_int():
+    """32.0 failed inside transformers' masking_utils ('expand(): argument size ... got
+    float'), torch.tensor(32) in torch.export (GuardOnDataDependentSymNode)."""
+    model = llama()
+    for bad in (32.0, torch.tensor(32), True):
+        with pytest.raises(TypeError, match="max_cache_len must be an int"):
+            mpgraph.convert_decoder(model, prompt(), max_cache_len=bad)
+    np = pytest.importorskip("numpy")
+    decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=np.int64(12), dtype="bf16",
+                                      target=GPU)
+    assert type(decoder.max_cache_len) is int and decoder.max_cache_len == 12
+
+
 def test_generate_follows_the_model_s_generation_config_eos_as_hf_does():
     """No eos_token_id given: the model's generation config's EOS stops each row (issue 25.9:
     12 tokens past EOS were emitted where HF's generate stops)."""

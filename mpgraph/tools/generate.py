@@ -34,6 +34,7 @@ import fnmatch
 import functools
 import inspect
 import logging
+import operator
 import threading
 import warnings
 import weakref
@@ -553,6 +554,11 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
     if length < 2:
         raise ValueError("the example prompt needs at least 2 tokens (the prefill graph's "
                          "length is dynamic from 2 up; one-token prompts use the decode graph)")
+    if isinstance(max_cache_len, (bool, torch.Tensor)) or not hasattr(max_cache_len, "__index__"):
+        # (a float failed inside transformers' masking, a 0-d tensor in torch.export)
+        raise TypeError(f"max_cache_len must be an int (the cache's slots), got "
+                        f"{type(max_cache_len).__name__} {max_cache_len!r}: pass int(...)")
+    max_cache_len = operator.index(max_cache_len)  # (a numpy int: the int it is)
     if max_cache_len <= length:
         raise ValueError(f"max_cache_len={max_cache_len} leaves no slot after the "
                          f"{length}-token example prompt")
