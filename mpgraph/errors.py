@@ -20,6 +20,14 @@ BUILT_CACHE_FIX = ("the model returns a cache object though use_cache=False was 
                    "past_key_values), which no tracer takes as an output: convert the model "
                    "without that adapter (peft: model.get_base_model() holds LoRA-style "
                    "layers), or call it from a forward of your own that returns the logits alone")
+# a cache object given as an input (past_key_values=): export's "Unsupported input type
+# <class '...DynamicCache'>" said DynamicCache too, and was told the output's fix (or, with
+# use_cache=False, BUILT_CACHE_FIX's peft adapter)
+INPUT_CACHE_FIX = ("the model is given a KV cache object (past_key_values=, cache=) as an input, "
+                   "which no tracer takes: a converted graph computes the whole sequence "
+                   "(convert runs a HuggingFace decoder with use_cache=False); for generation "
+                   "with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "
+                   "max_cache_len=...)")
 
 # a tensor's value turned into a Python number (`int(t)`, a length to slice with): .item() is
 # what the graph keeps, torch.cond is no way out for it
@@ -72,6 +80,7 @@ CAPTURE_FIXES = (
                 r"|(?:int|float)\(\) argument must be .* not 'Proxy'"), VALUE_AS_NUMBER_FIX),
     (("cannot be used as inputs to control flow", "data-dependent", "DataDependent"),
      VALUE_BRANCH_FIX),
+    (re.compile(r"Unsupported input type <class '[\w.]*Cache'>"), INPUT_CACHE_FIX),
     (("DynamicCache", "Cache in output", "past_key_values"), KV_CACHE_FIX),
     (("must be deep-copyable",),
      "make copy.deepcopy(model) work (mpgraph converts a copy, so that your model is never "
@@ -140,6 +149,8 @@ class CaptureError(MpgraphError):
                 or [GENERAL_FIX]
             if VALUE_AS_NUMBER_FIX in self.fixes:  # (its report says "data-dependent" too)
                 self.fixes = [fix for fix in self.fixes if fix != VALUE_BRANCH_FIX]
+            if INPUT_CACHE_FIX in self.fixes:  # (its report names the cache class too)
+                self.fixes = [fix for fix in self.fixes if fix != KV_CACHE_FIX]
         lines += [f"fix: {fix}" for fix in self.fixes]
         super().__init__("\n".join(lines))
 

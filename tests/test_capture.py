@@ -211,6 +211,20 @@ def test_capture_error_for_a_kv_cache_output_names_convert_decoder(gpt2):
         mpgraph.capture(gpt2, torch.randint(0, 100, (2, 8)))
 
 
+def test_capture_error_for_a_kv_cache_input_names_convert_decoder_not_an_adapter(gpt2):
+    """A cache given as past_key_values: export's 'Unsupported input type ...DynamicCache' was
+    told the output's fix, and with use_cache=False that the model builds one itself (peft)."""
+    ids = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        cache = gpt2(ids[:, :6], use_cache=True).past_key_values
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(gpt2, (ids[:, 6:],), example_kwargs={"past_key_values": cache},
+                        dtype="bf16", target="a100")
+    fixes = caught.value.fixes
+    assert len(fixes) == 1 and fixes[0].startswith("the model is given a KV cache object")
+    assert "mpgraph.convert_decoder" in fixes[0] and "peft" not in str(caught.value)
+
+
 def test_capture_error_without_inputs_suggests_them():
     with pytest.raises(mpgraph.CaptureError, match="pass example_inputs"):
         mpgraph.capture(DataDependent())

@@ -315,6 +315,19 @@ class Masked(nn.Module):
         return y
 
 
+def test_a_kv_cache_argument_the_model_was_not_converted_with_points_to_convert_decoder(gpt2):
+    """past_key_values= was told 'Convert with it: example_kwargs=...', which no capture takes."""
+    ids = torch.randint(0, 100, (2, 8))
+    fast = mpgraph.convert(gpt2, (ids,), dtype="bf16", target=GPU)
+    with torch.no_grad():
+        cache = gpt2(ids[:, :6], use_cache=True).past_key_values
+    with pytest.raises(TypeError, match=r"has no argument 'past_key_values'.* no KV cache; for "
+                                        r"generation with a KV cache, convert with "
+                                        r"mpgraph\.convert_decoder") as caught:
+        fast(ids[:, 6:], past_key_values=cache)
+    assert "example_kwargs" not in str(caught.value)
+
+
 def test_an_argument_that_was_none_at_conversion_is_refused_when_given_later_not_ignored():
     torch.manual_seed(0)
     model, x = Masked().eval(), torch.randn(4, 16)

@@ -303,21 +303,36 @@ class CallSignature:
                     "(one converted module per structure)")
             return
         want = self.fixed.get(name, _NOT_GIVEN)
+        # (no converted graph takes a cache object: converting with it fails in the capture)
+        cache = _is_kv_cache(name, value)
         if want is _NOT_GIVEN:
+            way = (_KV_CACHE_WAY if cache else
+                   f"Convert with it: mpgraph.convert(model, ..., example_kwargs={{{name!r}: <a "
+                   "value like the ones you pass>})")
             raise TypeError(f"the converted {self.model} has no argument {name!r}: it was not "
                             "given when the model was converted, so the graph has no input for "
-                            f"it. Convert with it: mpgraph.convert(model, ..., "
-                            f"example_kwargs={{{name!r}: <a value like the ones you pass>}})")
+                            f"it. {way[0].upper()}{way[1:]}")
         if not _same(value, want):
             was = "not given" if name in self.absent else "given"
             way = ("for generation with a KV cache, convert with mpgraph.convert_decoder"
-                   if name == "use_cache" else
+                   if name == "use_cache" else _KV_CACHE_WAY if cache else
                    f"convert with it: mpgraph.convert(model, ..., example_kwargs={{{name!r}: <a "
                    "value like the ones you pass>}) (one converted module per set of arguments)")
             raise TypeError(
                 f"argument {name!r} was {was} ({want!r}) when {self.model} was converted, and the "
                 f"converted graph computes with that value: {_shown(value)} would be ignored. "
                 f"{way[0].upper()}{way[1:]}")
+
+
+_KV_CACHE_WAY = ("the converted graph computes the whole sequence, with no KV cache; for "
+                 "generation with a KV cache, convert with mpgraph.convert_decoder(model, "
+                 "prompt_ids, max_cache_len=...)")
+
+
+def _is_kv_cache(name: str, value) -> bool:
+    """A HuggingFace KV cache: a ``Cache`` object, or anything given as past_key_values."""
+    return (name == "past_key_values" and value is not None) or any(
+        c.__name__ == "Cache" for c in type(value).__mro__)
 
 
 def _plain_attributes(module: torch.nn.Module) -> dict:
