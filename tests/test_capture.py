@@ -654,3 +654,56 @@ def test_the_grad_mode_check_reads_helpers_and_blames_no_torch_fast_path():
         torch.testing.assert_close(gm(x), model(x))
     with torch.no_grad():
         torch.testing.assert_close(gm(x), model(x))
+
+
+class _ClosureOverSelf(nn.Module):
+    """Layers and parameters reached through lambdas stored in __init__ (closures over self)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.w, self.b = nn.Parameter(torch.ones(8)), nn.Parameter(torch.zeros(8))
+        self.fn = lambda t: self.l(t) * 2
+        self.norm = lambda t: F.layer_norm(t, (8,), self.w, self.b)
+
+    def forward(self, x):
+        return self.o(self.norm(torch.relu(self.fn(x))))
+
+
+def test_closures_over_the_model_read_the_converted_modules_own_weights():
+    # deepcopy shares functions: the copy's lambdas and hooks read the user's model, whose
+    # tensors torch.export froze as constants (shared with the model; load_state_dict ignored)
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+
+    def hooked():
+        m = nn.Sequential(nn.Linear(8, 8))
+        m.head = nn.Linear(8, 8)
+        m.register_forward_hook(lambda module, inputs, output: m.head(output))
+        return m
+
+    for make in (_ClosureOverSelf, hooked):
+        model = make().eval()
+        gm = mpgraph.capture(model, (x,))
+        assert not [n.target for n in gm.graph.nodes if n.op == "get_attr"
+                    and ("constant" in n.target or "lifted" in n.target)]
+        new = {k: v + 0.5 for k, v in model.state_dict().items()}
+        gm.load_state_dict(new)
+        ref = make().eval()
+        ref.load_state_dict(new)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), ref(x))
+            before = gm(x).clone()
+            for p in model.parameters():
+                p.mul_(-1)  # the user's model only
+            torch.testing.assert_close(gm(x), before)
+
+
+def test_a_hook_reaching_the_model_through_another_object_is_refused():
+    m = nn.Sequential(nn.Linear(8, 8))
+    m.head = nn.Linear(8, 8)
+    held = [m]  # (not the module deepcopy copies: the copy's hook reads the user's model)
+    m.register_forward_hook(lambda module, inputs, output: held[0].head(output))
+    with pytest.raises(mpgraph.CaptureError) as e:
+        mpgraph.capture(m, (torch.randn(4, 8),))
+    assert "head.weight (as " in str(e.value) and "module argument of a hook" in str(e.value)

@@ -431,12 +431,14 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
             "(DTensors) no tracer captures")})
     args, kwargs = distinct_inputs(*as_call(example_inputs, example_kwargs))
     has_inputs = example_inputs is not None or example_kwargs is not None
+    memo = computed_attributes(model)
     try:
-        work = copy.deepcopy(model, computed_attributes(model))
+        work = copy.deepcopy(model, memo)
     except Exception as e:
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
     own_parametrizations(work)
+    own_closures(work, memo)
     with _parametrizations_uncached():
         return _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract,
                              observe, dynamic, training)
@@ -471,6 +473,7 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
             gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         finally:
             _leave_transforms(depth)
+    _refuse_users_tensors(gm, model)
     if abstract is not None:
         _refuse_value_reads(gm, model)
         _refuse_unread_meta(gm, model, work)
@@ -494,6 +497,51 @@ def _distributed_wrapper(model: torch.nn.Module) -> Optional[str]:
             return f"{path or 'the model'} ({type(m).__name__})"
     sharded = next((name for name, p in model.named_parameters() if is_dtensor(p)), None)
     return f"the model's parameter {sharded} (a DTensor)" if sharded else None
+
+
+def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """A graph holding a tensor of the user's model (itself, or its storage): the forward reached
+    the model by a global name or through an object deepcopy shares (a hook
+    ``lambda module, inputs, output: model.head(output)``), not through the copy. The tracers
+    froze it as a constant, shared with the model: the model's later edits changed the
+    converted module, and a ``load_state_dict`` into the converted module was ignored."""
+    users: dict = {}
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        for name, t in [*m._parameters.items(), *m._buffers.items(), *vars(m).items()]:
+            if isinstance(t, torch.Tensor):
+                path = f"{prefix}{'.' if prefix else ''}{name}"
+                users.setdefault(id(t), path)
+                users.setdefault(_tensor_key(t), path)
+    users.pop(None, None)
+    held = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            t = gm
+            for part in node.target.split("."):
+                t = getattr(t, part, None)
+            path = (users.get(id(t)) or users.get(_tensor_key(t))) \
+                if isinstance(t, torch.Tensor) else None
+            if path:
+                held[node.target] = path
+    if held:
+        said = ", ".join(f"{path} (as {attr})" for attr, path in list(held.items())[:4])
+        raise CaptureError({"tensors of your model": (
+            f"the forward reads {said} of the {type(model).__name__} you passed, not of the copy "
+            "mpgraph converts: a function reaches your model by a global name or through an "
+            "object other than the module (a hook `lambda module, inputs, output: "
+            "model.head(output)`), so the graph would hold these tensors as constants shared "
+            "with your model, and a load_state_dict into the converted module would not reach "
+            "them")})
+
+
+def _tensor_key(t):
+    """Where a tensor's values are, or None for one without its own storage (fake, meta,
+    sparse, empty, a subclass)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or is_abstract(t) or t.is_meta \
+            or t.layout != torch.strided:
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    return (t.device, ptr) if ptr else None
 
 
 def _refuse_value_reads(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
@@ -582,6 +630,53 @@ def computed_attributes(model: torch.nn.Module) -> dict:
     return {id(t): t.detach().clone() for m in model.modules() for t in vars(m).values()
             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
             and t.grad_fn is not None}
+
+
+def own_closures(work: torch.nn.Module, memo: dict) -> None:
+    """Rebind the functions the copy's modules hold (``self.fn = lambda t: self.l(t)`` set in
+    ``__init__``, a forward hook closing over the model) to the copy: deepcopy shares functions,
+    so the copy's closures still read the user's model, whose weights the tracers then froze
+    into the graph as constants (a ``load_state_dict`` into the converted module was ignored)
+    or shared with it. Bound methods and ``functools.partial`` deepcopy copies already.
+    ``memo``: deepcopy's, the user's objects to their copies."""
+    done: dict = {}
+
+    def rebind(value):
+        if not isinstance(value, types.FunctionType):
+            return memo.get(id(value), value) if id(value) != id(memo) else value
+        if id(value) in done:  # (a recursive function's cell holds itself)
+            return done[id(value)]
+        done[id(value)] = value
+        held = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+        defaults = value.__defaults__ or ()
+        keywords = value.__kwdefaults__ or {}
+        if all(rebind(v) is v for v in [*held, *defaults, *keywords.values()]):
+            return value
+        cells = tuple(types.CellType(rebind(c.cell_contents)) if _filled(c) else c
+                      for c in value.__closure__ or ())
+        fresh = types.FunctionType(value.__code__, value.__globals__, value.__name__,
+                                   tuple(map(rebind, defaults)) or None, cells or None)
+        fresh.__kwdefaults__ = {k: rebind(v) for k, v in keywords.items()} or None
+        fresh.__qualname__ = value.__qualname__
+        fresh.__dict__.update(value.__dict__)
+        done[id(value)] = fresh
+        return fresh
+
+    for module in work.modules():
+        held = vars(module)
+        for store in [held] + [v for k, v in held.items()  # (_forward_hooks, ...)
+                               if k.endswith("hooks") and isinstance(v, dict)]:
+            for key, value in list(store.items()):
+                if isinstance(value, types.FunctionType):
+                    store[key] = rebind(value)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # (a closure variable not yet assigned)
+        return False
+    return True
 
 
 def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
