@@ -29,8 +29,9 @@ from torch.utils import _pytree as pytree
 from mpgraph.errors import BUILT_CACHE_FIX, EAGER, KV_CACHE_FIX, CaptureError
 from mpgraph.numerics import leaves, relative_l2
 from mpgraph.frontend.functions import opaque_functions
-from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, python_rng_kept,
-                              mutated_nodes, run_kept, run_recording, seeded, state_kept)
+from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, owned,
+                              python_rng_kept, mutated_nodes, run_kept, run_recording, seeded,
+                              state_kept)
 from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
                              FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING, STATIC_SHAPES)
 from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, grad_mode,
@@ -609,7 +610,7 @@ def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict):
         with torch.enable_grad(), seeded(), state_kept(work):
             outs.append(pytree.tree_map(
                 lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
-                work.train(False)(*fresh(args), **fresh(kwargs))))
+                owned(work.train(False)(*fresh(args), **fresh(kwargs)), work)))
         outs.append(run_kept(work.train(True), args, kwargs))
     except Exception as e:  # noqa: BLE001 - traced in eval mode instead
         log.info("not traced in training mode: its training forward fails: %s", _brief(e))
@@ -842,7 +843,7 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
     try:
         with torch.no_grad(), seeded(), state_kept(model):
             ran_args, ran_kwargs = fresh(args), fresh(kwargs)
-            want = model(*ran_args, **ran_kwargs)
+            want = owned(model(*ran_args, **ran_kwargs), model)
             want_buffers = {n: b.clone() for n, b in model.named_buffers()}
     except Exception as e:  # noqa: BLE001 - the export route may do better
         return "running it failed: " + _brief(e)
@@ -902,7 +903,7 @@ def _export_parts(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
         return None
     try:
         with seeded(), state_kept(model):  # (the caller's grad mode, as torch.export traced)
-            want = model(*fresh(args), **fresh(kwargs))
+            want = owned(model(*fresh(args), **fresh(kwargs)), model)
     except Exception as e:  # noqa: BLE001 - traced, so it ran there: nothing to compare with
         log.info("the export graph was not compared with the model: %s", _brief(e))
         return None
@@ -910,7 +911,7 @@ def _export_parts(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tuple,
     if parted is not None:  # the model against itself: one drawing from a random state of its
         # own (a torch.Generator it keeps: noise injection) gives other values on each run
         with seeded(), state_kept(model):
-            itself = _close(want, model(*fresh(args), **fresh(kwargs)))
+            itself = _close(want, owned(model(*fresh(args), **fresh(kwargs)), model))
         if itself is not None:
             log.info("the export graph was not compared with the model: the model's own runs "
                      "differ (%s)", itself)
@@ -949,7 +950,7 @@ def _read_but_ignored(model: torch.nn.Module, args: tuple, kwargs: dict, places:
             changed = pytree.tree_map(lambda v: other if v is value else v, (args, kwargs))
             try:
                 with torch.no_grad(), seeded(), state_kept(model):
-                    got = model(*fresh(changed[0]), **fresh(changed[1]))
+                    got = owned(model(*fresh(changed[0]), **fresh(changed[1])), model)
             except Exception:  # noqa: BLE001 - values it refuses: try fewer changed
                 continue
             if not _same_leaves(got, want):

@@ -330,7 +330,38 @@ def run_kept(module: torch.nn.Module, args: tuple, kwargs: dict):
     fresh copies of the inputs, seeded, its state put back (``state_kept``): the caller's
     tensors, random stream and buffers are left as they were."""
     with torch.no_grad(), seeded(), state_kept(module):
-        return module(*fresh(args), **fresh(kwargs))
+        return owned(module(*fresh(args), **fresh(kwargs)), module)
+
+
+def owned(value, module: torch.nn.Module):
+    """``value`` with a copy of each tensor that shares its storage with state of ``module``
+    that ``state_kept`` puts back: a forward that updates a buffer in place and returns it
+    (``return h, self.ema``, a static KV cache or a view of it) returns the buffer itself, and
+    an output kept past the run read the values put back (a reference of zeros: conversion's
+    check said the converted module differed by inf). Call it before ``state_kept`` ends."""
+    state = {_storage(t) for t in [*_plain_tensors(module), *module.buffers(),
+                                   *written_parameters(module)]}
+    state.discard(None)
+    if not state:
+        return value
+    return pytree.tree_map(lambda v: _copy_as_is(v) if isinstance(v, torch.Tensor)
+                           and _storage(v) in state else v, value)
+
+
+def _storage(t: torch.Tensor):
+    """Where a tensor's values are, or None for one without a storage of its own."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
+            or t.is_meta or torch._C._dispatch_tls_local_include_set().has(
+                torch._C.DispatchKey.Python):
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    return (t.device, ptr) if ptr else None
+
+
+def _plain_tensors(module: torch.nn.Module) -> list:
+    """Tensors the modules keep as plain attributes (``self.mem = torch.zeros(d)``)."""
+    return [t for m in module.modules() for t in vars(m).values()
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
 
 
 def written_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -362,9 +393,7 @@ def state_kept(module: torch.nn.Module):
     # that the forward updates in place is state as a buffer is: conversion's runs advanced it
     # (put back where its version moved; an expanded view cannot be written in place, and a
     # large one, a table the forward only reads, is not copied on every run)
-    plain = [t for m in module.modules() for t in vars(m).values()
-             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
-             and id(t) not in stacks and not overlapping(t)]
+    plain = [t for t in _plain_tensors(module) if id(t) not in stacks and not overlapping(t)]
     small = [(t, t._version, t.clone()) for t in plain if t.numel() <= _PLAIN_COPIED]
     large = [(t, t._version) for t in plain if t.numel() > _PLAIN_COPIED]
     saved = [(b, b.clone()) for b in list(module.buffers()) + written_parameters(module)
@@ -404,7 +433,7 @@ def run_recording(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node,
         output = RecordingInterpreter(gm, on_node).run(*flat, enable_io_processing=False)
         if after is not None:
             after(gm)
-        return output
+        return owned(output, gm)
 
 
 def module_path(node: torch.fx.Node) -> str:

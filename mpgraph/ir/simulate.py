@@ -17,8 +17,8 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, overlapping, seeded,
-                             state_kept)
+from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, overlapping, owned,
+                             seeded, state_kept)
 from mpgraph.ir.meta import PRECISION, TENSOR, is_inserted_cast, planned_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -151,7 +151,8 @@ def run_simulated(gm: torch.fx.GraphModule, args: tuple, kwargs: dict, on_node,
     ``rounding=False``: float32 throughout, nothing rounded to the plan's dtypes."""
     flat = fresh(flat_inputs(gm, args, kwargs))
     with torch.no_grad(), seeded(), state_kept(gm):
-        return SimulatingInterpreter(gm, on_node, rounding).run(*flat, enable_io_processing=False)
+        return owned(SimulatingInterpreter(gm, on_node, rounding).run(
+            *flat, enable_io_processing=False), gm)
 
 
 def _dtypes(value):
