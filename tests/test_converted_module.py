@@ -351,6 +351,24 @@ def test_a_parameter_assigned_in_float32_takes_the_dtype_the_plan_stored():
         assert relative_l2(fast(x), new(x)) < 4e-3
 
 
+def test_functional_call_with_float32_tensors_is_an_error_naming_it_and_the_cast():
+    # functional_call puts its tensors into the modules' dicts for one call, past the cast an
+    # assignment makes: the error blamed .data, and restore_planned_dtypes() could not help
+    model, fast = _mlp()
+    x = _x(4, 16, seed=1)
+    params = {k: v.detach() + 0.01 for k, v in model.named_parameters()}
+    with pytest.raises(TypeError, match=r"functional_call put them in .*v\.to\(fast\.state_dict"):
+        torch.func.functional_call(fast, params, (x,))
+    assert fast.unplanned_tensors() == []  # (functional_call put the module's own back)
+    dtypes = fast.state_dict()
+    mine = {k: v.clone().requires_grad_() for k, v in params.items()}
+    out = torch.func.functional_call(fast, {k: v.to(dtypes[k].dtype) for k, v in mine.items()},
+                                     (x,))
+    assert relative_l2(out.detach(), torch.func.functional_call(model, params, (x,))) < 4e-3
+    out.float().sum().backward()  # (the advised cast is differentiable)
+    assert mine["fc1.weight"].grad is not None
+
+
 def test_train_on_an_inference_conversion_that_stores_batch_norm_statistics_low_warns():
     """A CNN with batch norm and no dropout: .train() said nothing, and batch norm's running
     statistics, stored in fp16 by the inference plan, were updated in fp16 (2e-3 drift over 300

@@ -13,6 +13,7 @@ import itertools
 import marshal
 import math
 import re
+import sys
 import warnings
 import weakref
 from typing import Iterable, Optional
@@ -1277,6 +1278,8 @@ class ConvertedModule(torch.fx.GraphModule):
                     raise _off_dtype_error(
                         off, f" ({type(e).__name__}: {str(e).splitlines()[0]})") from None
                 raise
+            if _swapping_tensors():
+                raise _swapped_error(changed, e) from None
             raise TypeError(
                 f"{', '.join(changed[:3])} {'is' if len(changed) == 1 else 'are'} not in the "
                 "dtype the plan stored (written through .data, or a submodule's .half() or "
@@ -1652,6 +1655,31 @@ def _reads_dtypes(graph: torch.fx.Graph) -> bool:
                     and node.target._schema.name.partition("::")[2] in _CAST_OPS:
                 return True
     return False
+
+
+def _swapping_tensors() -> bool:
+    """Whether this call runs inside torch.func.functional_call (torch.nn.utils.stateless), which
+    puts its tensors straight into the modules' dicts for one call, past the cast to the plan's
+    dtypes that an assignment makes (its caller's frame is on the stack; the error path only)."""
+    import torch._functorch.functional_call
+    import torch.nn.utils.stateless
+    files = {torch.nn.utils.stateless.__file__, torch._functorch.functional_call.__file__}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename in files:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _swapped_error(changed: list, e: RuntimeError) -> TypeError:
+    return TypeError(
+        f"{', '.join(changed[:3])} {'is' if len(changed) == 1 else 'are'} not in the dtype the "
+        "plan stored: torch.func.functional_call put them in for this call as given, which "
+        "nothing casts. Pass the tensors in the converted module's dtypes: "
+        "functional_call(fast, {k: v.to(fast.state_dict()[k].dtype) for k, v in params.items()}, "
+        "args) (the cast is differentiable: gradients reach your float32 tensors) "
+        f"({type(e).__name__}: {str(e).splitlines()[0]})")
 
 
 def _off_dtype_error(off: list, detail: str, kind: bool = False) -> TypeError:
