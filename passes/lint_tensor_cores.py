@@ -94,8 +94,8 @@ class LintTensorCores(Pass):
         else:
             return None
         dims = _gemm_dims(node, gm)
-        if not dims:
-            return None
+        if not dims or not math.prod(dims.values()):
+            return None  # none, or an empty GEMM (a zero-size dimension): nothing to pad
         padding = {k: math.ceil(v / multiple) * multiple for k, v in dims.items() if v % multiple}
         if not padding:
             return TensorCoreFinding(dims, multiple, {}, None, f"aligned ({how})")

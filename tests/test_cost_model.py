@@ -306,6 +306,26 @@ def test_roofline_numbers_for_a_linear_and_a_cast():
     assert rec.t_fp32 == cost.t_fp32 and rec.t_low == cost.t_low
 
 
+@pytest.mark.parametrize("shape", [(0, 64), (4, 0, 64)], ids=["batch0", "length0"])
+def test_a_zero_size_example_costs_only_launches_on_a_gpu(shape):
+    # an empty GEMM has no tiles: the wave quantization, and the Tensor Core padding ratio,
+    # divided by zero (PassError: ZeroDivisionError) for a batch-0 or zero-length example
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 12)).eval()
+    for strategy in ("rules", "optimal"):
+        gm = mpgraph.convert(model, torch.randn(*shape), dtype="fp16", target=H100,
+                             strategy=strategy, check=False)
+        for n in gm.graph.nodes:
+            if n.meta.get(COST) is not None and n.meta[COST].flops == 0:
+                assert n.meta[COST].t_low == pytest.approx(GPU_HOST_S)
+        assert gm(torch.randn(3, 64)).shape == (3, 12)
+    # an empty reduction (K = 0) with misaligned M, N: no Tensor Core finding to divide
+    class Empty(nn.Module):
+        def forward(self, a, b):
+            return a @ b
+    mpgraph.convert(Empty(), (torch.randn(5, 0), torch.randn(0, 3)), dtype="fp16",
+                    target=H100, strategy="rules", check=False)
+
+
 def test_cost_optimal_is_never_estimated_slower_than_the_rules(bert, token_ids):
     ids, mask = token_ids
     for target in (SLOW_CPU, H100, "t4"):  # (roofline targets: the same on any CPU)

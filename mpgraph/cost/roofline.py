@@ -149,6 +149,8 @@ def _quantization(spec: DeviceSpec, dims: Optional[tuple]) -> float:
     b, m, n, _ = dims
     t = spec.tile
     tiles = b * math.ceil(m / t) * math.ceil(n / t)
+    if tiles == 0:
+        return 1.0  # an empty GEMM (a zero-size batch or sequence): no tiles to waste
     waves = math.ceil(tiles / spec.sms)
     return (b * m * n) / (waves * spec.sms * t * t)
 
@@ -237,7 +239,8 @@ class Roofline(CostModel):
             else:
                 peak = vector
             nbytes = self._bytes(node, gm, dtype)
-            compute = flops / peak + softmax / vector
+            # an empty problem (zero-size dimension) costs only its launch; its peak may be 0
+            compute = (flops / peak if flops else 0.0) + softmax / vector
             if spec.kind == Kind.CPU and dims is not None and dims[0] == "conv" and dtype == torch.float32:
                 # NCHW reorders; low-precision convs run channels_last (the ChannelsLast pass)
                 compute += _CPU_CONV_LAYOUT * nbytes / bandwidth
