@@ -373,3 +373,29 @@ def test_a_model_the_opset_23_exporter_asserts_on_is_exported_at_opset_18(tmp_pa
     assert result.exporter.startswith("torch.onnx.export(dynamo=True) at opset 18 [opset 23 "
                                       "failed: ")
     assert result.validation is not None
+
+
+class _Bf16Io(nn.Module):
+    """bfloat16 features in, a bfloat16 head out (as stored by the user), float32 between."""
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.l1(x.float())
+        return h, self.l2(h).bfloat16()
+
+
+def test_bf16_inputs_and_outputs_are_validated_not_refused(tmp_path):
+    """numpy has no bfloat16: validation failed feeding the bf16 input ('TypeError: Got
+    unsupported ScalarType BFloat16') and reading the bf16 output ('onnxruntime ... failed:
+    No corresponding Numpy type for Tensor Type. bfloat16'). They travel as uint16 bits."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 32).bfloat16()
+    path = tmp_path / "b.onnx"
+    result = _export(_Bf16Io().eval(), (x,), path, dtype="fp16")
+    model = load_with_types(str(path))
+    assert model.graph.inputs[0].dtype == ir.DataType.BFLOAT16
+    assert [v.dtype for v in model.graph.outputs] == [ir.DataType.FLOAT, ir.DataType.BFLOAT16]
+    errors = result.validation.err_vs_converted
+    assert len(errors) == 2 and all(e < tolerance_of(result.plan) for e in errors)

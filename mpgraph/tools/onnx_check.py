@@ -25,6 +25,7 @@ from mpgraph.errors import ExportError
 from mpgraph.ir.graph import run_kept
 from mpgraph.ir.meta import dtype_name
 from mpgraph.numerics import relative_l2
+from mpgraph.tools import ort_io
 
 log = logging.getLogger(__name__)
 
@@ -247,15 +248,21 @@ def _named_inputs(converted, args: tuple, kwargs: dict
             for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _feeds(graph_inputs, named) -> dict:
-    """onnxruntime's feeds: by name where the file names each input after its argument (the
-    order of the file's inputs is the exporter's, not necessarily the call's), else in order."""
+def _fed(graph_inputs, named) -> list[torch.Tensor]:
+    """The tensor fed to each of the file's inputs: by name where the file names each input after
+    its argument (the order of the file's inputs is the exporter's, not necessarily the call's),
+    else in order."""
     by_name = {n: t for n, t in named if n is not None}
     if len(graph_inputs) == len(named) and all(v.name in by_name for v in graph_inputs):
-        chosen = [by_name[v.name] for v in graph_inputs]
-    else:
-        chosen = [t for _, t in named]
-    return {v.name: t.detach().cpu().numpy() for v, t in zip(graph_inputs, chosen)}
+        return [by_name[v.name] for v in graph_inputs]
+    return [t for _, t in named]
+
+
+def _feed(t: torch.Tensor):
+    """A tensor as numpy, a bfloat16 one as its uint16 bits (numpy has no bfloat16; ort_io.run
+    feeds them as BFLOAT16)."""
+    t = t.detach().cpu()
+    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _scratch_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -343,7 +350,7 @@ def _locate(path: str, feeds: dict, workdir: str, torch_values: Optional[dict], 
     probe = os.path.join(workdir, "probe.onnx")
     names = _with_all_outputs(path, probe)
     session = run_path_fn(probe)
-    outs = session.run(None, feeds)
+    outs = ort_io.run(session, feeds)
     values = dict(zip([o.name for o in session.get_outputs()], outs))
     model = ir.load(path)
     for node in model.graph:
@@ -475,14 +482,15 @@ def validate_onnx(path: str, converted: torch.nn.Module, args: tuple, kwargs: di
         ref_out = _tensors(run_kept(_scratch_model(reference), args, kwargs)) \
             if reference is not None else None
         graph_inputs = [v for v in model.graph.inputs if not v.is_initializer()]
-        feeds = _feeds(graph_inputs, named)
+        fed = _fed(graph_inputs, named)
+        feeds = {v.name: _feed(t) for v, t in zip(graph_inputs, fed)}
         ir = _ir()
         graph_outputs = list(model.graph.outputs)
         if len(graph_outputs) != len(torch_out):
             problems.append(f"the file has {len(graph_outputs)} outputs, PyTorch's module returns "
                             f"{len(torch_out)} values")
         for kind, values, tensors in (
-                ("input", graph_inputs, [torch.from_numpy(a) for a in feeds.values()]),
+                ("input", graph_inputs, fed),
                 ("output", graph_outputs, torch_out)):
             for v, t in zip(values, tensors):
                 if v.dtype != ir_dtype(t.dtype):
@@ -575,11 +583,14 @@ class OrtLoadError(OrtRunError):
 # what the validating process runs: onnxruntime and numpy only (no torch: ~0.3 s to start), a
 # default session (graph optimisation ORT_ENABLE_ALL, what users' sessions use)
 _RUNNER = r"""
-import json, sys
+import importlib.util, json, sys
 import numpy as np
 import onnxruntime as ort
 path, feeds, out, providers = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
 names = json.loads(sys.argv[5])
+spec = importlib.util.spec_from_file_location("ort_io", sys.argv[6])
+ort_io = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ort_io)
 options = ort.SessionOptions()
 options.log_severity_level = 3
 ort.set_default_logger_severity(3)
@@ -589,7 +600,7 @@ except Exception as e:
     print("LOAD:" + str(e), file=sys.stderr)
     sys.exit(3)
 data = np.load(feeds)
-outs = session.run(None, {name: data[f"arr_{i}"] for i, name in enumerate(names)})
+outs = ort_io.run(session, {name: data[f"arr_{i}"] for i, name in enumerate(names)})
 np.savez(out, *outs)
 print(session.get_providers()[0])
 """
@@ -611,7 +622,7 @@ def run_isolated(path: str, feeds: dict, workdir: str, device: Optional[str] = N
     given, got = os.path.join(workdir, "feeds.npz"), os.path.join(workdir, "outputs.npz")
     np.savez(given, *[feeds[n] for n in names])
     proc = subprocess.run([sys.executable, "-c", _RUNNER, path, given, got, ",".join(providers),
-                           json.dumps(names)], capture_output=True, text=True)
+                           json.dumps(names), ort_io.__file__], capture_output=True, text=True)
     if proc.returncode == 3:
         raise OrtLoadError(proc.stderr.rpartition("LOAD:")[2].strip())
     if proc.returncode != 0:
