@@ -1,12 +1,15 @@
 """ONNX export of hand-written models as users write them: the user's model and example tensors
 are left alone, the file's inputs and outputs are what the model takes and returns, and the
 file is held to the plan's own bound (probe 39a)."""
+import dataclasses
 import logging
+import os
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 
 onnx = pytest.importorskip("onnx")
 ir = pytest.importorskip("onnx_ir")
@@ -399,3 +402,38 @@ def test_bf16_inputs_and_outputs_are_validated_not_refused(tmp_path):
     assert [v.dtype for v in model.graph.outputs] == [ir.DataType.FLOAT, ir.DataType.BFLOAT16]
     errors = result.validation.err_vs_converted
     assert len(errors) == 2 and all(e < tolerance_of(result.plan) for e in errors)
+
+
+@dataclasses.dataclass
+class _Out:
+    feat: torch.Tensor
+    logits: torch.Tensor
+
+
+class _DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.l1(x)
+        return _Out(h, logits=self.l2(h))
+
+
+def test_a_plain_dataclass_output_is_an_export_error_up_front_and_registered_is_named_by_field(
+        tmp_path, caplog):
+    """convert returns the dataclass; export_onnx ran three exporters, then raised torch's raw
+    'Found <class Out> in output, which is not a known type ... register a pytree'."""
+    x = torch.randn(4, 16)
+    with pytest.raises(mpgraph.ExportError, match=r"returns a plain dataclass \(_Out\).*"
+                                                  r"register_dataclass\(_Out\).*NamedTuple"):
+        _export(_DataclassOut().eval(), (x,), tmp_path / "d.onnx", dtype="fp16")
+    assert "exporter" not in caplog.text and not os.listdir(tmp_path)
+    pytree.register_dataclass(_Out)
+    try:  # the way out the error gives: the outputs are named by field
+        path = tmp_path / "r.onnx"
+        result = _export(_DataclassOut().eval(), (x,), path, dtype="fp16")
+        assert [o.name for o in load_with_types(str(path)).graph.outputs] == ["feat", "logits"]
+        assert len(result.validation.err_vs_converted) == 2
+    finally:
+        pytree._deregister_pytree_node(_Out)

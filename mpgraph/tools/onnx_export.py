@@ -11,6 +11,7 @@ the weights are large, and every check reads the file by path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -150,7 +151,8 @@ def output_names(gm: torch.fx.GraphModule) -> list[str]:
     if spec is not None:  # the export route: the structure torch.export recorded
         tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
     else:
-        tree = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        tree = pytree.tree_map(_dataclass_fields, next(n for n in gm.graph.nodes
+                                                       if n.op == "output").args[0])
     names, seen = [], set()
     for i, (path, _) in enumerate(pytree.tree_flatten_with_path(tree)[0]):
         parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", "")))) for k in path]
@@ -161,6 +163,30 @@ def output_names(gm: torch.fx.GraphModule) -> list[str]:
         seen.add(name)
         names.append(name)
     return names
+
+
+def _builds_dataclass(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" \
+        and isinstance(node.target, type) and dataclasses.is_dataclass(node.target)
+
+
+def _dataclass_fields(node):
+    """A traced dataclass constructor call as {field: value} (the output names its fields, as a
+    ModelOutput's keys); anything else as it is."""
+    if not _builds_dataclass(node):
+        return node
+    fields = [f.name for f in dataclasses.fields(node.target)]
+    return {**dict(zip(fields, node.args)), **node.kwargs}
+
+
+def unflattened_dataclass_outputs(gm: torch.fx.GraphModule) -> list[str]:
+    """The names of dataclasses the traced graph returns that torch's pytree cannot flatten:
+    torch.onnx's exporters fail on them with raw pytree errors."""
+    if getattr(gm, "_out_spec", None) is not None:  # (torch.export flattened the output)
+        return []
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return sorted({n.target.__name__ for n in pytree.tree_leaves(out)
+                   if _builds_dataclass(n) and n.target not in pytree.SUPPORTED_NODES})
 
 
 def non_tensor_outputs(gm: torch.fx.GraphModule) -> list[str]:
@@ -607,6 +633,14 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                           f"{'are' if len(constants) > 1 else 'is'} not a tensor: an ONNX file's "
                           "outputs are tensors; return such values outside the exported module "
                           "(or as tensors)")
+    classes = unflattened_dataclass_outputs(converted)
+    if classes:
+        shown = ", ".join(classes)
+        raise ExportError(f"the model returns a plain dataclass ({shown}), which torch.onnx "
+                          "cannot flatten into the file's outputs: register it with PyTorch's "
+                          f"pytree before export_onnx, torch.utils._pytree.register_dataclass"
+                          f"({classes[0]}) (the outputs are then named by field), or return a "
+                          "NamedTuple or a dict")
     opset = opset or DEFAULT_OPSET
     workdir = tempfile.mkdtemp(prefix=".mpgraph-export-", dir=os.path.dirname(path))
     name = os.path.basename(path)
