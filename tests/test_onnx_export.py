@@ -136,6 +136,38 @@ def test_opset_18_decomposed_attention_gets_float32_softmax(tmp_path):
     assert result.casts_in_file == len(result.plan.casts)  # the softmax casts are labelled, not counted
 
 
+class _PaddedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                             attn_mask=mask[:, None, None, :])
+        return self.o(a.transpose(1, 2).reshape(b, t, 16))
+
+
+def test_opset_18_attention_gives_a_fully_masked_row_torchs_zero(tmp_path):
+    """torch.onnx's decomposition masks with the dtype's lowest value, so its IsNaN guard never
+    fired: a fully padded item attended to every key alike (rel. L2 1.6 from the model), and an
+    example holding one failed validation ('do not match ... node_scaled_dot_product_attention')."""
+    torch.manual_seed(0)
+    model, x = _PaddedAttention().eval(), torch.randn(3, 6, 16)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[2] = False  # a fully padded item
+    path = tmp_path / "p.onnx"
+    result = export_onnx(model, (x, mask), path, dtype="fp16", opset=18)
+    assert result.edits["decomposed attention's bool mask set to -inf (a fully masked row gives 0)"] == 1
+    out = mpgraph.ort_session(str(path), device="cpu").run(None, {"x": x.numpy(),
+                                                                 "mask": mask.numpy()})[0]
+    with torch.no_grad():
+        ref = model(x, mask)
+    assert relative_l2(out[2], ref[2].numpy()) < 1e-2
+
+
 def test_external_data_round_trip(tmp_path):
     model, x = MLP().eval(), torch.randn(4, 16)
     path = tmp_path / "mlp.onnx"

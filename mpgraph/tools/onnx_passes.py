@@ -184,6 +184,64 @@ class SoftmaxFp32(_CountingPass):
         return wrapped
 
 
+class MaskedRowsGiveZero(_CountingPass):
+    """torch.onnx's decomposed attention (opset < 23) turns a bool mask into 0 / the dtype's
+    lowest value and guards its softmax with ``Where(IsNaN(w), 0, w)``, as torch's SDPA gives 0
+    for a fully masked row; the lowest value is finite, so the guard never fires and such a row
+    (a fully padded item) attends to every key alike. With -inf it gives NaN, and the guard 0."""
+
+    description = "decomposed attention's bool mask set to -inf (a fully masked row gives 0)"
+
+    def edit(self, graph) -> int:
+        changed, neg_inf = 0, {}
+        for guard in list(graph):
+            if guard.op_type != "Where" or guard.domain not in _DEFAULT:
+                continue
+            isnan = _producer(guard.inputs[0])
+            if isnan is None or isnan.op_type != "IsNaN" or isnan.inputs[0] is not guard.inputs[2]:
+                continue
+            softmax = _through_casts(guard.inputs[2])
+            add = _through_casts(softmax.inputs[0]) if softmax is not None \
+                and softmax.op_type == "Softmax" else None
+            if add is None or add.op_type != "Add":
+                continue
+            for where in (_producer(v) for v in add.inputs):
+                if where is None or where.op_type != "Where" or not _is_lowest(where.inputs[2]):
+                    continue
+                lowest = where.inputs[2].const_value.numpy()
+                if lowest.dtype not in neg_inf:
+                    value = ir.Value(name=f"mpgraph_mask_neg_inf_{len(neg_inf)}",
+                                     const_value=ir.tensor(np.full(lowest.shape, -np.inf,
+                                                                   dtype=lowest.dtype)))
+                    value.dtype, value.shape = where.inputs[2].dtype, where.inputs[2].shape
+                    graph.register_initializer(value)
+                    neg_inf[lowest.dtype] = value
+                where.replace_input_with(2, neg_inf[lowest.dtype])
+                changed += 1
+        return changed
+
+
+def _producer(value):
+    return value.producer() if value is not None else None
+
+
+def _through_casts(value):
+    """The node that computes ``value``, past Casts (the float32 ones SoftmaxFp32 adds)."""
+    node = _producer(value)
+    while node is not None and node.op_type == "Cast":
+        node = _producer(node.inputs[0])
+    return node
+
+
+def _is_lowest(value) -> bool:
+    """A constant scalar that is its float dtype's lowest finite value."""
+    const = value.const_value if value is not None else None
+    if const is None or value.dtype not in (ir.DataType.FLOAT, *_LOW, ir.DataType.DOUBLE):
+        return False
+    array = const.numpy()
+    return array.size == 1 and float(array.reshape(-1)[0]) == float(ml_dtypes.finfo(array.dtype).min)
+
+
 class AnnotatePlanCasts(ir.passes.InPlacePass):
     """Pair the file's precision casts with the plan's and label each with its origin
     (``metadata_props``); ``in_file``, ``expected`` and ``differences`` say how they matched.
@@ -259,4 +317,4 @@ def _plan_types(rec) -> tuple[str, str]:
 def plan_passes() -> list[_CountingPass]:
     """The edits, in the order they run (removing no-op casts first: later ones read types)."""
     return [RemoveNoopCasts(), NormInputCasts(), WeightsInInputDtype(), AttentionSoftmaxFp32(),
-            SoftmaxFp32()]
+            SoftmaxFp32(), MaskedRowsGiveZero()]
