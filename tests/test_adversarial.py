@@ -739,6 +739,30 @@ def test_a_captured_tensor_argument_left_out_and_an_attribute_set_later_are_said
         scaled.temperature = 2.0
 
 
+def test_a_classifier_converted_with_labels_carries_the_config_its_forward_set_without_a_warning():
+    # HF's forward sets config.problem_type on its first call with labels (on capture's copy):
+    # mpgraph's own gm.config = config, and a deepcopy's, warned that setting it "changes nothing"
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=64,
+                                                     vocab_size=50)).train()
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="(?s).*changes nothing")
+        fast = mpgraph.convert(model, example_kwargs={"input_ids": ids, "labels": torch.tensor([1, 0])},
+                               dtype="bf16", target=GPU, mode="train")
+        copied = copy.deepcopy(fast)
+    # the config the graph computes with (its single-label loss); the user's model's is untouched
+    assert fast.config.problem_type == copied.config.problem_type == "single_label_classification"
+    assert model.config.problem_type is None
+    other = copy.deepcopy(model.config)
+    other.problem_type = "regression"
+    with pytest.warns(UserWarning, match=r"(?s)BertForSequenceClassification\.config was .* here "
+                                         r"changes nothing"):
+        fast.config = other
+
+
 class Head(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1930,7 +1930,9 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
         if modes:
             gm.meta[GRAD_MODES] = modes
         if has_inputs:  # every call is checked against the arguments the graph was made with
-            gm.call_signature = CallSignature(model, args, kwargs, gm)
+            # (the copy's attributes, as its forward left them: what the graph computes with,
+            # and the objects the converted module carries, its config among them)
+            gm.call_signature = CallSignature(work, args, kwargs, gm)
             gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \
                 gm.call_signature
         config = getattr(work, "config", None)
