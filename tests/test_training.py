@@ -466,3 +466,34 @@ def test_a_backward_hook_a_training_conversion_would_drop_is_an_error_the_models
     fast(xb).sum().backward()
     assert calls[0] is model and calls[1] is fast
     assert rel_err(xb.grad, xa.grad) < 2e-2
+
+
+def test_a_call_inside_torch_autocast_runs_the_plan_with_autocast_off_and_says_so_once():
+    # autocast of the other low dtype failed inside torch ("mixed dtype" in layer_norm); of the
+    # plan's own, it silently ran the plan's float32 nodes low
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.ln, self.l2 = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.l2(F.gelu(self.ln(self.l1(x))))
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    for mode, dtype in (("train", "bf16"), ("inference", "fp16")):
+        fast = mpgraph.convert(Normed().train(mode == "train"), (x,), dtype=dtype, target="a100",
+                               mode=mode, strategy="rules")
+        assert fast.plan.low_nodes
+        planned = fast(x)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for inside in (torch.float16, torch.bfloat16):
+                with torch.autocast("cpu", dtype=inside):
+                    assert torch.equal(fast(x), planned)  # the plan, not autocast's re-casts
+                    assert torch.is_autocast_enabled("cpu")  # (the caller's autocast is kept)
+        assert [str(w.message)[:70] for w in said] == [
+            "the converted Normed was called inside torch.autocast('cpu', dtype=torch.float16)"
+            [:70]]
+        assert "a converted module decides its own precision" in str(said[0].message)
+        assert said[0].filename == __file__

@@ -1226,6 +1226,10 @@ class ConvertedModule(torch.fx.GraphModule):
         super().__setattr__(name, value)
 
     def __call__(self, *args, **kwargs):
+        if torch._C._is_any_autocast_enabled():  # (~0.2 us; dynamo guards on autocast's state)
+            for device in self._autocast_devices():
+                with torch.autocast(device, enabled=False):
+                    return self(*args, **kwargs)  # (again: autocast may be on for another device)
         if "_has_values" not in self.__dict__ and self.meta.get(TRACED_ON) not in (None, "meta"):
             self._check_has_values()
         signature = self.__dict__.get("call_signature")
@@ -1286,6 +1290,28 @@ class ConvertedModule(torch.fx.GraphModule):
                 ".float()?): call module.restore_planned_dtypes(), or load weights with "
                 "load_state_dict (which casts) or by assignment (which takes the plan's dtype) "
                 f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+    @compiler_disable("mpgraph: a call inside torch.autocast, which the converted module turns off "
+                      "for its graph (said once): call it outside torch.autocast")
+    def _autocast_devices(self) -> list[str]:
+        """The device types whose torch.autocast the call is inside, said once per module: the
+        plan decides each node's precision, and autocast would run its float32 nodes low too
+        (silently), or, of the other low dtype, fail inside torch ("mixed dtype" in layer_norm).
+        The graph runs with autocast off, as the model was converted."""
+        from mpgraph.frontend.capture import _autocasting
+        on = _autocasting()
+        if on and not self.__dict__.get("_said_autocast"):
+            self.__dict__["_said_autocast"] = True
+            signature = self.__dict__.get("call_signature")
+            name = signature.model if signature is not None else type(self).__name__
+            dtypes = ", ".join(f"torch.autocast({d!r}, dtype={torch.get_autocast_dtype(d)})"
+                               for d in on)
+            warnings.warn(
+                f"the converted {name} was called inside {dtypes}: a converted module decides "
+                "its own precision (its plan puts each node low or in float32), so it runs with "
+                "autocast off. Call it outside torch.autocast (what you compute around it "
+                "still autocasts)", UserWarning, stacklevel=4)
+        return on
 
     def _check_grad_mode(self, where: str, captured: str, differ: tuple) -> None:
         """A call in a grad mode where the model computes other values than the graph, which
