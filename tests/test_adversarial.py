@@ -763,6 +763,25 @@ def test_a_classifier_converted_with_labels_carries_the_config_its_forward_set_w
         fast.config = other
 
 
+def test_a_model_attribute_named_like_the_converted_modules_own_is_not_said_set_by_convert():
+    # convert's own fast.plan = <the plan> (and each copy's) warned that setting M.plan "changes
+    # nothing", where the model had a plain attribute of that name
+    class Planned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.plan = nn.Linear(16, 4), "mine"
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="(?s).*changes nothing")
+        fast = mpgraph.convert(Planned().eval(), _x(4, 16), dtype="fp16", target=GPU)
+        copied, shallow = copy.deepcopy(fast), copy.copy(fast)
+    assert isinstance(fast.plan, mpgraph.Plan) and isinstance(copied.plan, mpgraph.Plan)
+    assert shallow.plan is fast.plan
+
+
 class Head(nn.Module):
     def __init__(self):
         super().__init__()

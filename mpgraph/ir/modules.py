@@ -1093,6 +1093,11 @@ def _own_parametrizations(module: torch.nn.Module) -> None:
     type(module).__deepcopy__ = owned_deepcopy
 
 
+# what convert sets on a converted module after its call signature (and copies set again): its
+# own, not the model's attribute of that name (a model's ``self.plan``), which it replaces
+_OWN = frozenset({"plan", "tied_parameters", "fused_weights"})
+
+
 class ConvertedModule(torch.fx.GraphModule):
     """The class of what capture and convert return: a GraphModule whose parameters carry the
     plan's dtypes (low ones for low nodes, float32 for the rest, read through the graph's
@@ -1220,7 +1225,7 @@ class ConvertedModule(torch.fx.GraphModule):
                 _mark_traced_through(self, value)
             return
         signature = self.__dict__.get("call_signature")
-        if signature is not None and name in signature.attributes \
+        if signature is not None and name in signature.attributes and name not in _OWN \
                 and not _same(value, signature.attributes[name]):
             _warn_attribute_ignored(f"{signature.model}.{name}", signature.attributes[name], value)
         super().__setattr__(name, value)
