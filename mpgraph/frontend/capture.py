@@ -34,8 +34,8 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view
                               state_kept)
 from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
                              FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING, STATIC_SHAPES)
-from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, grad_mode,
-                                keep_backward_hooks, own_parametrizations)
+from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, autocasting,
+                                grad_mode, keep_backward_hooks, own_parametrizations)
 from mpgraph.ir.fake import fake_mode, is_abstract
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.op_table import MODULE_TABLE
@@ -305,26 +305,11 @@ def dynamic_spec(model, args, kwargs, static: frozenset = frozenset()):
     return spec
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
-
-
-def _autocasting() -> list[str]:
-    """The device types whose autocast is on here."""
-    on = []
-    for device in _AUTOCAST_DEVICES:
-        try:
-            if torch.is_autocast_enabled(device):
-                on.append(device)
-        except (RuntimeError, ValueError):  # (a device type this build does not know)
-            pass
-    return on
-
-
 def in_inference_mode(arguments: dict) -> bool:
     """Whether an entry point called with ``arguments`` (its ``locals()``) is under
     ``torch.inference_mode()`` or ``torch.autocast``, or is given tensors made under inference
     mode: then outside_inference_mode."""
-    return torch.is_inference_mode_enabled() or bool(_autocasting()) or any(
+    return torch.is_inference_mode_enabled() or bool(autocasting()) or any(
         isinstance(t, torch.Tensor) and torch.is_inference(t)
         for t in pytree.tree_leaves(list(arguments.values())))
 
@@ -352,7 +337,7 @@ def outside_inference_mode(fn, arguments: dict):
             kwargs[name] = value
         else:
             args.append(value)
-    autocast = _autocasting()
+    autocast = autocasting()
     if autocast:
         log.info("%s: torch.autocast (%s) is off during the conversion: the plan is made and "
                  "checked against float32", getattr(fn, "__name__", "conversion"),

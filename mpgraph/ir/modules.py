@@ -1303,8 +1303,7 @@ class ConvertedModule(torch.fx.GraphModule):
         plan decides each node's precision, and autocast would run its float32 nodes low too
         (silently), or, of the other low dtype, fail inside torch ("mixed dtype" in layer_norm).
         The graph runs with autocast off, as the model was converted."""
-        from mpgraph.frontend.capture import _autocasting
-        on = _autocasting()
+        on = autocasting()
         if on and not self.__dict__.get("_said_autocast"):
             self.__dict__["_said_autocast"] = True
             signature = self.__dict__.get("call_signature")
@@ -1747,6 +1746,22 @@ def _children(spec) -> list:
     """A TreeSpec's children (newer torch warns that ``children_specs`` is deprecated)."""
     return list(spec.children()) if callable(getattr(spec, "children", None)) \
         else spec.children_specs
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def autocasting() -> list[str]:
+    """The device types whose torch.autocast is on here (capture runs outside them, and a
+    converted module's call turns them off for its graph)."""
+    on = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append(device)
+        except (RuntimeError, ValueError):  # (a device type this build does not know)
+            pass
+    return on
 
 
 def grad_mode() -> str:
