@@ -1940,21 +1940,60 @@ def _catches(model, x):
     return [str(w.message) for w in said if "catches exceptions" in str(w.message)]
 
 
-def test_a_handler_that_re_raises_or_a_librarys_try_is_no_try_except_warning(tmp_path,
-                                                                            monkeypatch):
+def test_a_handler_that_re_raises_is_no_try_except_warning(tmp_path, monkeypatch):
     """Review rD f2: einops' rearrange, whose reduce re-raises its own error with the pattern
     named, drew the "forward catches exceptions" warning naming einops' line. A handler that
-    ends in raise computes no other path; an installed library's try (its file under
-    site-packages or the standard library) is not the user's to change, so neither is said."""
-    from mpgraph.frontend import capture
+    always raises computes no other path, so it is not said; a fallback in the same file is."""
     (tmp_path / "rd_f2_library_like.py").write_text(_LIBRARY_LIKE)
     monkeypatch.syspath_prepend(str(tmp_path))
     import rd_f2_library_like as library
     assert not _catches(library.Flatten().eval(), _x(2, 4, 8))
-    assert _catches(library.Factor().eval(), _x(16, 8))  # a fallback in the user's file: said
-    monkeypatch.setattr(capture, "_LIBRARIES", capture._LIBRARIES + (
-        os.path.join(os.path.realpath(tmp_path), ""),))  # now an installed library's file
-    assert not _catches(library.Factor().eval(), _x(16, 8))
+    assert _catches(library.Factor().eval(), _x(16, 8))
+
+
+_PSD_LIB = """
+import torch
+
+
+def psd_safe_cholesky(a):
+    try:
+        return torch.linalg.cholesky(a)
+    except RuntimeError:
+        return torch.linalg.cholesky(a + 1e-3 * torch.eye(a.shape[-1]))
+"""
+
+
+_psd_lib = None  # (the installed library, set by the test)
+
+
+class LibraryCholesky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return _psd_lib.psd_safe_cholesky(h.T @ h)
+
+
+def test_a_fallback_in_an_installed_librarys_file_is_said(monkeypatch):
+    """Review rE f3: a gpytorch-style psd_safe_cholesky in site-packages was not scanned, so its
+    fallback went unsaid while the converted module raised where the model fell back. Whoever
+    wrote the try, the graph holds one path: said. (The library's file is compiled under the
+    interpreter's site-packages, its source in linecache, so nothing is installed.)"""
+    import linecache
+    import sysconfig
+    path = os.path.join(sysconfig.get_paths()["purelib"], "re_f3_psd_lib.py")
+    library = types.ModuleType("re_f3_psd_lib")
+    library.__file__ = path
+    exec(compile(_PSD_LIB, path, "exec"), library.__dict__)
+    linecache.cache[path] = (len(_PSD_LIB), None, _PSD_LIB.splitlines(True), path)
+    monkeypatch.setitem(globals(), "_psd_lib", library)
+    try:
+        said = _catches(LibraryCholesky().eval(), _x(16, 8))
+    finally:
+        linecache.cache.pop(path, None)
+    assert said and "re_f3_psd_lib.py:6: try:" in said[0]
 
 
 _VIA_A_MODULE = """

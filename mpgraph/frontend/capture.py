@@ -15,7 +15,6 @@ import operator
 import os
 import re
 import sys
-import sysconfig
 import threading
 import traceback
 import types
@@ -1348,7 +1347,7 @@ def _say_where_exceptions_are_caught(gm: torch.fx.GraphModule, model: torch.nn.M
                 or any(path == c or path.startswith(c + ".") for c in called):
             continue
         for function in _forward_and_its_methods(type(m)):
-            where = None if _in_a_library(function) else _caught_in(function)
+            where = _caught_in(function)
             if where:
                 found.append(f"{where} (in the {function.__name__} of "
                              f"{path or type(model).__name__})")
@@ -1383,19 +1382,6 @@ def _forward_and_its_methods(cls: type) -> list:
                 found.append(helper)
                 todo.append((helper, depth + 1))
     return found
-
-
-# Where installed libraries (site-packages, dist-packages) and the standard library live.
-_LIBRARIES = tuple({os.path.join(os.path.realpath(path), "")
-                    for key, path in sysconfig.get_paths().items()
-                    if key in ("purelib", "platlib", "stdlib")})
-
-
-def _in_a_library(function) -> bool:
-    """Whether a function's file is an installed library's or the standard library's: their
-    try/excepts (einops' reduce re-raising with the pattern named) are not the user's to change."""
-    path = os.path.realpath(function.__code__.co_filename)
-    return path.startswith(_LIBRARIES)
 
 
 def _caught_in(function) -> Optional[str]:
