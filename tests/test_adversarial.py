@@ -1885,14 +1885,63 @@ class IndexFallback(KernelProbe):
             return h[:1]
 
 
-def test_a_try_whose_body_only_imports_or_looks_up_is_no_try_except_warning():
-    """Review rD f3: an optional kernel's probe (`try: import ... except Exception`) and a list
-    memo (`try: return _TABLES[i] except IndexError: build it`) drew the "forward catches
-    exceptions" warning: whether such a body raises is set by the environment or the memo,
-    alike on every input. A body that indexes the forward's own tensor is still said."""
+def test_a_try_whose_body_only_imports_is_no_try_except_warning():
+    """Review rD f3: an optional kernel's probe (`try: import ... except Exception`) drew the
+    "forward catches exceptions" warning: whether an import raises is set by the environment,
+    alike on every input. A list memo's `except IndexError` is said (review rE f1: a body that
+    indexes a table raises on the input's values too, `self.table[ids]`), as is a body that
+    indexes the forward's own tensor."""
     assert not _catches(KernelProbe().eval(), _x(4, 16))
-    assert not _catches(ListMemo().eval(), _x(4, 16))
+    assert _catches(ListMemo().eval(), _x(4, 16))
     assert _catches(IndexFallback().eval(), _x(4, 16))
+
+
+class MatmulFallback(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        try:
+            h = x @ self.w  # (a width-16 input raises: its first 8 are used)
+        except RuntimeError:
+            h = x[..., :8] @ self.w
+        return h.relu()
+
+
+class RankFallback(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        try:
+            t = x.shape[2]  # ((B, C) or (B, C, T) inputs)
+        except IndexError:
+            t = 1
+        return self.fc(x.reshape(x.shape[0], 8, -1).mean(-1)) * t
+
+
+class TableFallback(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 8))
+
+    def forward(self, ids):
+        try:
+            e = self.table[ids]  # (ids past the table's end are clamped)
+        except IndexError:
+            e = self.table[ids.clamp(max=9)]
+        return e * 2
+
+
+def test_a_try_on_operators_shapes_or_an_attributes_table_is_said():
+    """Review rE f1: a body that calls nothing and indexes no local (`x @ self.w`,
+    `x.shape[2]`, `self.table[ids]`) was taken for a memo's lookup, though it raises on the
+    input's shape or values: the converted module raised where the model fell back. Said."""
+    assert _catches(MatmulFallback().eval(), _x(2, 8))
+    assert _catches(RankFallback().eval(), _x(2, 8, 3))
+    assert _catches(TableFallback().eval(), torch.tensor([[1, 2, 3]]))
 
 
 _LIBRARY_LIKE = """

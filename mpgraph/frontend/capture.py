@@ -1386,30 +1386,41 @@ def _forward_and_its_methods(cls: type) -> list:
 
 def _caught_in(function) -> Optional[str]:
     """The first ``try`` in a function's source with a fallback for the input's values, as
-    "file:line: try:", or None (no source). Not such a fallback: a ``try`` whose body calls
-    nothing and indexes no local value (an optional kernel's ``import``, a memo's
-    ``_TABLES[i]`` or ``self._cache[n]``), as whether it raises is set by the environment or
-    the memo's state, alike on every input; handlers of ImportError or of a lookup miss alone
-    (a memo's ``except KeyError: build it``, whose two paths compute the same); a handler that
-    ends in ``raise``, which computes no other path (it fails, as the converted module would)."""
+    "file:line: try:", or None (no source). Not such a fallback: a ``try`` whose body only
+    imports, besides setting or returning constants (an optional kernel's probe, ``import apex;
+    return True``: the environment decides, alike on every input); handlers of ImportError or
+    of a lookup miss alone (a memo's ``except KeyError: build it``, whose two paths compute
+    the same); a handler that ends in ``raise``, which computes no other path: it fails, as
+    the converted module would."""
     import ast
     import textwrap
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError):
         return None
-    code = function.__code__
-    local = set(code.co_varnames) | set(code.co_cellvars)  # (its arguments and variables)
     imports = {"ImportError", "ModuleNotFoundError", "KeyError", "AttributeError", "LookupError"}
+
+    def probes(statement) -> bool:
+        """An import, or a statement that cannot raise (``return True``, ``HAVE_APEX = True``,
+        ``pass``): a body of these only raises on what the environment has installed."""
+        if isinstance(statement, (ast.Import, ast.ImportFrom, ast.Pass)):
+            return True
+        if isinstance(statement, ast.Return):
+            return isinstance(statement.value, (ast.Constant, type(None)))
+        if isinstance(statement, ast.Assign):
+            return isinstance(statement.value, ast.Constant) and all(
+                isinstance(target, ast.Name) for target in statement.targets)
+        return False
+
     for node in ast.walk(tree):
         if not isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))):
             continue
-        on_values = any(isinstance(n, ast.Call) or (isinstance(n, ast.Subscript) and getattr(
-            n.value, "id", None) in local) for statement in node.body for n in ast.walk(statement))
-        if on_values and any(
-                not {getattr(n, "id", None) for n in ([h.type] if not isinstance(
-                    h.type, ast.Tuple) else h.type.elts)} <= imports
+        if all(probes(statement) for statement in node.body):
+            continue
+        if any(not {getattr(n, "id", None) for n in ([h.type] if not isinstance(
+                h.type, ast.Tuple) else h.type.elts)} <= imports
                 and not isinstance(h.body[-1], ast.Raise) for h in node.handlers):
+            code = function.__code__
             return (f"{os.path.basename(code.co_filename)}:"
                     f"{code.co_firstlineno + node.lineno - 1}: try:")
     return None
