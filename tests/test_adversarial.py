@@ -2000,6 +2000,30 @@ def test_a_handler_that_re_raises_is_no_try_except_warning(tmp_path, monkeypatch
     assert _catches(library.Factor().eval(), _x(16, 8))
 
 
+class JitterCholesky(nn.Module):
+    def __init__(self, jitter=1e-3):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.jitter = jitter
+
+    def forward(self, x):
+        h = self.fc(x)
+        a = h.T @ h
+        try:
+            return torch.linalg.cholesky(a)
+        except RuntimeError:
+            if self.jitter:
+                return torch.linalg.cholesky(a + self.jitter * torch.eye(8))
+            raise
+
+
+def test_a_handler_that_returns_before_its_raise_is_said():
+    """Review rE f5: `if self.jitter: return cholesky(a + jitter * I)` then `raise` was taken
+    for a re-raise, as the handler's last statement is one: the converted module raised where
+    the model fell back. A handler with a return is a fallback: said."""
+    assert _catches(JitterCholesky().eval(), _x(16, 8))
+
+
 _PSD_LIB = """
 import torch
 

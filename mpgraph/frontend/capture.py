@@ -1390,8 +1390,10 @@ def _caught_in(function) -> Optional[str]:
     imports, besides setting or returning constants (an optional kernel's probe, ``import apex;
     return True``: the environment decides, alike on every input); handlers of ImportError or
     of a lookup miss alone (a memo's ``except KeyError: build it``, whose two paths compute
-    the same); a handler that ends in ``raise``, which computes no other path: it fails, as
-    the converted module would."""
+    the same); a handler that always raises (its last statement is a ``raise`` and it has no
+    ``return``, ``break``, ``continue`` or ``yield``), which computes no other path: it fails,
+    as the converted module would. A handler that returns before its ``raise`` (``if
+    self.jitter: return ...``) is a fallback."""
     import ast
     import textwrap
     try:
@@ -1412,14 +1414,21 @@ def _caught_in(function) -> Optional[str]:
                 isinstance(target, ast.Name) for target in statement.targets)
         return False
 
+    def falls_back(handler) -> bool:
+        caught = [handler.type] if not isinstance(handler.type, ast.Tuple) else handler.type.elts
+        if {getattr(n, "id", None) for n in caught} <= imports:
+            return False
+        leaves = (ast.Return, ast.Break, ast.Continue, ast.Yield, ast.YieldFrom)
+        always_raises = isinstance(handler.body[-1], ast.Raise) and not any(
+            isinstance(n, leaves) for statement in handler.body for n in ast.walk(statement))
+        return not always_raises
+
     for node in ast.walk(tree):
         if not isinstance(node, (ast.Try, getattr(ast, "TryStar", ast.Try))):
             continue
         if all(probes(statement) for statement in node.body):
             continue
-        if any(not {getattr(n, "id", None) for n in ([h.type] if not isinstance(
-                h.type, ast.Tuple) else h.type.elts)} <= imports
-                and not isinstance(h.body[-1], ast.Raise) for h in node.handlers):
+        if any(falls_back(h) for h in node.handlers):
             code = function.__code__
             return (f"{os.path.basename(code.co_filename)}:"
                     f"{code.co_firstlineno + node.lineno - 1}: try:")
