@@ -1437,6 +1437,53 @@ def test_a_global_holding_a_tuple_of_traced_values_is_put_back():
         torch.testing.assert_close(fast(x), want)
 
 
+_MEMO: dict = {}
+
+
+def _memo_table(n):
+    if n not in _MEMO:  # a table per sequence length, memoised in a global dict
+        _MEMO[n] = torch.arange(n, dtype=torch.float32)[:, None] * torch.arange(16) / 100
+    return _MEMO[n]
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_table(n):
+    return torch.arange(n, dtype=torch.float32)[:, None] * torch.arange(16) / 100
+
+
+class MemoisedTable(nn.Module):
+    """Reads a per-length table from a memo filled in place (captured by torch.export: the
+    forward reads len(x[0]))."""
+    def __init__(self, table):
+        super().__init__()
+        self.fc, self.table = nn.Linear(16, 16), table
+
+    def forward(self, x):
+        return self.fc(x + self.table(len(x[0])))
+
+
+@pytest.mark.parametrize("table", [_memo_table, _cached_table])
+def test_a_memo_filled_in_place_under_a_tracer_keeps_no_traced_values(table):
+    """Review rE f2: a per-length memo filled in place while torch.export traced (``_MEMO[n]
+    = table``, an lru_cache'd builder) kept its FakeTensors, unsaid (only a rebound global was
+    compared): the user's own model then raised "SymIntArrayRef expected to contain only
+    concrete integers" on every call. The dict is put back and said; the cache is cleared."""
+    _MEMO.clear()
+    _cached_table.cache_clear()
+    model, x = MemoisedTable(table).eval(), _x(2, 12, 16)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fast = mpgraph.convert(model, (x,))
+    told = [str(w.message) for w in said if "module globals" in str(w.message)]
+    if table is _memo_table:
+        assert told and "global _MEMO (its items changed to traced values)" in told[0]
+    from torch._subclasses.fake_tensor import FakeTensor
+    assert not any(isinstance(t, FakeTensor) for t in _MEMO.values())
+    assert not isinstance(_cached_table(12), FakeTensor)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))  # (the user's model: broken before)
+
+
 class SafeCholesky(nn.Module):
     def __init__(self):
         super().__init__()

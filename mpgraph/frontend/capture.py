@@ -1563,7 +1563,7 @@ def _writes_constant(gm: torch.fx.GraphModule) -> Optional[str]:
 
 class _State(dict):
     """``_python_state``: the attributes by (module path, name); ``globals``, the namespaces of
-    the user's module classes' code as (namespace, copy of it)."""
+    the user's module classes' code as (namespace, copy of it, ``_held``'s copy of it)."""
     globals: list
 
 
@@ -1572,8 +1572,42 @@ def _python_state(model: torch.nn.Module) -> dict:
     with a copy of the lists, dicts and sets among them, and the module globals its code may
     assign (``global STEP; STEP += 1``): what a forward may change that no graph records."""
     state = _State({where: (value, _contents(value)) for where, value in _user_attributes(model)})
-    state.globals = [(namespace, _own_names(namespace)) for namespace in _user_namespaces(model)]
+    names = [(namespace, _own_names(namespace)) for namespace in _user_namespaces(model)]
+    state.globals = [(namespace, own, _held(own)) for namespace, own in names]
     return state
+
+
+def _held(names: dict) -> dict:
+    """What a forward may change inside a global without rebinding it: a copy of each dict's
+    and list's items (a per-length memo ``_CACHE[n] = table``) and each ``functools.lru_cache``
+    function's size. A tracer's run fills them with its traced values (torch.export's
+    FakeTensors), which the user's model then returned on its later calls."""
+    held = {}
+    for key, value in names.items():
+        if type(value) in (dict, list):
+            held[key] = copy.copy(value)
+        elif _cache_size(value) is not None:
+            held[key] = _cache_size(value)
+    return held
+
+
+def _cache_size(value) -> Optional[int]:
+    """How many results a ``functools.lru_cache`` (``functools.cache``) function holds, else
+    None."""
+    if inspect.ismodule(value) or not callable(getattr(value, "cache_clear", None)):
+        return None
+    try:
+        size = value.cache_info().currsize
+    except Exception:  # noqa: BLE001 - not functools' cache_info
+        return None
+    return size if isinstance(size, int) else None
+
+
+def _new_items(old, value) -> list:
+    """The items of a dict or list ``value`` (keys and values) that its copy ``old`` lacks."""
+    if isinstance(value, dict):
+        return [(k, v) for k, v in value.items() if k not in old or old[k] is not v]
+    return [v for i, v in enumerate(value) if i >= len(old) or old[i] is not v]
 
 
 _ABSENT = object()
@@ -1689,10 +1723,13 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True,
             changed.append(f"self.{path + '.' if path else ''}{key} (deleted)")
             if restore:
                 setattr(model.get_submodule(path), key, old)
-    for namespace, names in getattr(before, "globals", ()):
+    for namespace, names, held in getattr(before, "globals", ()):
         now_names = _own_names(namespace)
         for key in names.keys() | now_names.keys():
             old, value = names.get(key, _ABSENT), now_names.get(key, _ABSENT)
+            if value is old and key in held:
+                changed.extend(_changed_inside(key, value, held, restore, traced))
+                continue
             if value is old or (type(value) is type(old) and not _differ(value, old)):
                 continue
             if traced and _first_call_state(old, value):
@@ -1703,6 +1740,7 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True,
                 # one sets (_LAST = h.detach(), a plain tensor there) is the inputs' (kept,
                 # it held the example's activation). The state conversion leaves from now on:
                 names[key] = value
+                held.update(_held({key: value}))
                 log.info("the forward set global %s on its first call: kept", key)
                 continue
             changed.append(f"global {key} ({_brief_value(old)} -> {_brief_value(value)})")
@@ -1712,6 +1750,37 @@ def _changed_state(model: torch.nn.Module, before: dict, restore: bool = True,
                 else:
                     namespace[key] = old
     return changed
+
+
+def _changed_inside(key: str, value, held: dict, restore: bool, traced: bool) -> list[str]:
+    """A global dict or list the run changed in place, or an lru_cache function it filled
+    (``held``: ``_held``'s copy): where a tracer's run left its traced values there, the dict
+    or list is put back (said, as a global rebound to them is) and the cache cleared (unsaid: it
+    computes its values again on the next call). Other contents, a constant table memoised
+    once, are kept as the model's first call leaves them."""
+    if type(value) not in (dict, list):  # (an lru_cache: its size)
+        size = _cache_size(value) or 0
+        if traced and restore and size > held[key]:
+            value.cache_clear()  # (what it cached under the tracer: fake tensors, Proxies)
+            size = 0
+            log.info("the forward filled the cache of %s under a tracer: cleared", key)
+        if restore:
+            held[key] = size
+        return []
+    old = held[key]
+    new = _new_items(old, value)
+    if not new and len(value) == len(old):
+        return []
+    if not (traced and _traced(new)):
+        held[key] = copy.copy(value)  # (the state conversion leaves from now on)
+        return []
+    if restore:
+        value.clear()
+        if isinstance(value, dict):
+            value.update(old)
+        else:
+            value.extend(old)
+    return [f"global {key} (its items changed to traced values)"]
 
 
 def _first_call_state(old, value) -> bool:
