@@ -1401,6 +1401,41 @@ def test_a_global_an_eager_run_sets_from_the_inputs_is_put_back():
 _ROPE = None
 
 
+class LazyTableBranches(nn.Module):
+    """Builds a global table from the input's length on its first call, and branches on a
+    value: every tracer fails."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        global _ROPE
+        if _ROPE is None:
+            _ROPE = torch.arange(x.shape[1], dtype=torch.float32).cos()
+        h = self.fc(x) * _ROPE[:, None]
+        return h if h.sum() > 0 else -h
+
+
+def test_what_every_eager_run_of_capture_sets_is_put_back():
+    """Review rE f6: two eager runs were outside the snapshot of globals. A failed
+    conversion's last run (_rebound_buffers) came after the put-back: _ROPE kept the
+    example's length-5 table, and the user's model failed on length 7. mode="train" ran the
+    forward (_trains_alike) before the snapshot: _LAST kept the example's activation, said as
+    "a tensor (2, 16) -> ..." though it was None."""
+    global _ROPE, _LAST
+    _ROPE = None
+    model = LazyTableBranches().eval()
+    with pytest.raises(mpgraph.CaptureError):
+        mpgraph.convert(model, (_x(2, 5, 16),))
+    assert _ROPE is None
+    with torch.no_grad():
+        assert model(_x(2, 7, 16)).shape == (2, 7, 16)
+    _ROPE, _LAST = None, None
+    with pytest.warns(UserWarning, match=r"global _LAST \(None -> "):
+        mpgraph.convert(RecordsLastTraced().eval(), (_x(2, 16),), mode="train")
+    assert _LAST is None
+
+
 def _rope(n):
     global _ROPE
     if _ROPE is None:  # built on the first call, from its sequence length

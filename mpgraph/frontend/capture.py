@@ -445,17 +445,22 @@ def _parametrizations_uncached():
 
 def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, observe,
                   dynamic, training):
-    evaluated = _trains_alike(work, args, kwargs) \
-        if training and not model.training and has_inputs and abstract is None else None
-    if evaluated is not None:
-        work.train()
     if abstract is not None:
         abstract.fake_module_(work)
         args, kwargs = abstract.fake_inputs(args, kwargs)
+    # the Python state before the first run of the forward (_trains_alike's): each run's
+    # changes are put back to it (taken in _trace, the model "as it was" held what
+    # _trains_alike's runs set: the example's activation, kept though the model never ran)
+    state = _python_state(work)
+    evaluated = _trains_alike(work, args, kwargs, state) \
+        if training and not model.training and has_inputs and abstract is None else None
+    if evaluated is not None:
+        work.train()
     depth = len(torch._C._functorch.get_interpreter_stack() or ())
     with _CAPTURE_LOCK, fake_mode(abstract), python_rng_kept():  # (the tracers run the forward)
         try:
-            gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
+            gm = _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic,
+                        state)
         finally:
             _leave_transforms(depth)
     _refuse_users_tensors(gm, model)
@@ -578,14 +583,15 @@ def _refuse_unread_meta(gm: torch.fx.GraphModule, model: torch.nn.Module,
     raise CaptureError(reports)
 
 
-def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict):
+def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict):
     """Whether a model in eval mode runs in training mode too and returns the same structure
     there: then its training conversion is traced in training mode (``capture``'s
     ``training``), and this returns its outputs in eval mode (what the converted module, in
     eval mode, is compared with); else None. Not where its training forward fails (batch norm
     given a batch of one) or returns something else (Inception's auxiliary logits): that model
     is traced as it is, in eval mode, as before. Runs ``work`` (the copy) twice; its state is
-    put back."""
+    put back, and so is what the runs change of ``state`` (``_python_state``), unsaid (the
+    tracers' runs say it)."""
     outs = []
     try:
         # eval mode with autograd on, as the graph runs: without it nn.TransformerEncoder takes
@@ -601,6 +607,7 @@ def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict):
         return None
     finally:
         work.eval()
+        _changed_state(work, state)
     if pytree.tree_structure(outs[0]) != pytree.tree_structure(outs[1]):
         log.info("not traced in training mode: it returns another structure there")
         return None
@@ -1200,12 +1207,15 @@ def _untraceable(model: torch.nn.Module) -> Optional[dict]:
     return None
 
 
-def _rebound_buffers(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[dict]:
+def _rebound_buffers(model: torch.nn.Module, args: tuple, kwargs: dict, state: dict
+                     ) -> Optional[dict]:
     """The report for a buffer the forward rebinds in a way no graph writes back, if there is
     one (the tracers' reports then quote torch's internals, not the cause): ``self.ema.data =
     ...`` (torch.export lifts the new value as a constant), or a buffer given a new shape on
     every call (``self.kc = torch.cat([self.kc, k], 1)``: the graph writes it back into the old
-    one). One eager run, on the failure path only; the buffers are put back after it."""
+    one). One eager run, on the failure path only; the buffers are put back after it, and
+    what it changes of ``state`` (``_python_state``: a table a global holds, built from the
+    example's length, failed the user's model on another length)."""
     before = [(path, m, name, b, b.data, tuple(b.shape)) for path, m in model.named_modules()
               for name, b in m._buffers.items() if b is not None]
     try:
@@ -1218,6 +1228,7 @@ def _rebound_buffers(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optio
         for _, m, name, b, data, _ in before:
             b.data = data
             m._buffers[name] = b
+        _changed_state(model, state)
     for path, m, name, b, data, shape in before:
         (now, ptr), attr = after[(id(m), name)], f"self.{name}"
         buffer = f"buffer {path + '.' if path else ''}{name}"
@@ -1892,9 +1903,8 @@ def _holds_hf_model(model: torch.nn.Module) -> bool:
     return base is not None and any(isinstance(m, base) for m in model.modules())
 
 
-def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic):
+def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic, state):
     reports: dict[str, str] = {}
-    state = _python_state(work)
     # export_only (training): every parameter a get_attr node, no leaf module hiding its weights.
     # HuggingFace models do not trace with plain fx (transformers 5): straight to torch.export
     hf = has_inputs and _holds_hf_model(model)
@@ -2016,8 +2026,8 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic)
     if eager:  # the tracers' reports blame what the model does with these very inputs
         reports = {EAGER: eager, **reports}
     else:  # (the tracers' reports quote torch's internals, not the cause)
-        reports = _untraceable(work) or (has_inputs and _rebound_buffers(work, args, kwargs)) \
-            or reports
+        reports = _untraceable(work) \
+            or (has_inputs and _rebound_buffers(work, args, kwargs, state)) or reports
     error = CaptureError(reports)
     if kwargs.get("use_cache") is False or getattr(getattr(model, "config", None), "use_cache",
                                                    None) is False:
