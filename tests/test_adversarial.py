@@ -1519,6 +1519,29 @@ def test_a_memo_filled_in_place_under_a_tracer_keeps_no_traced_values(table):
         torch.testing.assert_close(fast(x), model(x))  # (the user's model: broken before)
 
 
+@functools.lru_cache(maxsize=2)
+def _bounded_table(n):
+    return torch.arange(n, dtype=torch.float32)[:, None] * torch.arange(16) / 100
+
+
+def test_a_full_bounded_cache_filled_under_a_tracer_keeps_no_traced_values():
+    """Review rG f2: an lru_cache(maxsize=2) the user's calls had filled evicts one result for
+    the tracer's, its size unchanged: the "size grew" rule kept the FakeTensor (the user's
+    model then failed on the example's length). Its count of computed results grows: cleared."""
+    _bounded_table.cache_clear()
+    model = MemoisedTable(_bounded_table).eval()
+    with torch.no_grad():
+        for n in (3, 4):  # the user's earlier calls fill it
+            model(_x(2, n, 16))
+    assert _bounded_table.cache_info().currsize == 2
+    x = _x(2, 12, 16)
+    fast = mpgraph.convert(model, (x,))
+    from torch._subclasses.fake_tensor import FakeTensor
+    assert not isinstance(_bounded_table(12), FakeTensor)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
 class SafeCholesky(nn.Module):
     def __init__(self):
         super().__init__()

@@ -497,3 +497,16 @@ def test_a_call_inside_torch_autocast_runs_the_plan_with_autocast_off_and_says_s
             [:70]]
         assert "a converted module decides its own precision" in str(said[0].message)
         assert said[0].filename == __file__
+    # autocast on for another device than the module's changes nothing there: no warning
+    # (review rG f5; torch.set_autocast_enabled stands in for torch.autocast("cuda"))
+    fast = mpgraph.convert(Normed().eval(), (x,), dtype="fp16", target="a100", strategy="rules")
+    planned = fast(x)
+    was = torch.is_autocast_enabled("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert torch.equal(fast(x), planned)
+    finally:
+        torch.set_autocast_enabled("cuda", was)
+    assert not [w for w in said if "autocast" in str(w.message)]

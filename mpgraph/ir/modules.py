@@ -1232,7 +1232,7 @@ class ConvertedModule(torch.fx.GraphModule):
 
     def __call__(self, *args, **kwargs):
         if torch._C._is_any_autocast_enabled():  # (~0.2 us; dynamo guards on autocast's state)
-            for device in self._autocast_devices():
+            for device in self._autocast_devices(args, kwargs):
                 with torch.autocast(device, enabled=False):
                     return self(*args, **kwargs)  # (again: autocast may be on for another device)
         if "_has_values" not in self.__dict__ and self.meta.get(TRACED_ON) not in (None, "meta"):
@@ -1298,12 +1298,16 @@ class ConvertedModule(torch.fx.GraphModule):
 
     @compiler_disable("mpgraph: a call inside torch.autocast, which the converted module turns off "
                       "for its graph (said once): call it outside torch.autocast")
-    def _autocast_devices(self) -> list[str]:
-        """The device types whose torch.autocast the call is inside, said once per module: the
-        plan decides each node's precision, and autocast would run its float32 nodes low too
-        (silently), or, of the other low dtype, fail inside torch ("mixed dtype" in layer_norm).
-        The graph runs with autocast off, as the model was converted."""
-        on = autocasting()
+    def _autocast_devices(self, args: tuple, kwargs: dict) -> list[str]:
+        """The device types whose torch.autocast the call is inside, of those the module computes
+        on (its first tensor's, its inputs'), said once per module: the plan decides each node's
+        precision, and autocast would run its float32 nodes low too (silently), or, of the other
+        low dtype, fail inside torch ("mixed dtype" in layer_norm). The graph runs with autocast
+        off, as the model was converted. (Autocast for another device changes nothing here.)"""
+        first = next(itertools.chain(self.parameters(), self.buffers()), None)
+        used = {t.device.type for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)} | ({first.device.type} if first is not None else set())
+        on = [d for d in autocasting() if d in used or not used]
         if on and not self.__dict__.get("_said_autocast"):
             self.__dict__["_said_autocast"] = True
             signature = self.__dict__.get("call_signature")
