@@ -84,8 +84,8 @@ CAPTURE_FIXES = (
     (("DynamicCache", "Cache in output", "past_key_values"), KV_CACHE_FIX),
     (("not of the copy mpgraph converts",),
      "reach them through the module the forward runs on: a method, a lambda over self stored on "
-     "the module, functools.partial holding the parameters, or the module argument of a hook "
-     "(lambda module, inputs, output: module.head(output))"),
+     "the module (directly or in a list, dict, functools.partial or object it holds), or the "
+     "module argument of a hook (lambda module, inputs, output: module.head(output))"),
     (("must be deep-copyable",),
      "make copy.deepcopy(model) work (mpgraph converts a copy, so that your model is never "
      "modified): a tensor attribute computed with autograd, compute it under torch.no_grad() or "

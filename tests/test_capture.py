@@ -1,5 +1,7 @@
+import functools
 import inspect
 import re
+import types
 
 import pytest
 import torch
@@ -683,20 +685,50 @@ def test_closures_over_the_model_read_the_converted_modules_own_weights():
         return m
 
     for make in (_ClosureOverSelf, hooked):
-        model = make().eval()
-        gm = mpgraph.capture(model, (x,))
-        assert not [n.target for n in gm.graph.nodes if n.op == "get_attr"
-                    and ("constant" in n.target or "lifted" in n.target)]
-        new = {k: v + 0.5 for k, v in model.state_dict().items()}
-        gm.load_state_dict(new)
-        ref = make().eval()
-        ref.load_state_dict(new)
-        with torch.no_grad():
-            torch.testing.assert_close(gm(x), ref(x))
-            before = gm(x).clone()
-            for p in model.parameters():
-                p.mul_(-1)  # the user's model only
-            torch.testing.assert_close(gm(x), before)
+        _reads_own_weights(make, x)
+
+
+def _reads_own_weights(make, x):
+    model = make().eval()
+    gm = mpgraph.capture(model, (x,))
+    assert not [n.target for n in gm.graph.nodes if n.op == "get_attr"
+                and ("constant" in n.target or "lifted" in n.target)]
+    new = {k: v + 0.5 for k, v in model.state_dict().items()}
+    gm.load_state_dict(new)
+    ref = make().eval()
+    ref.load_state_dict(new)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), ref(x))
+        before = gm(x).clone()
+        for p in model.parameters():
+            p.mul_(-1)  # the user's model only
+        torch.testing.assert_close(gm(x), before)
+
+
+class _ClosuresInContainers(nn.Module):
+    """Closures over self kept where deepcopy copies them: in a list, a dict, a partial, an
+    object's attribute, and a recursive one (its cell holds itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.fns = [lambda t: self.l(t) * 2]
+        self.acts = {"a": lambda t: torch.tanh(self.l(t))}
+        self.scaled = functools.partial(lambda t, k: self.l(t) * k, k=3)
+        self.ns = types.SimpleNamespace(fn=lambda t: self.l(t) - 1)
+
+        def rec(t, n):
+            return t if n == 0 else rec(torch.tanh(self.l(t)), n - 1)
+        self.rec = rec
+
+    def forward(self, x):
+        return self.fns[0](x) + self.acts["a"](x) + self.scaled(x) + self.ns.fn(x) \
+            + self.rec(x, 2)
+
+
+def test_closures_in_containers_and_recursive_closures_read_the_converted_modules_weights():
+    torch.manual_seed(0)
+    _reads_own_weights(_ClosuresInContainers, torch.randn(4, 8))
 
 
 def test_a_hook_reaching_the_model_through_another_object_is_refused():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import io
 import logging
@@ -518,8 +519,10 @@ def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> N
         raise CaptureError({"tensors of your model": (
             f"the forward reads {said} of the {type(model).__name__} you passed, not of the copy "
             "mpgraph converts: a function reaches your model by a global name or through an "
-            "object other than the module (a hook `lambda module, inputs, output: "
-            "model.head(output)`), so the graph would hold these tensors as constants shared "
+            "object the module does not hold (a hook `lambda module, inputs, output: "
+            "model.head(output)` with model a global, or a list the hook closes over), or is "
+            "kept deeper than mpgraph rebinds it (two levels into a module's attributes), so "
+            "the graph would hold these tensors as constants shared "
             "with your model, and a load_state_dict into the converted module would not reach "
             "them")})
 
@@ -629,38 +632,78 @@ def own_closures(work: torch.nn.Module, memo: dict) -> None:
     ``__init__``, a forward hook closing over the model) to the copy: deepcopy shares functions,
     so the copy's closures still read the user's model, whose weights the tracers then froze
     into the graph as constants (a ``load_state_dict`` into the converted module was ignored)
-    or shared with it. Bound methods and ``functools.partial`` deepcopy copies already.
-    ``memo``: deepcopy's, the user's objects to their copies."""
+    or shared with it. Reached: a module attribute or hook, and two levels into what deepcopy
+    copied there (a list, tuple or dict, a ``functools.partial``'s function and arguments, an
+    object's attributes). ``memo``: deepcopy's, the user's objects to their copies."""
     done: dict = {}
+    copies = {id(v) for k, v in memo.items() if k != id(memo)}
 
     def rebind(value):
         if not isinstance(value, types.FunctionType):
             return memo.get(id(value), value) if id(value) != id(memo) else value
-        if id(value) in done:  # (a recursive function's cell holds itself)
+        if id(value) in done:
             return done[id(value)]
-        done[id(value)] = value
-        held = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+        # fresh exists before its cells are filled: a recursive function's cell holds itself
+        cells = tuple(types.CellType() if _filled(c) else c for c in value.__closure__ or ())
+        fresh = types.FunctionType(value.__code__, value.__globals__, value.__name__,
+                                   value.__defaults__, cells or None)
+        done[id(value)] = fresh
+        held = [c.cell_contents if _filled(c) else c for c in value.__closure__ or ()]
         defaults = value.__defaults__ or ()
         keywords = value.__kwdefaults__ or {}
-        if all(rebind(v) is v for v in [*held, *defaults, *keywords.values()]):
+        owned = [rebind(v) if _filled(c) else c for c, v in zip(value.__closure__ or (), held)]
+        owned_defaults = tuple(map(rebind, defaults))
+        owned_keywords = {k: rebind(v) for k, v in keywords.items()}
+        if all(a is b for a, b in zip([*owned, *owned_defaults, *owned_keywords.values()],
+                                      [*held, *defaults, *keywords.values()])):
+            done[id(value)] = value
             return value
-        cells = tuple(types.CellType(rebind(c.cell_contents)) if _filled(c) else c
-                      for c in value.__closure__ or ())
-        fresh = types.FunctionType(value.__code__, value.__globals__, value.__name__,
-                                   tuple(map(rebind, defaults)) or None, cells or None)
-        fresh.__kwdefaults__ = {k: rebind(v) for k, v in keywords.items()} or None
+        for cell, c, v in zip(cells, value.__closure__ or (), owned):
+            if _filled(c):
+                cell.cell_contents = v
+        fresh.__defaults__ = owned_defaults or None
+        fresh.__kwdefaults__ = owned_keywords or None
         fresh.__qualname__ = value.__qualname__
         fresh.__dict__.update(value.__dict__)
-        done[id(value)] = fresh
         return fresh
 
+    def own(value, depth):
+        """``value`` with the functions in it rebound; what deepcopy copied is changed in place,
+        the user's own objects (a ``__deepcopy__`` returning itself) never."""
+        if isinstance(value, types.FunctionType):
+            return rebind(value)
+        if depth == 0 or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
+            return value
+        if isinstance(value, functools.partial):
+            parts = [own(value.func, depth - 1), *(own(a, depth - 1) for a in value.args)]
+            keywords = {k: own(v, depth - 1) for k, v in value.keywords.items()}
+            if all(a is b for a, b in zip([*parts, *keywords.values()],
+                                          [value.func, *value.args, *value.keywords.values()])):
+                return value
+            fresh = functools.partial(*parts, **keywords)
+            fresh.__dict__.update(value.__dict__)
+            return fresh
+        if type(value) is tuple:
+            items = tuple(own(v, depth - 1) for v in value)
+            return value if all(a is b for a, b in zip(items, value)) else items
+        if id(value) not in copies:
+            return value
+        if isinstance(value, list):
+            value[:] = [own(v, depth - 1) for v in value]
+        elif isinstance(value, dict):
+            for key, v in list(value.items()):
+                value[key] = own(v, depth - 1)
+        elif isinstance(getattr(value, "__dict__", None), dict):
+            store = vars(value)
+            for key, v in list(store.items()):
+                store[key] = own(v, depth - 1)
+        return value
+
     for module in work.modules():
-        held = vars(module)
-        for store in [held] + [v for k, v in held.items()  # (_forward_hooks, ...)
-                               if k.endswith("hooks") and isinstance(v, dict)]:
-            for key, value in list(store.items()):
-                if isinstance(value, types.FunctionType):
-                    store[key] = rebind(value)
+        store = vars(module)
+        for key, value in list(store.items()):  # (hooks: _forward_hooks, ... hold them)
+            if not key.startswith(("_parameters", "_buffers", "_modules")):
+                store[key] = own(value, 2)
 
 
 def _filled(cell) -> bool:
