@@ -731,6 +731,41 @@ def test_closures_in_containers_and_recursive_closures_read_the_converted_module
     _reads_own_weights(_ClosuresInContainers, torch.randn(4, 8))
 
 
+class _SharedTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+
+    def __deepcopy__(self, memo):
+        return self  # (shared between copies on purpose: the copy holds the user's table)
+
+    def forward(self, x):
+        return x @ self.table
+
+
+_TABLE = torch.randn(8)
+
+
+class _GlobalAlsoBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", _TABLE)
+
+    def forward(self, x):
+        return x + _TABLE
+
+
+def test_a_tensor_the_copy_itself_holds_is_not_refused_as_the_users():
+    x = torch.randn(4, 8)
+    model = nn.Sequential(nn.Linear(8, 8), _SharedTable()).eval()
+    gm = mpgraph.capture(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+    with pytest.raises(mpgraph.CaptureError) as e:  # (read by a global name: not the copy's)
+        mpgraph.capture(_GlobalAlsoBuffer().eval(), (x,))
+    assert "a global tensor that is also registered on your model" in str(e.value)
+
+
 def test_a_hook_reaching_the_model_through_another_object_is_refused():
     m = nn.Sequential(nn.Linear(8, 8))
     m.head = nn.Linear(8, 8)

@@ -457,6 +457,7 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
         if training and not model.training and has_inputs and abstract is None else None
     if evaluated is not None:
         work.train()
+    own = _tensor_paths(work)  # (before the tracers add their constants to it)
     depth = len(torch._C._functorch.get_interpreter_stack() or ())
     with _CAPTURE_LOCK, fake_mode(abstract), python_rng_kept():  # (the tracers run the forward)
         try:
@@ -464,7 +465,7 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
                         state)
         finally:
             _leave_transforms(depth)
-    _refuse_users_tensors(gm, model)
+    _refuse_users_tensors(gm, model, own)
     if abstract is not None:
         _refuse_value_reads(gm, model)
         _refuse_unread_meta(gm, model, work)
@@ -490,12 +491,22 @@ def _distributed_wrapper(model: torch.nn.Module) -> Optional[str]:
     return f"the model's parameter {sharded} (a DTensor)" if sharded else None
 
 
-def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
-    """A graph holding a tensor of the user's model (itself, or its storage): the forward reached
-    the model by a global name or through an object deepcopy shares (a hook
-    ``lambda module, inputs, output: model.head(output)``), not through the copy. The tracers
-    froze it as a constant, shared with the model: the model's later edits changed the
-    converted module, and a ``load_state_dict`` into the converted module was ignored."""
+def _tensor_paths(module: torch.nn.Module) -> set:
+    """The paths of the tensors ``module`` holds: parameters, buffers, tensor attributes."""
+    return {f"{prefix}{'.' if prefix else ''}{name}"
+            for prefix, m in module.named_modules(remove_duplicate=False)
+            for name, t in [*m._parameters.items(), *m._buffers.items(), *vars(m).items()]
+            if isinstance(t, torch.Tensor)}
+
+
+def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module, own: set) -> None:
+    """A graph holding a tensor of the user's model (itself, or its storage) as a constant on
+    none of the copy's paths ``own`` (``_tensor_paths``): the forward reached the model by a
+    global name or through an object deepcopy shares (a hook
+    ``lambda module, inputs, output: model.head(output)``), not through the copy. The tracers froze it as a constant, shared with the model: the model's
+    later edits changed the converted module, and a ``load_state_dict`` into the converted
+    module was ignored. A tensor on a path of the copy is its own (a submodule whose
+    ``__deepcopy__`` returns itself shares it on purpose)."""
     users: dict = {}
     for prefix, m in model.named_modules(remove_duplicate=False):
         for name, t in [*m._parameters.items(), *m._buffers.items(), *vars(m).items()]:
@@ -506,7 +517,7 @@ def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> N
     users.pop(None, None)
     held = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "get_attr" and node.target not in own:
             t = gm
             for part in node.target.split("."):
                 t = getattr(t, part, None)
@@ -521,10 +532,11 @@ def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> N
             "mpgraph converts: a function reaches your model by a global name or through an "
             "object the module does not hold (a hook `lambda module, inputs, output: "
             "model.head(output)` with model a global, or a list the hook closes over), or is "
-            "kept deeper than mpgraph rebinds it (two levels into a module's attributes), so "
-            "the graph would hold these tensors as constants shared "
-            "with your model, and a load_state_dict into the converted module would not reach "
-            "them")})
+            "kept deeper than mpgraph rebinds it (two levels into a module's attributes); or "
+            "the forward reads a global tensor that is also registered on your model (read it "
+            "as the module's buffer instead), so the graph would hold these tensors as "
+            "constants shared with your model, and a load_state_dict into the converted module "
+            "would not reach them")})
 
 
 def _tensor_key(t):
