@@ -357,7 +357,7 @@ def test_functional_call_with_float32_tensors_is_an_error_naming_it_and_the_cast
     model, fast = _mlp()
     x = _x(4, 16, seed=1)
     params = {k: v.detach() + 0.01 for k, v in model.named_parameters()}
-    with pytest.raises(TypeError, match=r"functional_call put them in .*v\.to\(fast\.state_dict"):
+    with pytest.raises(TypeError, match=r"functional_call put them in .*v\.to\(model\.state_dict"):
         torch.func.functional_call(fast, params, (x,))
     assert fast.unplanned_tensors() == []  # (functional_call put the module's own back)
     dtypes = fast.state_dict()
@@ -367,6 +367,24 @@ def test_functional_call_with_float32_tensors_is_an_error_naming_it_and_the_cast
     assert relative_l2(out.detach(), torch.func.functional_call(model, params, (x,))) < 4e-3
     out.float().sum().backward()  # (the advised cast is differentiable)
     assert mine["fc1.weight"].grad is not None
+
+
+def test_functional_call_is_blamed_only_for_the_tensors_it_put_in():
+    # a submodule's .float() seen inside a functional_call over another module's weight: not
+    # functional_call's doing, and restore_planned_dtypes() is the way out
+    model, fast = _mlp()
+    x = _x(4, 16, seed=1)
+    outer = nn.Sequential(fast, nn.Linear(16, 2))
+    fast.fc1.float()
+    with pytest.raises(TypeError) as e:
+        torch.func.functional_call(outer, {"1.weight": torch.randn(2, 16)}, (x,))
+    assert "restore_planned_dtypes()" in str(e.value) and "functional_call" not in str(e.value)
+    assert fast.restore_planned_dtypes()
+    params = {k: v.detach() + 0.01 for k, v in model.named_parameters()}
+    with pytest.raises(TypeError) as e:  # (what it put in: still named)
+        torch.func.functional_call(fast, params, (x,))
+    assert "functional_call put them in" in str(e.value)
+    assert "restore_planned_dtypes()" not in str(e.value)
 
 
 def test_train_on_an_inference_conversion_that_stores_batch_norm_statistics_low_warns():

@@ -1287,14 +1287,7 @@ class ConvertedModule(torch.fx.GraphModule):
                     raise _off_dtype_error(
                         off, f" ({type(e).__name__}: {str(e).splitlines()[0]})") from None
                 raise
-            if _swapping_tensors():
-                raise _swapped_error(changed, e) from None
-            raise TypeError(
-                f"{', '.join(changed[:3])} {'is' if len(changed) == 1 else 'are'} not in the "
-                "dtype the plan stored (written through .data, or a submodule's .half() or "
-                ".float()?): call module.restore_planned_dtypes(), or load weights with "
-                "load_state_dict (which casts) or by assignment (which takes the plan's dtype) "
-                f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            raise self._off_plan_error(changed, e) from None
 
     @compiler_disable("mpgraph: a call inside torch.autocast, which the converted module turns off "
                       "for its graph (said once): call it outside torch.autocast")
@@ -1448,6 +1441,24 @@ class ConvertedModule(torch.fx.GraphModule):
                 f"into the tied tensor (fast.get_parameter({names[0]!r}).copy_(...) under "
                 "torch.no_grad(), or load_state_dict), or untie them in the model and convert it")
         seen[names] = stamp
+
+    def _off_plan_error(self, changed: list, e: RuntimeError) -> TypeError:
+        """The error for the tensors at paths ``changed``, not in the plan's dtypes: put in by
+        torch.func.functional_call (the tensors it was given), or written by the user."""
+        on_stack, given = _swapped_in()
+        if on_stack and given is None:  # (cannot tell which: both causes, both ways out)
+            said = [f"{_names(changed)} not in the dtype the plan stored: either "
+                    f"{_SWAPPED} {_SWAPPED_FIX}, or {_WRITTEN} {_WRITTEN_FIX}"]
+        else:
+            tensors = dict(self.named_parameters(remove_duplicate=False))
+            tensors.update(self.named_buffers(remove_duplicate=False))
+            theirs = [p for p in changed if on_stack and id(tensors.get(p)) in given]
+            others = [p for p in changed if p not in theirs]
+            said = ([f"{_names(theirs)} not in the dtype the plan stored: {_SWAPPED}. "
+                     f"{_SWAPPED_FIX[0].upper()}{_SWAPPED_FIX[1:]}"] if theirs else []) + \
+                ([f"{_names(others)} not in the dtype the plan stored ({_WRITTEN}?): "
+                  f"{_WRITTEN_FIX}"] if others else [])
+        return TypeError("; ".join(said) + f" ({type(e).__name__}: {str(e).splitlines()[0]})")
 
     def unplanned_tensors(self) -> list[str]:
         """Paths of parameters and buffers whose dtype is not the one the plan stored."""
@@ -1691,29 +1702,39 @@ def _reads_dtypes(graph: torch.fx.Graph) -> bool:
     return False
 
 
-def _swapping_tensors() -> bool:
+_SWAPPED = ("torch.func.functional_call put them in for this call as given, which nothing "
+            "casts")
+_SWAPPED_FIX = ("pass the tensors in the converted module's dtypes: functional_call(model, "
+                "{k: v.to(model.state_dict()[k].dtype) for k, v in params.items()}, args) (the "
+                "cast is differentiable: gradients reach your float32 tensors)")
+_WRITTEN = "written through .data, or a submodule's .half() or .float()"
+_WRITTEN_FIX = ("call module.restore_planned_dtypes(), or load weights with load_state_dict "
+                "(which casts) or by assignment (which takes the plan's dtype)")
+
+
+def _names(paths: list) -> str:
+    return f"{', '.join(paths[:3])} {'is' if len(paths) == 1 else 'are'}"
+
+
+def _swapped_in() -> tuple[bool, Optional[set]]:
     """Whether this call runs inside torch.func.functional_call (torch.nn.utils.stateless), which
     puts its tensors straight into the modules' dicts for one call, past the cast to the plan's
-    dtypes that an assignment makes (its caller's frame is on the stack; the error path only)."""
+    dtypes that an assignment makes, and the ids of the tensors it was given (read from its
+    frame; None where they cannot be read). The error path only."""
     import torch._functorch.functional_call
     import torch.nn.utils.stateless
     files = {torch.nn.utils.stateless.__file__, torch._functorch.functional_call.__file__}
+    on_stack, given = False, None
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename in files:
-            return True
+            on_stack = True
+            passed = frame.f_locals.get("parameters_and_buffers") \
+                if frame.f_code.co_name == "_functional_call" else None
+            if isinstance(passed, dict):  # (each call's, nested ones too)
+                given = (given or set()) | {id(t) for t in passed.values()}
         frame = frame.f_back
-    return False
-
-
-def _swapped_error(changed: list, e: RuntimeError) -> TypeError:
-    return TypeError(
-        f"{', '.join(changed[:3])} {'is' if len(changed) == 1 else 'are'} not in the dtype the "
-        "plan stored: torch.func.functional_call put them in for this call as given, which "
-        "nothing casts. Pass the tensors in the converted module's dtypes: "
-        "functional_call(fast, {k: v.to(fast.state_dict()[k].dtype) for k, v in params.items()}, "
-        "args) (the cast is differentiable: gradients reach your float32 tensors) "
-        f"({type(e).__name__}: {str(e).splitlines()[0]})")
+    return on_stack, given
 
 
 def _off_dtype_error(off: list, detail: str, kind: bool = False) -> TypeError:
