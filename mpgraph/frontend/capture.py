@@ -887,9 +887,10 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
     if _without_values(args, kwargs):
         return None  # no values to compare (a model on the meta device)
     try:
-        with torch.no_grad(), seeded(), state_kept(model):
+        # (and gm's: a parameter the forward writes is found in its graph, shared with model)
+        with torch.no_grad(), seeded(), state_kept(model), state_kept(gm):
             ran_args, ran_kwargs = fresh(args), fresh(kwargs)
-            want = owned(model(*ran_args, **ran_kwargs), model)
+            want = owned(owned(model(*ran_args, **ran_kwargs), gm), model)
             want_buffers = {n: b.clone() for n, b in model.named_buffers()}
     except Exception as e:  # noqa: BLE001 - the export route may do better
         return "running it failed: " + _brief(e)
