@@ -503,10 +503,11 @@ def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module, own:
     """A graph holding a tensor of the user's model (itself, or its storage) as a constant on
     none of the copy's paths ``own`` (``_tensor_paths``): the forward reached the model by a
     global name or through an object deepcopy shares (a hook
-    ``lambda module, inputs, output: model.head(output)``), not through the copy. The tracers froze it as a constant, shared with the model: the model's
-    later edits changed the converted module, and a ``load_state_dict`` into the converted
-    module was ignored. A tensor on a path of the copy is its own (a submodule whose
-    ``__deepcopy__`` returns itself shares it on purpose)."""
+    ``lambda module, inputs, output: model.head(output)``), not through the copy. The tracers
+    froze it as a constant, shared with the model: the model's later edits changed the
+    converted module, and a ``load_state_dict`` into the converted module was ignored. A
+    tensor on a path of the copy is its own (a submodule whose ``__deepcopy__`` returns itself
+    shares it on purpose)."""
     users: dict = {}
     for prefix, m in model.named_modules(remove_duplicate=False):
         for name, t in [*m._parameters.items(), *m._buffers.items(), *vars(m).items()]:
