@@ -2068,13 +2068,18 @@ def _trace(work, model, args, kwargs, has_inputs, export_only, observe, dynamic,
         if modes:
             gm.meta[GRAD_MODES] = modes
         if has_inputs:  # every call is checked against the arguments the graph was made with
-            # (the copy's attributes, as its forward left them: what the graph computes with,
-            # and the objects the converted module carries, its config among them)
-            gm.call_signature = CallSignature(work, args, kwargs, gm)
+            gm.call_signature = CallSignature(model, args, kwargs, gm)
             gm.meta.setdefault("_user_preserved_attributes", {})["call_signature"] = \
                 gm.call_signature
         config = getattr(work, "config", None)
         if config is not None and not isinstance(config, (torch.Tensor, torch.nn.Module)):
+            if has_inputs and "config" in gm.call_signature.attributes:
+                # (the config the graph computed with is the copy's, as its forward left it: an
+                # HF classifier given labels sets config.problem_type there, and setting it
+                # below warned "changes nothing". Only the config: the copy's other attributes,
+                # as its forward left them, can hold tensors it computed, which no deepcopy of
+                # the converted module takes)
+                gm.call_signature.attributes["config"] = config
             # (a HuggingFace model's: users and pipelines read fast.config; the copy's, as the
             # model's own object written through fast.config changed what the model computes,
             # and the graph follows neither)
