@@ -888,10 +888,9 @@ def _parts_from_eager(gm: torch.fx.GraphModule, model: torch.nn.Module, args: tu
     if _without_values(args, kwargs):
         return None  # no values to compare (a model on the meta device)
     try:
-        # (and gm's: a parameter the forward writes is found in its graph, shared with model)
-        with torch.no_grad(), seeded(), state_kept(model), state_kept(gm):
+        with torch.no_grad(), seeded(), state_kept(model):
             ran_args, ran_kwargs = fresh(args), fresh(kwargs)
-            want = owned(owned(model(*ran_args, **ran_kwargs), gm), model)
+            want = owned(model(*ran_args, **ran_kwargs), model)
             want_buffers = {n: b.clone() for n, b in model.named_buffers()}
     except Exception as e:  # noqa: BLE001 - the export route may do better
         return "running it failed: " + _brief(e)

@@ -366,17 +366,10 @@ def _plain_tensors(module: torch.nn.Module) -> list:
 
 def written_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters a forward writes in place: an embedding with ``max_norm`` renormalises the
-    rows it looks up, on every call; in a graph, a parameter a node writes (a running statistic
-    kept as ``nn.Parameter(..., requires_grad=False)`` and updated with ``mul_``)."""
-    found = [m.weight for m in module.modules()
-             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-             and m.max_norm is not None and isinstance(m.weight, torch.Tensor)]
-    for m in module.modules():  # (a graph inside another module too)
-        if isinstance(m, torch.fx.GraphModule):
-            params = dict(m.named_parameters(remove_duplicate=False))
-            found += [params[n.target] for n in mutated_nodes(m.graph, m)
-                      if n.op == "get_attr" and n.target in params]
-    return list({id(p): p for p in found}.values())
+    rows it looks up, on every call."""
+    return [m.weight for m in module.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            and m.max_norm is not None and isinstance(m.weight, torch.Tensor)]
 
 
 def weight_copy_paths(module: torch.nn.Module) -> set:
