@@ -774,3 +774,61 @@ def test_a_hook_reaching_the_model_through_another_object_is_refused():
     with pytest.raises(mpgraph.CaptureError) as e:
         mpgraph.capture(m, (torch.randn(4, 8),))
     assert "head.weight (as " in str(e.value) and "module argument of a hook" in str(e.value)
+
+
+class _KeptByDeepcopy(nn.Module):
+    def __deepcopy__(self, memo):  # (shared on purpose between copies)
+        return self
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class _ClosureInAKeptSubmodule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.sh = nn.Linear(8, 8), _KeptByDeepcopy()
+        self.sh.fn = lambda t: self.l(t) * 2
+
+    def forward(self, x):
+        return self.sh(x)
+
+
+class _HooksSharingANonlocal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        gate = torch.ones(1)
+
+        def pre(module, inputs):
+            nonlocal gate
+            gate = torch.sigmoid(self.l(inputs[0]).mean(-1, keepdim=True))
+
+        def post(module, inputs, output):
+            return output * gate + self.l.bias
+
+        self.register_forward_pre_hook(pre)
+        self.register_forward_hook(post)
+
+    def forward(self, x):
+        return self.l(x)
+
+
+def test_rebinding_closures_never_writes_into_the_users_model_and_keeps_shared_cells():
+    """Review rH f2: a submodule whose __deepcopy__ returns itself is the user's own: the
+    rebound lambda was written into it, and the user's model then computed with the copy's
+    weights (zeroing its own changed nothing). Now it is left alone (the graph would read the
+    user's tensors: refused, naming them). rH f6: a pre-hook and a hook sharing a nonlocal got a
+    cell each in the copy: the hook read the value of the user's last call (0.30 off)."""
+    torch.manual_seed(0)
+    model, x = _ClosureInAKeptSubmodule().eval(), torch.randn(4, 8)
+    fn = model.sh.fn
+    with pytest.raises(mpgraph.CaptureError, match="l.weight"):
+        mpgraph.convert(model, (x,), target="a100", dtype="bf16")
+    assert model.sh.fn is fn
+    hooked = _HooksSharingANonlocal().eval()
+    with torch.no_grad():
+        hooked(torch.randn(4, 8) * 3)  # (the user's last call sets the shared cell)
+        fast = mpgraph.convert(hooked, (x,), target="a100", dtype="bf16")
+        want = hooked(x)
+        assert ((fast(x).float() - want).norm() / want.norm()).item() < 2e-2

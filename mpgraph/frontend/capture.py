@@ -640,6 +640,11 @@ def computed_attributes(model: torch.nn.Module) -> dict:
             and t.grad_fn is not None}
 
 
+# a list or dict attribute of more items is not looked into for functions to rebind: a label
+# map or a vocabulary (HF ViT's 21k-label config, walked once per module holding it, cost 0.24-0.5 s)
+_WALKED_ITEMS = 1000
+
+
 def own_closures(work: torch.nn.Module, memo: dict) -> None:
     """Rebind the functions the copy's modules hold (``self.fn = lambda t: self.l(t)`` set in
     ``__init__``, a forward hook closing over the model) to the copy: deepcopy shares functions,
@@ -649,7 +654,11 @@ def own_closures(work: torch.nn.Module, memo: dict) -> None:
     copied there (a list, tuple or dict, a ``functools.partial``'s function and arguments, an
     object's attributes). ``memo``: deepcopy's, the user's objects to their copies."""
     done: dict = {}
-    copies = {id(v) for k, v in memo.items() if k != id(memo)}
+    # what deepcopy made anew (not what it kept: a __deepcopy__ returning itself is the user's)
+    copies = {id(v) for k, v in memo.items() if k != id(memo) and k != id(v)}
+    cells_of: dict = {}  # the user's closure cells to the copy's: two closures sharing a
+    # nonlocal (a pre-hook setting it, a hook reading it) share it in the copy too
+    seen: set = set()  # (a container several modules hold, an HF config: walked once)
 
     def rebind(value):
         if not isinstance(value, types.FunctionType):
@@ -657,7 +666,8 @@ def own_closures(work: torch.nn.Module, memo: dict) -> None:
         if id(value) in done:
             return done[id(value)]
         # fresh exists before its cells are filled: a recursive function's cell holds itself
-        cells = tuple(types.CellType() if _filled(c) else c for c in value.__closure__ or ())
+        cells = tuple(cells_of.setdefault(id(c), types.CellType()) if _filled(c) else c
+                      for c in value.__closure__ or ())
         fresh = types.FunctionType(value.__code__, value.__globals__, value.__name__,
                                    value.__defaults__, cells or None)
         done[id(value)] = fresh
@@ -687,7 +697,7 @@ def own_closures(work: torch.nn.Module, memo: dict) -> None:
             return rebind(value)
         if depth == 0 or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
             return value
-        if isinstance(value, functools.partial):
+        if type(value) is functools.partial:  # (a subclass's methods: left as it is)
             parts = [own(value.func, depth - 1), *(own(a, depth - 1) for a in value.args)]
             keywords = {k: own(v, depth - 1) for k, v in value.keywords.items()}
             if all(a is b for a, b in zip([*parts, *keywords.values()],
@@ -699,8 +709,10 @@ def own_closures(work: torch.nn.Module, memo: dict) -> None:
         if type(value) is tuple:
             items = tuple(own(v, depth - 1) for v in value)
             return value if all(a is b for a, b in zip(items, value)) else items
-        if id(value) not in copies:
-            return value
+        if id(value) not in copies or id(value) in seen or (
+                isinstance(value, (list, dict)) and len(value) > _WALKED_ITEMS):
+            return value  # (a label map or vocabulary holds no function to rebind)
+        seen.add(id(value))
         if isinstance(value, list):
             value[:] = [own(v, depth - 1) for v in value]
         elif isinstance(value, dict):
@@ -713,6 +725,8 @@ def own_closures(work: torch.nn.Module, memo: dict) -> None:
         return value
 
     for module in work.modules():
+        if id(module) not in copies:  # (a submodule deepcopy kept: the user's, left alone)
+            continue
         store = vars(module)
         for key, value in list(store.items()):  # (hooks: _forward_hooks, ... hold them)
             if not key.startswith(("_parameters", "_buffers", "_modules")):
