@@ -36,7 +36,7 @@ from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVA
                              FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING, STATIC_SHAPES)
 from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, autocasting,
                                 grad_mode, keep_backward_hooks, own_parametrizations)
-from mpgraph.ir.fake import fake_mode, is_abstract
+from mpgraph.ir.fake import fake_mode, is_abstract, module_tensors
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.op_table import MODULE_TABLE
 
@@ -509,12 +509,9 @@ def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module, own:
     tensor on a path of the copy is its own (a submodule whose ``__deepcopy__`` returns itself
     shares it on purpose)."""
     users: dict = {}
-    for prefix, m in model.named_modules(remove_duplicate=False):
-        for name, t in [*m._parameters.items(), *m._buffers.items(), *vars(m).items()]:
-            if isinstance(t, torch.Tensor):
-                path = f"{prefix}{'.' if prefix else ''}{name}"
-                users.setdefault(id(t), path)
-                users.setdefault(_tensor_key(t), path)
+    for path, t in module_tensors(model):
+        users.setdefault(id(t), path)
+        users.setdefault(_tensor_key(t), path)
     users.pop(None, None)
     held = {}
     for node in gm.graph.nodes:
@@ -580,7 +577,6 @@ def _refuse_unread_meta(gm: torch.fx.GraphModule, model: torch.nn.Module,
     ensembling tutorial keeps a meta copy of a member as functional_call's template): it is not
     a model without values, but planned as one it would be unchecked and refuse every call
     until the tensors it never reads were loaded."""
-    from mpgraph.ir.fake import module_tensors
     meta = [path for path, t in module_tensors(model) if t.device.type == "meta"]
     real = [path for path, t in model.named_parameters() if t.device.type != "meta"]
     if not meta or not real:
