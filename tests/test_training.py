@@ -510,3 +510,16 @@ def test_a_call_inside_torch_autocast_runs_the_plan_with_autocast_off_and_says_s
     finally:
         torch.set_autocast_enabled("cuda", was)
     assert not [w for w in said if "autocast" in str(w.message)]
+    # which devices' autocast to turn off is asked once a call, also with autocast on for
+    # another device too (the call re-entered itself once it had turned the module's off, and
+    # went through the inputs again: rH f7)
+    asked, devices = [], fast._autocast_devices
+    fast.__dict__["_autocast_devices"] = lambda *a: asked.append(a) or devices(*a)
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+            warnings.simplefilter("ignore")
+            assert torch.equal(fast(x), planned)
+    finally:
+        torch.set_autocast_enabled("cuda", was)
+    assert len(asked) == 1

@@ -1232,9 +1232,20 @@ class ConvertedModule(torch.fx.GraphModule):
 
     def __call__(self, *args, **kwargs):
         if torch._C._is_any_autocast_enabled():  # (~0.2 us; dynamo guards on autocast's state)
-            for device in self._autocast_devices(args, kwargs):
-                with torch.autocast(device, enabled=False):
-                    return self(*args, **kwargs)  # (again: autocast may be on for another device)
+            devices = self._autocast_devices(args, kwargs)
+            if devices:
+                return self._call_without_autocast(devices, args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call_without_autocast(self, devices: list, args: tuple, kwargs: dict):
+        """The call with torch.autocast off for each of ``devices`` (asked once a call)."""
+        with torch.autocast(devices[0], enabled=False):
+            if len(devices) > 1:
+                return self._call_without_autocast(devices[1:], args, kwargs)
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict):
+        """The call's input checks, the weight copies' refresh, and the graph."""
         if "_has_values" not in self.__dict__ and self.meta.get(TRACED_ON) not in (None, "meta"):
             self._check_has_values()
         signature = self.__dict__.get("call_signature")
