@@ -17,6 +17,7 @@ tokens); teacher-forced, at every decided step. Undecided steps must be rare (at
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -352,6 +353,27 @@ def test_an_empty_batch_is_refused_with_the_reason():
     model, decoder = built("llama", "fp16")
     with pytest.raises(ValueError, match=r"input_ids \(0, 8\) holds no prompt"):
         decoder.generate(prompt()[:0], max_new_tokens=2)
+
+
+def test_generate_inside_torch_autocast_gives_the_plan_s_tokens_and_says_so_once():
+    """Each of the decoder's graphs said it ran with autocast off, naming StaticCacheStep (a
+    class of mpgraph's, review rG f4): generate says it once, itself, at the caller's line."""
+    decoder = copy.copy(built("llama", "bf16")[1])
+    vars(decoder).pop("_said_autocast", None)
+    ids = prompt()
+    planned = decoder.generate(ids, max_new_tokens=4)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for inside in (torch.float16, torch.bfloat16):
+            with torch.autocast("cpu", dtype=inside):
+                assert torch.equal(decoder.generate(ids, max_new_tokens=4), planned)
+                assert torch.equal(mpgraph.generate(decoder, ids, 4), planned)
+                assert torch.is_autocast_enabled("cpu")  # (the caller's autocast is kept)
+    assert [str(w.message) for w in said] == [
+        "generate was called inside torch.autocast('cpu', dtype=torch.float16): a converted "
+        "decoder decides its own precision (its plans put each node low or in float32), so it "
+        "generates with autocast off. Call it outside torch.autocast"]
+    assert said[0].filename == __file__
 
 
 def test_max_cache_len_must_be_an_int():
