@@ -369,6 +369,38 @@ def test_functional_call_with_float32_tensors_is_an_error_naming_it_and_the_cast
     assert mine["fc1.weight"].grad is not None
 
 
+def test_functional_call_and_func_grad_run_on_a_model_with_tied_weights():
+    # the call's tie check read each tied name with get_parameter, which refuses the plain
+    # tensors functional_call puts in: GPT-2's tied head failed with "`weight` is not an
+    # nn.Parameter" in both modes (probe pA 3)
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid, self.head = nn.Embedding(50, 16), nn.Linear(16, 16), \
+                nn.Linear(16, 50, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+    torch.manual_seed(0)
+    model, ids = TiedLM(), torch.randint(0, 50, (2, 6))
+    for mode in ("train", "inference"):
+        fast = mpgraph.convert(model, (ids,), target=GPU, strategy="rules", mode=mode)
+        assert fast.plan.low_nodes
+        params = {k: v.detach() for k, v in fast.named_parameters()}
+        out = torch.func.functional_call(fast, params, (ids,))
+        assert torch.equal(out, fast(ids).detach())
+        if mode == "train":
+            grads = torch.func.grad(
+                lambda p: torch.func.functional_call(fast, p, (ids,)).float().square().mean())(
+                    params)
+            fast(ids).float().square().mean().backward()
+            assert set(grads) == {n for n, _ in fast.named_parameters()}
+            for name, p in fast.named_parameters():
+                assert torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-7), name
+
+
 def test_functional_call_is_blamed_only_for_the_tensors_it_put_in():
     # a submodule's .float() seen inside a functional_call over another module's weight: not
     # functional_call's doing, and restore_planned_dtypes() is the way out

@@ -1437,7 +1437,9 @@ class ConvertedModule(torch.fx.GraphModule):
         """Names that held one parameter when converted still hold the same values (the graph
         reads one of them for all): one tensor, or equal ones (``load_state_dict(assign=True)``
         sets each name its own copy), compared once per change of them."""
-        held = [self.get_parameter(n) for n in names]
+        # (by attribute: torch.func.functional_call puts plain tensors in for one call)
+        held = [getattr(self.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+                for n in names]
         if all(t is held[0] for t in held[1:]):
             return
         stamp = tuple((id(t), t._version) for t in held)
