@@ -688,3 +688,11 @@ def test_a_converted_hf_model_carries_its_config_and_says_what_it_does_not_keep(
                            r"weights.*mpgraph\.convert_decoder"):
             getattr(fast, name)
     assert not hasattr(fast, "_not_there")
+    # trained, the model itself holds what it was converted with: following the advice saved
+    # the untrained weights (probe pA 6)
+    train = mpgraph.convert(model.train(), ids, dtype="bf16", target=GPU, check=False,
+                            mode="train")
+    with pytest.raises(AttributeError, match=r"Use them on the GPT2LMHeadModel itself \(a "
+                       r"training conversion trains its own copy of the weights: load them into "
+                       r"it first, model\.load_state_dict\(converted\.state_dict\(\)\)\)"):
+        train.save_pretrained

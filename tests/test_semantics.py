@@ -116,13 +116,27 @@ def test_deepcopy_keeps_the_plan_and_dtype_changes_are_refused():
     assert twin.plan.to_dict() == gm.plan.to_dict() and twin.plan is not gm.plan
     assert "mpgraph plan: float16" in mpgraph.report(twin)
     for call in (lambda m: m.half(), lambda m: m.float(), lambda m: m.to(torch.bfloat16),
-                 lambda m: m.double()):
-        with pytest.raises(TypeError, match="Convert the model again with the dtype you want"):
+                 lambda m: m.type(torch.float32)):
+        with pytest.raises(TypeError, match="would change the dtypes its plan gave each "
+                                            "parameter .* Convert the model again with the dtype"):
+            call(twin)
+    # float64: no conversion computes it (the way out named dtype=, which refuses it: pA 7)
+    for call in (lambda m: m.double(), lambda m: m.to(torch.float64)):
+        with pytest.raises(TypeError, match="computes in float32 and its low dtype: for "
+                                            "float64, use the model itself"):
             call(twin)
     assert gm.to("cpu") is gm  # moving is fine
     assert gm.to("cpu", torch.float16) is gm  # (every parameter is float16 already: no change)
     with torch.no_grad():
         assert twin(torch.randn(2, 16)).dtype == torch.float32
+    # a training conversion holds float32 masters (the text said they were float16), and
+    # .type(float32), as .float() and .to(float32), changes nothing there
+    train = mpgraph.convert(nn.Sequential(nn.Linear(16, 16)), torch.randn(4, 16), dtype="fp16",
+                            target=GPU, strategy="rules", mode="train")
+    assert train.float() is train and train.type(torch.float32) is train
+    with pytest.raises(TypeError, match=r"^\.half\(\) on a converted module would change its "
+                                        r"float32 master weights \(cast to float16 inside"):
+        train.half()
 
 
 def test_two_threads_convert_export_route_models_at_once(bert, token_ids):

@@ -1127,11 +1127,16 @@ class ConvertedModule(torch.fx.GraphModule):
                 raise
             signature = self.__dict__.get("call_signature")
             model = signature.model if signature is not None else "model"
+            plan = self.__dict__.get("plan")
+            trained = (" (a training conversion trains its own copy of the weights: load "
+                       "them into it first, model.load_state_dict(converted.state_dict()))"
+                       if getattr(plan, "mode", None) == "train" else "")
             raise AttributeError(
                 f"the converted {model} has no attribute {name!r}: a converted module keeps the "
                 "model's forward (as its graph) and its weights, not the model's other methods "
                 f"and attributes (a HuggingFace model's config is kept). Use them on the {model} "
-                "itself; to generate text, mpgraph.convert_decoder(model, ...).generate") from None
+                f"itself{trained}; to generate text, mpgraph.convert_decoder(model, ...)"
+                ".generate") from None
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # values that would be inf in the dtype the plan stored them in: an error, before
@@ -1574,13 +1579,20 @@ class ConvertedModule(torch.fx.GraphModule):
             self.graph._codegen = _DefaultsPyTreeCodeGen(codegen.pytree_info)
         self.recompile()
 
-    def _refuse(self, call: str):
+    def _refuse(self, call: str, dtype: Optional[torch.dtype] = None):
         plan = getattr(self, "plan", None)
         planned = str(plan.dtype).replace("torch.", "") if plan is not None else "its low dtype"
-        return TypeError(f"{call} on a converted module would change the dtypes its plan gave "
-                         f"each parameter ({planned} where nodes compute in {planned}, float32 "
-                         "elsewhere) under the graph's casts. Convert the model again with the "
-                         "dtype you want: mpgraph.convert(model, ..., dtype=...); .to(device) "
+        if plan is not None and plan.mode == "train":
+            held = (f"its float32 master weights (cast to {planned} inside the graph where nodes "
+                    f"compute in {planned}; read as they are by its float32 nodes)")
+        else:
+            held = (f"the dtypes its plan gave each parameter ({planned} where nodes compute in "
+                    f"{planned}, float32 elsewhere) under the graph's casts")
+        way = ("A converted module computes in float32 and its low dtype: for float64, use the "
+               "model itself" if dtype == torch.float64 else
+               "Convert the model again with the dtype you want: mpgraph.convert(model, ..., "
+               "dtype=...)")
+        return TypeError(f"{call} on a converted module would change {held}. {way}; .to(device) "
                          "moves it")
 
     def train(self, mode: bool = True):
@@ -1648,15 +1660,17 @@ class ConvertedModule(torch.fx.GraphModule):
         raise self._refuse(".bfloat16()")
 
     def double(self):
-        raise self._refuse(".double()")
+        raise self._refuse(".double()", torch.float64)
 
     def type(self, dst_type):
-        raise self._refuse(f".type({dst_type})")
+        if isinstance(dst_type, torch.dtype) and self._holds_only(dst_type):
+            return self
+        raise self._refuse(f".type({dst_type})", dst_type)
 
     def to(self, *args, **kwargs):
         _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None and not self._holds_only(dtype):
-            raise self._refuse(f".to({dtype})")
+            raise self._refuse(f".to({dtype})", dtype)
         return super().to(*args, **kwargs)
 
 
