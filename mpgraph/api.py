@@ -78,7 +78,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             overrides: Optional[dict] = None, check: Union[bool, str] = True,
             calibration: Optional[Iterable] = None, tolerance: Optional[float] = None,
             progress: Optional[bool] = None, plan: Optional[Plan] = None,
-            mode: str = "inference", dynamic: bool = True, costs: Optional[CostModel] = None,
+            mode: Optional[str] = None, dynamic: bool = True, costs: Optional[CostModel] = None,
             runtime: str = "eager") -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
@@ -89,7 +89,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     ``target`` (None: this machine; or a GPU name), ``costs``/``runtime`` (the cost model),
     ``strategy``, ``keep_io_types``, ``op_table``, ``overrides``, ``check``, ``calibration``,
     ``tolerance``, ``progress``, ``plan`` (a saved plan applied as it is), ``mode``
-    ("inference" or "train": float32 master weights) and ``dynamic``. The model is never
+    ("inference", the default, or "train": float32 master weights; a saved plan's own where
+    not given) and ``dynamic``. The model is never
     modified.
     """
     if in_inference_mode(locals()):  # (see outside_inference_mode)
@@ -534,7 +535,7 @@ class Options:
         meta device or None), every argument checked with an error that names it."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
-        if mode not in MODES:
+        if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if check not in CHECKS:
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
@@ -549,7 +550,7 @@ class Options:
             # what the plan decides, asked for otherwise, would be ignored: said instead
             conflicts = [f"overrides={overrides!r} (edit the saved plan's nodes, or convert "
                          "without plan= and with the overrides)"] if overrides else []
-            if mode != "inference" and mode != plan.mode:
+            if mode is not None and mode != plan.mode:  # (either way: pA 8)
                 conflicts.append(f"mode={mode!r} (the plan is for mode={plan.mode!r})")
             if dtype is not None and not (isinstance(dtype, str) and dtype.lower() == "auto") \
                     and resolve_dtype(dtype) != plan.dtype:

@@ -182,6 +182,15 @@ def test_what_a_saved_plan_decides_asked_for_otherwise_is_refused_not_ignored():
     with pytest.raises(ValueError, match=r"strategy='rules' \(the plan was made by "
                                          r"strategy='optimal'\)"):
         mpgraph.convert(model, x, plan=optimal, strategy="rules")
+    # the other way round too: a training plan applied with mode="inference" came back a
+    # training module, without a word (mode's default could not be told from it: probe pA 8)
+    trained = mpgraph.convert(model, x, dtype="bf16", target=GPU, strategy="rules",
+                              mode="train").plan
+    with pytest.raises(ValueError, match=r"mode='inference' \(the plan is for mode='train'\)"):
+        mpgraph.convert(model, x, plan=trained, mode="inference")
+    again = mpgraph.convert(model, x, plan=trained)  # (mode not given: the plan's)
+    assert again.plan.mode == "train" and all(p.requires_grad and p.dtype == torch.float32
+                                              for p in again.parameters())
 
 
 def test_a_plan_made_in_training_mode_applied_in_eval_mode_says_so():

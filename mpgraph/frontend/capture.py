@@ -356,7 +356,8 @@ def outside_inference_mode(fn, arguments: dict):
                 with torch.inference_mode(False), contextlib.ExitStack() as stack:
                     for device in autocast:
                         stack.enter_context(torch.autocast(device, enabled=False))
-                    if inference and arguments.get("mode") != "train":
+                    if inference and (arguments.get("mode") or getattr(
+                            arguments.get("plan"), "mode", None)) != "train":
                         # (grad stays off, as the caller had it: a forward's branch on
                         # torch.is_grad_enabled() is captured as it runs under inference_mode)
                         stack.enter_context(torch.no_grad())
