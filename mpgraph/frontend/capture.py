@@ -425,7 +425,7 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
     own_parametrizations(work)
-    own_closures(work, memo)
+    own_closures(work, memo, model)
     with _parametrizations_uncached():
         return _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract,
                              observe, dynamic, training)
@@ -642,14 +642,16 @@ def computed_attributes(model: torch.nn.Module) -> dict:
 _WALKED_ITEMS = 1000
 
 
-def own_closures(work: torch.nn.Module, memo: dict) -> None:
+def own_closures(work: torch.nn.Module, memo: dict, model: torch.nn.Module) -> None:
     """Rebind the functions the copy's modules hold (``self.fn = lambda t: self.l(t)`` set in
     ``__init__``, a forward hook closing over the model) to the copy: deepcopy shares functions,
     so the copy's closures still read the user's model, whose weights the tracers then froze
     into the graph as constants (a ``load_state_dict`` into the converted module was ignored)
     or shared with it. Reached: a module attribute or hook, and two levels into what deepcopy
     copied there (a list, tuple or dict, a ``functools.partial``'s function and arguments, an
-    object's attributes). ``memo``: deepcopy's, the user's objects to their copies."""
+    object's attributes). ``memo``: deepcopy's, the user's objects to their copies. The hooks
+    on ``model``'s parameters (``p.register_hook``: gradient clipping, logging; and
+    ``register_post_accumulate_grad_hook``), which deepcopy drops, go on the copy's, rebound so."""
     done: dict = {}
     # what deepcopy made anew (not what it kept: a __deepcopy__ returning itself is the user's)
     copies = {id(v) for k, v in memo.items() if k != id(memo) and k != id(v)}
@@ -728,6 +730,20 @@ def own_closures(work: torch.nn.Module, memo: dict) -> None:
         for key, value in list(store.items()):  # (hooks: _forward_hooks, ... hold them)
             if not key.startswith(("_parameters", "_buffers", "_modules")):
                 store[key] = own(value, 2)
+    kept = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        mine = memo.get(id(p))
+        if mine is None or mine is p or id(mine) not in copies:
+            continue
+        for hook in (p._backward_hooks or {}).values():
+            mine.register_hook(own(hook, 2))
+            kept += 1
+        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            mine.register_post_accumulate_grad_hook(own(hook, 2))
+            kept += 1
+    if kept:
+        log.info("%d hooks on %s's parameters are kept on the converted module's (they see its "
+                 "gradients)", kept, type(model).__name__)
 
 
 def _filled(cell) -> bool:
