@@ -495,6 +495,33 @@ def test_hooks_on_the_model_s_parameters_run_on_the_converted_module_s():
         assert rel_err(q.grad, p.grad) < 2e-2
 
 
+def test_pruning_a_converted_submodule_is_refused_and_leaves_it_as_it_was():
+    """prune registers its hook after moving the weight to weight_orig: the hook refusal fired
+    mid-prune, prune's rollback failed on the weight it had set (torch's KeyError "attribute
+    'weight' already exists" in place of the refusal), and the converted module was broken
+    (KeyError 'weight' on every call, its state_dict keys renamed: probe pA 2)."""
+    from torch.nn.utils import prune
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).train()
+    x = torch.randn(8, 16)
+    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    keys, out = list(fast.state_dict()), fast(x).detach()
+    with pytest.raises(RuntimeError, match=r"^torch\.nn\.utils\.prune on '0' of a converted "
+                                           r"module: its mask would never be applied .* Prune "
+                                           r"the model and convert it again"):
+        prune.l1_unstructured(fast.get_submodule("0"), "weight", 0.5)
+    assert list(fast.state_dict()) == keys
+    assert isinstance(fast.get_parameter("0.weight"), nn.Parameter)
+    assert torch.equal(fast(x).detach(), out)
+    # pruned before converting: the mask is in the graph, and training keeps pruned weights 0
+    prune.l1_unstructured(model[0], "weight", 0.5)
+    pruned = convert_rules(model, x, dtype=BF16, mode="train")
+    assert rel_err(pruned(x).detach(), model(x).detach()) < 2e-2
+    pruned(x).sum().backward()
+    assert pruned.get_buffer("0.weight_mask").eq(0).sum() == 256
+    assert torch.all(pruned.get_parameter("0.weight_orig").grad[model[0].weight_mask == 0] == 0)
+
+
 def test_a_call_inside_torch_autocast_runs_the_plan_with_autocast_off_and_says_so_once():
     # autocast of the other low dtype failed inside torch ("mixed dtype" in layer_norm); of the
     # plan's own, it silently ran the plan's float32 nodes low

@@ -827,10 +827,35 @@ _HOOKS = ("register_forward_hook", "register_forward_pre_hook", "register_full_b
 class _NoHooks:
     """In place of a hook registration method on a submodule the graph never calls."""
 
-    def __init__(self, path: str, method: str):
-        self.path, self.method = path, method
+    def __init__(self, path: str, method: str, module: Optional[torch.nn.Module] = None):
+        self.path, self.method, self.module = path, method, module
+        self.order = list(module._parameters) if module is not None else []
 
     def __call__(self, *args, **kwargs):
+        hook = args[0] if args else kwargs.get("hook")
+        prune = sys.modules.get("torch.nn.utils.prune")
+        if prune is not None and isinstance(hook, prune.BasePruningMethod) \
+                and self.module is not None:
+            # prune registers its hook last, after moving the parameter to NAME_orig, setting
+            # NAME and registering NAME_mask: undone here (NAME back in its place) so that its
+            # own rollback (NAME_orig to NAME) leaves the module as it was; it failed on the NAME
+            # it had set, and left the module broken
+            name = getattr(hook, "_tensor_name", None)
+            params = self.module._parameters
+            if name and name not in params and f"{name}_orig" in params:
+                vars(self.module).pop(name, None)
+                self.module._buffers.pop(f"{name}_mask", None)
+                order = [k for k in self.order if k in params or k == name]
+                kept = {k: params[f"{name}_orig"] if k == name else params[k] for k in order}
+                kept.update((k, v) for k, v in params.items() if k not in kept)
+                params.clear()
+                params.update(kept)
+            raise RuntimeError(
+                f"torch.nn.utils.prune on {self.path!r} of a converted module: its mask would "
+                "never be applied (the converted graph reads the weight itself and never calls "
+                "this module; torch.export inlines modules into ATen ops). Prune the model and "
+                "convert it again (the mask is then part of the graph, and a training conversion "
+                "trains the pruned weight); nothing was changed")
         raise RuntimeError(
             f"{self.method} on {self.path!r} of a converted module: the hook would never run. "
             "The converted graph computes this module's ops itself and never calls it (torch.export "
@@ -847,7 +872,7 @@ def refuse_hooks(gm: torch.fx.GraphModule) -> None:
         if not path or any(path == c or path.startswith(c + ".") for c in called):
             continue
         for method in _HOOKS:
-            module.__dict__[method] = _NoHooks(path, method)
+            module.__dict__[method] = _NoHooks(path, method, module)
 
 
 @contextlib.contextmanager
