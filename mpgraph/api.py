@@ -29,8 +29,8 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, run_recording, seede
                               target_name, weight_copy_paths)
 from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, TrainingFlag,
                                 WeightCopies, planned_layout, refuse_hooks)
-from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, FUSED, OP_CLASS, PRECISION,
-                             READS_TRAINING, REFERENCE, TENSOR,
+from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, EVAL_SWITCH, FUSED, OP_CLASS,
+                             PRECISION, READS_TRAINING, REFERENCE, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
@@ -670,6 +670,8 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
                                      opts.spec.kind, overrides=opts.overrides, fuse=fuse), gm)
     if EVAL_OUTPUTS in gm.meta:
         _say_if_eval_differs(gm, model, args, kwargs, gm.meta.pop(EVAL_OUTPUTS))
+    if EVAL_SWITCH in gm.meta:
+        _eval_switches_alike(gm, args, kwargs, *gm.meta.pop(EVAL_SWITCH))
     simulate = elsewhere(opts.spec, args, kwargs, model)
     base = copy.deepcopy(gm) if opts.tolerance is not None else None
     from_plan = None
@@ -796,6 +798,37 @@ def _say_if_eval_differs(gm, model, args, kwargs, evaluated) -> None:
             "mode does. Evaluate with a conversion of the model in eval mode "
             "(mpgraph.convert(model.eval(), ...) with the trained weights: "
             "load_state_dict(fast.state_dict()))", UserWarning, stacklevel=4)
+
+
+def _eval_switches_alike(gm, args, kwargs, evaluated, buffers: dict) -> None:
+    """A model in training mode whose own forward reads ``self.training`` (capture's
+    reads_training: a syntactic test) made the converted module's ``.eval()`` warn that the
+    graph keeps the training branch, also where the read switches in the graph as dropout does
+    (attention's ``dropout_p=p if self.training else 0.0``: probe pA 5). The float32 graph in eval
+    mode is run on the example inputs: where its outputs and the buffers it writes are the
+    model's in eval mode (capture's _evaluated_with_state), the reads switched, and nothing is
+    said; else ``.eval()`` warns, as before."""
+    flags = {m: m.training for m in gm.modules()}
+    written: dict = {}
+    torch.nn.Module.train(gm, False)
+    try:
+        out = run_recording(gm, args, kwargs, lambda node, value: None, after=lambda g: (
+            written.update((n, b.detach().clone()) for n, b in g.named_buffers())))
+        worst = max(output_errors(out, evaluated), default=0.0)
+    except Exception as e:  # noqa: BLE001 (outputs that do not pair up: .eval() says it)
+        log.info("eval mode not compared with the model's: %s", e)
+        return
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+    kept = [n for n, b in buffers.items() if n in written and not (
+        written[n].shape == b.shape and torch.allclose(written[n].double(), b.double(),
+                                                       rtol=1e-4, atol=1e-6, equal_nan=True))]
+    if worst <= 1e-4 and not kept:
+        readers = gm.meta.pop(READS_TRAINING, ((),))[0]
+        log.info("%s read self.training, and the graph in eval mode computes what the model "
+                 "does in eval mode (on the example inputs): .eval() switches them",
+                 ", ".join(readers[:3]))
 
 
 def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torch.dtype, dict]:

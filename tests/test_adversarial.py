@@ -843,6 +843,57 @@ def test_a_python_branch_on_self_training_warns_when_the_mode_changes():
         fast.train()  # back to the mode it was captured in: nothing to say
 
 
+class SdpaDropout(nn.Module):
+    """nanoGPT's attention: dropout_p=p if self.training else 0.0 (the graph switches it)."""
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(4, 8, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0)
+        return self.out(h.transpose(1, 2).reshape(4, 8, 32))
+
+
+class CountsInTraining(nn.Module):
+    """A statistic updated under ``if self.training`` that the output does not show: the
+    graph keeps the update in eval mode."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 4)
+        self.register_buffer("seen", torch.zeros(32))
+
+    def forward(self, x):
+        if self.training:
+            self.seen.add_(x.detach().mean((0, 1)))
+        return self.fc(x)
+
+
+def test_eval_warns_only_where_the_graph_keeps_a_training_branch():
+    """.eval() warned for every forward that reads self.training, also where the graph switches
+    the read (probe pA 5): now the graph in eval mode is compared with the model's at
+    conversion, outputs and buffers, and only a difference warns."""
+    x = torch.randn(4, 8, 32)
+    for cls, differs in ((SdpaDropout, False), (CountsInTraining, True), (TrainBranch, True)):
+        torch.manual_seed(0)
+        model = cls().train()
+        example = x if cls is not TrainBranch else _x(4, 16)
+        fast = mpgraph.convert(model, example, dtype="bf16", target=GPU, strategy="rules",
+                               mode="train")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            fast.eval()
+        assert [str(w.message)[:60] for w in said] == ([
+            f"{cls.__name__}.eval(): the forward of {cls.__name__} reads self.training"[:60]]
+            if differs else []), cls
+        model.eval()
+        if not differs:
+            with torch.no_grad():
+                assert torch.equal(fast(example), fast(example))  # (no dropout in eval)
+                assert relative_l2(fast(example), model(example)) < 2e-2
+        assert not any(m.training for m in fast.modules())
+
+
 def test_conversion_leaves_parameters_a_forward_writes_as_they_were():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 16, max_norm=1.0), nn.Linear(16, 8)).eval()

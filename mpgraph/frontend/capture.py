@@ -33,7 +33,8 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view
                               python_rng_kept, mutated_nodes, run_kept, run_recording, seeded,
                               state_kept)
 from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
-                             FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING, STATIC_SHAPES)
+                             EVAL_SWITCH, FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING,
+                             STATIC_SHAPES)
 from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, autocasting,
                                 grad_mode, keep_backward_hooks, own_parametrizations)
 from mpgraph.ir.fake import fake_mode, is_abstract, module_tensors
@@ -458,6 +459,8 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
         if training and not model.training and has_inputs and abstract is None else None
     if evaluated is not None:
         work.train()
+    switched = _evaluated_with_state(work, args, kwargs, state) if model.training \
+        and has_inputs and abstract is None and reads_training(work) else None
     own = _tensor_paths(work)  # (before the tracers add their constants to it)
     depth = len(torch._C._functorch.get_interpreter_stack() or ())
     with _CAPTURE_LOCK, fake_mode(abstract), python_rng_kept():  # (the tracers run the forward)
@@ -472,7 +475,27 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
         _refuse_unread_meta(gm, model, work)
     if evaluated is not None:  # (compared with the graph in eval mode: api._say_if_eval_differs)
         gm.meta[EVAL_OUTPUTS] = evaluated
+    if switched is not None:  # (and here: api._eval_switches_alike)
+        gm.meta[EVAL_SWITCH] = switched
     return gm
+
+
+def _evaluated_with_state(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict):
+    """The outputs of a model in training mode whose own forward reads ``self.training``, run
+    in eval mode, and its buffers after that run (both put back), or None where that run fails:
+    what the converted module in eval mode is compared with (api._eval_switches_alike)."""
+    try:
+        with torch.enable_grad(), seeded(), state_kept(work):
+            out = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                                  owned(work.train(False)(*fresh(args), **fresh(kwargs)), work))
+            buffers = {name: b.detach().clone() for name, b in work.named_buffers()}
+    except Exception as e:  # noqa: BLE001 - then .eval() says what it says
+        log.info("eval mode not run before the trace: %s", _brief(e))
+        return None
+    finally:
+        work.train(True)
+        _changed_state(work, state)
+    return out, buffers
 
 
 def _distributed_wrapper(model: torch.nn.Module) -> Optional[str]:

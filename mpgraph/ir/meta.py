@@ -50,6 +50,7 @@ CAPTURED_TRAINING = "mpgraph.captured_training"  # gm.meta: the flag the graph w
 # by capture: a trace in eval holds 0.0 where the momentum is None (a cumulative average)
 BATCH_NORM_MOMENTA = "mpgraph.batch_norm_momenta"
 EVAL_OUTPUTS = "mpgraph.eval_outputs"  # gm.meta: an eval model's outputs, traced in training mode
+EVAL_SWITCH = "mpgraph.eval_switch"  # gm.meta: a training model's eval outputs and buffers (reads self.training)
 CHECK = "mpgraph.check"              # on gm.meta: {"error", "bound"} of CheckConversion's value check
 # node.meta: tensor_stats of the example run (PropagateTensorInfo(observe=True)); gm.meta: that
 # run (passes.calibrate.Observation). Calibrate takes the example batch from it, then drops it
