@@ -195,6 +195,32 @@ def test_cpu_profile_attributes_time_to_every_compute_node():
     assert "measured us" in text
 
 
+def test_profile_leaves_the_inputs_and_the_module_s_state_as_they_were():
+    """Each run used the caller's tensors and advanced the module's buffers: a forward writing
+    its input (x.mul_(2)) left x 2**7 times itself after the default 7 runs, a counter at 7
+    (probe pC 1)."""
+    class Writes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(16, 16)
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x):
+            x.mul_(2)
+            self.n += 1
+            return self.l(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    before = x.clone()
+    gm = convert_rules(Writes().eval(), x, dtype="bf16", target="a100")
+    assert torch.equal(x, before) and gm.n.item() == 0
+    result = mpgraph.profile(gm, x, iters=2, warmup=1)
+    assert result.iters == 2 and all(n.time_s > 0 for n in result.nodes
+                                     if n.op_class not in ("cast", "view"))
+    assert torch.equal(x, before) and gm.n.item() == 0
+
+
 def test_the_predicted_column_sums_to_the_plans_estimate_casts_included():
     """Cast rows had no prediction, though the plan's estimate charges each (7 us on an A100's
     eager roofline): the predicted column summed to 574 of its 644 us."""

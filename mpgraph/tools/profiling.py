@@ -22,7 +22,8 @@ import torch
 import torch.fx
 from torch.autograd import DeviceType
 
-from mpgraph.ir.graph import RecordingInterpreter, as_call, flat_inputs, to_device
+from mpgraph.ir.graph import (RecordingInterpreter, as_call, flat_inputs, fresh, state_kept,
+                              to_device)
 from mpgraph.ir.meta import CAST_COST, dtype_name, is_inserted_cast
 from mpgraph.plans.plan import Plan
 
@@ -242,17 +243,22 @@ def profile(converted: torch.fx.GraphModule, example_inputs: Any = None, *,
     gm = converted if dev == here else copy.deepcopy(converted).to(dev)
     args, kwargs = to_device(args, dev), to_device(kwargs, dev)
     cuda = dev.type == "cuda"
-    for _ in range(warmup):
-        run_with_ranges(gm, args, kwargs)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(iters):
-            run_with_ranges(gm, args, kwargs, nvtx=cuda)
+    # each run on its own copy of the inputs, and the module's buffers put back afterwards: a
+    # forward that writes its input (x.mul_(2)) or a counter left the caller's x 2**7 times
+    # itself and the counter 7 on (probe pC 1), as conversion's own runs never do
+    with state_kept(gm):
+        for _ in range(warmup):
+            run_with_ranges(gm, *fresh((args, kwargs)))
+        activities = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize()
+        inputs = [fresh((args, kwargs)) for _ in range(iters)]  # (copied outside the profile)
+        with torch.profiler.profile(activities=activities) as prof:
+            for run_args, run_kwargs in inputs:
+                run_with_ranges(gm, run_args, run_kwargs, nvtx=cuda)
+            if cuda:
+                torch.cuda.synchronize()
     return attribute(prof.events(), plan, gm, iters, str(dev), cuda)
 
 
