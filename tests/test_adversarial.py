@@ -894,6 +894,33 @@ def test_eval_warns_only_where_the_graph_keeps_a_training_branch():
         assert not any(m.training for m in fast.modules())
 
 
+def test_jit_trace_of_a_graph_computing_sizes_says_it_fixes_them():
+    """torch.jit.trace records the sym_size numbers of a torch.export graph as constants: the
+    traced module failed at other shapes deep inside torch ("shape '[16, 16, 8]' is invalid"),
+    without a word at trace time (probe pB F4). Said once, at the caller's line; a graph of
+    fixed sizes traces as before."""
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True,
+                                                               dropout=0.0), 1,
+                                    enable_nested_tensor=False).eval()
+    x = torch.randn(4, 16, 32)
+    fast = mpgraph.convert(encoder, x, dtype="fp16", target=GPU, strategy="rules")
+    plain = mpgraph.convert(TwoLayer().eval(), _x(4, 32), dtype="fp16", target=GPU,
+                            strategy="rules")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(fast, (x,), check_trace=False)
+        torch.jit.trace(fast, (x,), check_trace=False)
+        torch.jit.trace(plain, (_x(4, 32),), check_trace=False)
+    ours = [w for w in said if "torch.jit.trace of the converted" in str(w.message)]
+    assert [str(w.message)[:80] for w in ours] == [
+        "torch.jit.trace of the converted TransformerEncoder records the example's sizes as "
+        "constants"[:80]]
+    assert ours[0].filename == __file__
+    with torch.no_grad():
+        assert torch.equal(traced(x), fast(x))  # (right at the example's shapes)
+
+
 def test_conversion_leaves_parameters_a_forward_writes_as_they_were():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 16, max_norm=1.0), nn.Linear(16, 8)).eval()

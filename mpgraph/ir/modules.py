@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import marshal
 import math
+import os
 import re
 import sys
 import warnings
@@ -1278,6 +1279,8 @@ class ConvertedModule(torch.fx.GraphModule):
         """The call's input checks, the weight copies' refresh, and the graph."""
         if "_has_values" not in self.__dict__ and self.meta.get(TRACED_ON) not in (None, "meta"):
             self._check_has_values()
+        if torch._C._is_tracing() and not self.__dict__.get("_said_jit_trace"):
+            self._say_jit_trace_fixes_sizes()
         signature = self.__dict__.get("call_signature")
         if signature is not None:
             args, kwargs = signature.check(args, kwargs)
@@ -1329,6 +1332,26 @@ class ConvertedModule(torch.fx.GraphModule):
                         off, f" ({type(e).__name__}: {str(e).splitlines()[0]})") from None
                 raise
             raise self._off_plan_error(changed, e) from None
+
+    def _say_jit_trace_fixes_sizes(self) -> None:
+        """torch.jit.trace of a graph that computes sizes as Python numbers (torch.export's
+        ``sym_size`` nodes) records the example's sizes as constants: the traced module failed
+        at other shapes deep inside torch (shape '[16, 16, 8]' is invalid for input of size
+        576), or, with as many elements, could compute other values (probe pB F4). Said once."""
+        self.__dict__["_said_jit_trace"] = True
+        if not any(n.op == "call_function" and "sym_size" in str(n.target)
+                   for n in self.graph.nodes):
+            return
+        signature = self.__dict__.get("call_signature")
+        name = signature.model if signature is not None else type(self).__name__
+        warnings.warn(
+            f"torch.jit.trace of the converted {name} records the example's sizes as constants "
+            "(its graph computes sizes such as batch and sequence length as Python numbers): "
+            "the traced module is right at the example's shapes only (other shapes fail, or "
+            "with as many elements compute other values). For other shapes use "
+            "torch.export.export(converted, ...), torch.compile, or mpgraph.export_onnx",
+            UserWarning, stacklevel=_outside(os.path.dirname(torch.__file__),
+                                             os.path.dirname(os.path.dirname(__file__))))
 
     @compiler_disable("mpgraph: a call inside torch.autocast, which the converted module turns off "
                       "for its graph (said once): call it outside torch.autocast")
@@ -1950,6 +1973,16 @@ def _keep_non_persistent(copied: torch.nn.Module, source: torch.nn.Module) -> No
 
 
 _STATIC_DIM = re.compile(r"Guard failed: (\w+)\.size\(\)\[(\d+)\] == (\d+)$")
+
+
+def _outside(*folders: str) -> int:
+    """The stacklevel, for its caller's warnings.warn, of the first frame outside ``folders``
+    (torch's tracer and mpgraph between the user's call and the warning)."""
+    roots = tuple(os.path.abspath(f) + os.sep for f in folders)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def guard_error(module: torch.nn.Module, message: str) -> "InputMismatchError":
