@@ -535,6 +535,9 @@ class Options:
         meta device or None), every argument checked with an error that names it."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
+        # this machine, unless a target is named: a saved plan's own target (a CPU's name) is
+        # priced as the machine it is applied on where it is one (it got the roofline: pC 7)
+        here = target is None or isinstance(target, str) and target.lower() in ("cpu", "cuda")
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if check not in CHECKS:
@@ -606,7 +609,6 @@ class Options:
                                  "weights, or convert the materialised model)")
             abstract = Abstract(trace_device(spec))
             args, kwargs = abstract.fake_inputs(args, kwargs)  # capture and passes share them
-        here = target is None or isinstance(target, str) and target.lower() in ("cpu", "cuda")
         opts = cls(low, range_dtype, keep_fp32, spec, strategy, keep_io_types, table,
                    dict(overrides or {}), check, calibration, tolerance, progress, plan,
                    mode == "train", costs, runtime, here and abstract is None)

@@ -95,6 +95,20 @@ def test_saved_plan_round_trip_reproduces_the_converted_module(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_plan_for_this_cpu_applied_here_is_priced_as_when_it_was_made(tmp_path):
+    """A CPU plan carries the CPU's name as its target; applied without target=, that name
+    made it "another device": priced by the roofline (estimated 0.02x where 0.2x was measured,
+    and the original said bf16 was emulated here: probe pC 7). Whichever CPU runs this, the
+    applied plan's figures come from the same cost model as the original's."""
+    model, x = _blocks()
+    made = mpgraph.convert(model, x, dtype="bf16", strategy="rules")  # (this machine)
+    made.plan.save(tmp_path / "plan.json")
+    again = mpgraph.convert(model, x, plan=mpgraph.Plan.load(tmp_path / "plan.json"))
+    assert made.plan.estimate["source"].startswith("measured on this CPU")
+    assert again.plan.estimate["source"] == made.plan.estimate["source"]
+    assert again.plan.estimate["fp32_s"] == made.plan.estimate["fp32_s"]  # (the cached table)
+
+
 def test_an_edited_plan_is_applied(tmp_path):
     model, x = _blocks()
     gm = mpgraph.convert(model, x, dtype="bf16", target=GPU, strategy="rules")
