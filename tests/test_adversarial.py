@@ -921,6 +921,21 @@ def test_jit_trace_of_a_graph_computing_sizes_says_it_fixes_them():
         assert torch.equal(traced(x), fast(x))  # (right at the example's shapes)
 
 
+def test_a_recurrent_layers_fixed_length_is_blamed_on_it_not_the_model_s_code():
+    """torch.export fixes an nn.LSTM's sequence length; the error said "the model's code fixed
+    dimension 1" and advised an example of the size called with (probe pB F3)."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(16, 32, batch_first=True).eval()
+    x = torch.randn(4, 16, 16)
+    fast = mpgraph.convert(lstm, x, dtype="fp16", target=GPU, strategy="rules")
+    with torch.no_grad():
+        assert relative_l2(fast(x[:2])[0], lstm(x[:2])[0]) < 2e-3  # (another batch size runs)
+        with pytest.raises(mpgraph.InputMismatchError, match=r"torch\.export fixes dimension 1 "
+                           r"of \w+ at the example's 16 for the recurrent layers \(nn\.LSTM.*"
+                           r"make the forward one torch\.fx traces"):
+            fast(torch.randn(4, 9, 16))
+
+
 def test_conversion_leaves_parameters_a_forward_writes_as_they_were():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 16, max_norm=1.0), nn.Linear(16, 8)).eval()

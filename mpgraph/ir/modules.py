@@ -1975,6 +1975,16 @@ def _keep_non_persistent(copied: torch.nn.Module, source: torch.nn.Module) -> No
 _STATIC_DIM = re.compile(r"Guard failed: (\w+)\.size\(\)\[(\d+)\] == (\d+)$")
 
 
+_RECURRENT = ("aten.lstm", "aten.gru", "aten.rnn_tanh", "aten.rnn_relu")
+
+
+def _recurrent(module: torch.nn.Module) -> bool:
+    """Whether a graph runs a recurrent layer's ATen op (torch.export's capture of it)."""
+    graph = getattr(module, "graph", None)
+    return graph is not None and any(
+        n.op == "call_function" and str(n.target).startswith(_RECURRENT) for n in graph.nodes)
+
+
 def _outside(*folders: str) -> int:
     """The stacklevel, for its caller's warnings.warn, of the first frame outside ``folders``
     (torch's tracer and mpgraph between the user's call and the warning)."""
@@ -1999,6 +2009,12 @@ def guard_error(module: torch.nn.Module, message: str) -> "InputMismatchError":
         why = (f"torch.export keeps a dimension that is {static.group(3)} in the example fixed "
                f"(dimension {static.group(2)} of {static.group(1)}): convert with an example "
                "larger than 1 there to run other sizes")
+    elif static and _recurrent(module):
+        why = (f"torch.export fixes dimension {static.group(2)} of {static.group(1)} at the "
+               f"example's {static.group(3)} for the recurrent layers (nn.LSTM, nn.GRU, nn.RNN: "
+               "their kernels' sequence length), or the model's code does: convert with an "
+               "example of the length you call it with (pad to it), or make the forward one "
+               "torch.fx traces (mpgraph then keeps the recurrent layer whole, for any length)")
     elif static:
         why = (f"The model's code fixed dimension {static.group(2)} of {static.group(1)} at the "
                f"example's {static.group(3)} (a layer's size, a reshape, a check of its own): "
