@@ -862,11 +862,13 @@ def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torc
                         label=f"choose:{dtype_name(dtype)}")(gm)  # analysis passes only
             estimates[dtype] = gm.meta["mpgraph.estimate"]["plan_s"]
     best = min(estimates.values())
+    ruled = False
     if costs.kind == Kind.GPU and torch.float16 in estimates:
         # every GPU with bf16 Tensor Cores runs fp16 at the same rate: fp16 (3 more mantissa
         # bits), bf16 for the nodes fp16's range keeps out (priced as float32 in the cut, so
         # its estimate may read higher than a pure-bf16 plan's)
         low = torch.float16
+        ruled = estimates[low] > 1.02 * best  # (then not the estimate's choice: said so)
     else:  # within 2% of the best: bf16 on a CPU (its range), else the fastest
         near = [d for d in candidates if estimates[d] <= 1.02 * best]
         low = torch.bfloat16 if torch.bfloat16 in near else min(near, key=estimates.get)
@@ -875,7 +877,8 @@ def _choose_low(gm, costs: CostModel, opts: Options, args, kwargs) -> tuple[torc
              costs.source)
     return low, {"candidates": [dtype_name(d) for d in candidates],
                  "estimates_s": {dtype_name(d): estimates[d] for d in candidates},
-                 **({"named_by": "the overrides"} if named else {})}
+                 **({"named_by": "the overrides"} if named else {}),
+                 **({"rule": "gpu_fp16"} if ruled and not named else {})}
 
 
 def _override_lows(overrides: Optional[dict]) -> set:

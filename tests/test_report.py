@@ -354,6 +354,35 @@ def test_summary_says_the_dtype_choice_s_estimates_came_before_the_tolerance_pin
     assert f"chosen by the cost model (estimated {figures})" in unpinned.summary()
 
 
+def test_a_gpu_s_float16_taken_by_rule_is_not_said_to_be_the_cost_model_s_choice():
+    """A GPU plan takes float16 (bf16 beside it where fp16's range keeps a node out) whatever
+    the estimates, whose comparison prices those nodes as float32; the summary said "float16
+    chosen by the cost model (estimated float16 0.102 ms, bfloat16 0.049 ms)" (probe pC 6).
+    Where fp16 is also the estimate's choice, it says so as before."""
+    class Wide(nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256)
+            self.ln, self.scale = nn.LayerNorm(256), scale
+
+        def forward(self, x):
+            return self.c(self.ln(self.b(self.a(x) * self.scale)))
+
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
+    for scale, by_rule in ((60000.0, True), (1.0, False)):  # (beyond fp16's range, within it)
+        torch.manual_seed(0)
+        plan = mpgraph.convert(Wide(scale).eval(), x, target=GPU).plan
+        estimates = plan.dtype_choice["estimates_s"]
+        assert plan.dtype == torch.float16
+        assert (estimates["float16"] > 1.02 * estimates["bfloat16"]) == by_rule, estimates
+        figures = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in estimates.items())
+        said = (f"float16 as on every GPU, not by the estimate ({figures}): its Tensor Cores run "
+                "fp16 at bf16's rate" if by_rule else
+                f"float16 chosen by the cost model (estimated {figures})")
+        assert said in plan.summary()
+        assert ("chosen by the cost model" in plan.summary()) != by_rule
+
+
 def test_diff_heads_a_plan_that_converted_nothing_float32_as_the_report_does():
     """A plan keeps its low dtype where it converted nothing: diff headed such a plan
     "A: bfloat16 on ..." where the report said "mpgraph plan: float32 on ..."."""
