@@ -437,3 +437,35 @@ def test_a_plain_dataclass_output_is_an_export_error_up_front_and_registered_is_
         assert len(result.validation.err_vs_converted) == 2
     finally:
         pytree._deregister_pytree_node(_Out)
+
+
+class _StatefulLSTM(nn.Module):
+    """A recurrent layer given its initial state: torch's dynamo exporter fails on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(16, 32, batch_first=True), nn.Linear(32, 8)
+
+    def forward(self, x, h0, c0):
+        y, (h, c) = self.rnn(x, (h0, c0))
+        return self.out(y), h, c
+
+
+def test_the_torchscript_fallback_names_inputs_by_argument_and_keeps_them_dynamic(tmp_path):
+    """The TorchScript exporter's file took 'input', 'onnx::LSTM_1' at the example's shapes
+    only, and the result's fallbacks did not say which exporter wrote it (probe pB F2)."""
+    torch.manual_seed(0)
+    model = _StatefulLSTM().eval()
+    example = (torch.randn(4, 10, 16), torch.randn(1, 4, 32), torch.randn(1, 4, 32))
+    path = tmp_path / "lstm.onnx"
+    result = mpgraph.export_onnx(model, example, str(path), dtype="fp16")
+    assert result.exporter.startswith("torch.onnx.export(dynamo=False)")
+    assert any(f.startswith("the TorchScript exporter wrote the file") for f in result.fallbacks)
+    session = mpgraph.ort_session(str(path), device="cpu")
+    assert [i.name for i in session.get_inputs()] == ["x", "h0", "c0"]
+    other = (torch.randn(2, 7, 16), torch.randn(1, 2, 32), torch.randn(1, 2, 32))
+    got = session.run(None, {n: t.numpy() for n, t in zip(("x", "h0", "c0"), other)})
+    with torch.no_grad():
+        want = model(*other)
+    for g, w in zip(got, want):
+        assert relative_l2(torch.from_numpy(g).float(), w) < 5e-3

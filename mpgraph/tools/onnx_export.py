@@ -204,6 +204,40 @@ def non_tensor_outputs(gm: torch.fx.GraphModule) -> list[str]:
             if v is not None and not isinstance(v, torch.fx.Node)]
 
 
+def _legacy_inputs(gm: torch.nn.Module, args: tuple, kwargs: dict, auto: bool):
+    """The TorchScript exporter's ``input_names`` (each tensor by its forward argument's name,
+    ``NAME_i`` for the i-th tensor in a container) and ``dynamic_axes`` (with
+    ``dynamic_shapes="auto"``: the dimensions torch.export keeps symbolic, as the dynamo
+    exporter's file has them). Without them its file took ``input``, ``onnx::LSTM_1`` at the example's
+    shapes only (probe pB F2)."""
+    params = _forward_names(gm)
+    named = [(params[i] if i < len(params) else f"input_{i}", v) for i, v in enumerate(args)]
+    names = []
+    for name, value in named + list(kwargs.items()):
+        leaves = pytree.tree_leaves(value)
+        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        names += [name] if isinstance(value, torch.Tensor) else [
+            f"{name}_{i}" for i in range(len(tensors))]
+    if not auto:
+        return names, None
+    try:  # torch.export itself ran (what failed was its ONNX translation): its dims
+        program = torch.export.export(gm, tuple(args), dict(kwargs), strict=False,
+                                      dynamic_shapes=auto_dynamic_shapes(gm, args, kwargs))
+        spec = program.graph_signature
+        placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+        shapes = [placeholders[i].meta["val"].shape for i in spec.user_inputs
+                  if isinstance(placeholders[i].meta.get("val"), torch.Tensor)]
+    except Exception as e:  # noqa: BLE001 - the file then takes the example's shapes
+        log.info("no dynamic axes for the TorchScript exporter: %s", _brief(e))
+        return names, None
+    if len(shapes) != len(names):
+        return names, None
+    axes = {name: {d: f"{name}_dim{d}" for d, n in enumerate(shape)
+                   if not isinstance(n, int)}
+            for name, shape in zip(names, shapes)}
+    return names, {k: v for k, v in axes.items() if v} or None
+
+
 def auto_dynamic_shapes(gm: torch.nn.Module, args: tuple, kwargs: dict):
     """Dim.AUTO on every input dimension above 1 that the converted module's input guard does
     not fix: torch.export keeps dynamic what the graph does not fix (batch, sequence), static
@@ -316,6 +350,7 @@ def written_buffers(program) -> list[str]:
 def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     """(ir.Model, exporter description, the exporter's ExportedProgram or None)."""
     ir = _onnx_modules()
+    auto = isinstance(dynamic_shapes, str) and dynamic_shapes == "auto"
     signature = converted.__dict__.get("call_signature")
     if signature is not None:  # the exporter traces forward itself: the fixed values given
         given = set(kwargs)
@@ -380,7 +415,8 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
             log.warning("dynamo ONNX export at opset %d failed (%s); trying opset 18", opset,
                         reason)
             try:
-                exported = _export_ir(converted, args, kwargs, 18, dynamic_shapes, workdir)
+                exported = _export_ir(converted, args, kwargs, 18,
+                                      "auto" if auto else dynamic_shapes, workdir)
             except ExportError:
                 pass
             else:
@@ -392,9 +428,17 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     legacy_opset = min(opset, 20)  # the TorchScript exporter stops at opset 20
     tmp = os.path.join(workdir, "torchscript.onnx")
     try:
+        inputs, axes = _legacy_inputs(converted, args, kwargs, auto)
         with state_kept(converted):
-            torch.onnx.export(converted, call_args, tmp, kwargs=kwargs or None, dynamo=False,
-                              opset_version=legacy_opset, output_names=names)
+            try:  # (inputs named by argument, dynamic where the graph does not fix them)
+                torch.onnx.export(converted, call_args, tmp, kwargs=kwargs or None,
+                                  dynamo=False, opset_version=legacy_opset,
+                                  output_names=names, input_names=inputs, dynamic_axes=axes)
+            except Exception as e:  # noqa: BLE001 - as the exporter names them, static
+                log.info("TorchScript export with input names and dynamic axes failed (%s): "
+                         "exported without them", _brief(e))
+                torch.onnx.export(converted, call_args, tmp, kwargs=kwargs or None,
+                                  dynamo=False, opset_version=legacy_opset, output_names=names)
         model = ir.load(tmp)
     except Exception as ts_error:
         missing = re.search(r"No ONNX function found for <OpOverload\(op='([\w.]+)'", reason)
@@ -660,6 +704,10 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                 data = name + ".data"
             ir.save(model, os.path.join(workdir, name), external_data=data)
         written = model.opset_imports.get("", opset)
+        if exported.how.startswith("torch.onnx.export(dynamo=False)") \
+                and not any("TorchScript" in f for f in fallbacks):
+            fallbacks.append(f"the TorchScript exporter wrote the file: "
+                             f"{exported.how.partition('[fallback; ')[2].rstrip(']')}")
         if written != opset and not any("opset" in f for f in fallbacks):
             fallbacks.append(f"asked for opset {opset}, the exporter wrote opset {written}")
         result = ExportResult(path=path, exporter=exporter, opset=written,
