@@ -776,3 +776,29 @@ def test_a_plan_file_with_a_node_twice_or_a_dtype_edited_to_null_is_refused(tmp_
                                   for n in saved["nodes"]]}, open(path, "w"))
     with pytest.raises(ValueError, match=r"node head: dtype edited to null from 'float16'"):
         mpgraph.Plan.load(path)
+
+
+def test_an_edit_of_an_input_output_or_parameter_record_is_refused(tmp_path):
+    # before: "edited by hand: x float32 -> float16, output None -> float16" on load, then
+    # applied without them, silently (float32 in, float32 out: probe pC 8)
+    model, x = _blocks()
+    saved = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan.to_dict()
+    for name, was, why in (
+            ("x", "'float32'", "a graph input is taken in the dtype it is given"),
+            ("output", "None", "the graph output returns what its nodes compute")):
+        data = {**saved, "nodes": [dict(n, dtype="float16") if n["name"] == name else n
+                                   for n in saved["nodes"]]}
+        with pytest.raises(ValueError, match=(
+                rf"not a valid plan: node {name}: dtype edited to 'float16' from {was}, but "
+                rf"{why}.* a plan does not decide it. Convert without plan= and with "
+                r"keep_io_types=False for outputs in the low dtype")):
+            mpgraph.Plan.from_dict(data)
+    train = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules",
+                            mode="train").plan.to_dict()
+    weight = next(n for n in train["nodes"] if n["op"] == "get_attr")
+    weight["dtype"] = "float16"
+    with pytest.raises(ValueError, match=rf"node {weight['name']}: dtype edited to 'float16' from "
+                       r"'float32', but a parameter or buffer is stored in the dtype of the nodes "
+                       r"that read it: a plan does not decide it. Edit the \"dtype\" of the nodes "
+                       r"that read it instead"):
+        mpgraph.Plan.from_dict(train)

@@ -420,6 +420,19 @@ NODE_DTYPES = (None, "float32") + LOW_DTYPES
 MODES = ("inference", "train")
 
 
+# records of nodes whose dtype no plan decides: why, and the way out (an edit of one was dropped)
+_IO = ("Convert without plan= and with keep_io_types=False for outputs in the low dtype "
+       "(mpgraph.convert(model, inputs, dtype=..., keep_io_types=False)), or edit the \"dtype\" "
+       "of the nodes that compute")
+_NOT_DECIDED = {
+    "placeholder": "a graph input is taken in the dtype it is given and cast where the nodes "
+                   f"reading it need: a plan does not decide it. {_IO}",
+    "output": "the graph output returns what its nodes compute (in the model's dtypes with "
+              f"keep_io_types): a plan does not decide it. {_IO}",
+    "get_attr": "a parameter or buffer is stored in the dtype of the nodes that read it: a plan "
+                "does not decide it. Edit the \"dtype\" of the nodes that read it instead",
+}
+
 _TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(NodeRecord) if f.type in ("str", str))
 
 
@@ -458,6 +471,9 @@ def _validate(data: dict, source: str) -> None:
         if d["dtype"] is None and d.get("decided") is not None:  # (the conversion decided it)
             fail(f"node {name}: dtype edited to null from {d['decided']!r}: a node that computes "
                  "in floating point is float32 or the plan's low dtype")
+        if "decided" in d and d["dtype"] != d["decided"] and d["op"] in _NOT_DECIDED:
+            fail(f"node {name}: dtype edited to {d['dtype']!r} from {d['decided']!r}, but "
+                 + _NOT_DECIDED[d["op"]])
     names = [d["name"] for d in data["nodes"]]
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
