@@ -802,3 +802,31 @@ def test_an_edit_of_an_input_output_or_parameter_record_is_refused(tmp_path):
                        r"that read it: a plan does not decide it. Edit the \"dtype\" of the nodes "
                        r"that read it instead"):
         mpgraph.Plan.from_dict(train)
+
+
+def _html_counts(plan) -> list[tuple[str, int, int]]:
+    """(title, nodes, low nodes) of each section of the plan's HTML report."""
+    return [(html.unescape(title), int(n), int(low)) for title, n, low in re.findall(
+        r"<summary>(.*?) — .*?· (\d+) nodes?, (\d+) low</span></summary>",
+        mpgraph.report(plan, "html"))]
+
+
+def test_html_sections_count_the_nodes_the_text_report_counts():
+    # before: "(top level) — 1 cast · 3 nodes, 1 low" counting the input and the output, where
+    # the text report says "(top level): 1 nodes, 1 low" (probe pC 10)
+    class TwoLayers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 10)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    two = mpgraph.convert(TwoLayers().eval(), torch.randn(32, 64), dtype="fp16", target=GPU).plan
+    assert _html_counts(two) == [("(top level)", 1, 1), ("fc1, fc2", 2, 2)]
+    blocks = mpgraph.convert(*_blocks(), dtype="fp16", target=GPU, strategy="rules").plan
+    counts = _html_counts(blocks)
+    assert sum(n for _, n, _ in counts) == len(blocks.compute_nodes) == \
+        sum(int(n) for n in re.findall(r"^== .*: (\d+) nodes", mpgraph.report(blocks), re.M))
+    assert sum(low for _, _, low in counts) == len(blocks.low_nodes)

@@ -409,16 +409,18 @@ def html_report(plan: Plan, measured: Optional[dict] = None) -> str:
     t = totals(plan)
     low = dtype_name(plan.dtype)
     sections, where = [], []
+    compute = {r.name for r in plan.compute_nodes}  # counted as the text report and summary do
     for i, (groups, nodes, read) in enumerate(_sections(plan, drawn)):
         title = html.escape(_section_title(groups))
-        n_low = len([r for r in nodes if r.dtype not in (None, "float32") and r.op.startswith("call_")])
+        counted = [r for r in nodes if r.name in compute]  # (not the inputs and output drawn)
+        n_low = len([r for r in counted if r.dtype != "float32"])
         count = (f'<span class="badge">{_plural(len(read), "cast")}</span>' if read
                  else '<span class="none">no casts</span>')
         if read:
             where.append(f'<a class="badge" href="#s{i}">{title}: {len(read)}</a>')
         sections.append(f'<details id="s{i}" class="section{" has-casts" if read else ""}" '
                         f'data-casts="{len(read)}"{" open" if read else ""}><summary>{title} — {count} '
-                        f'<span class="none">· {_plural(len(nodes), "node")}, {n_low} low</span></summary>'
+                        f'<span class="none">· {_plural(len(counted), "node")}, {n_low} low</span></summary>'
                         f'{_svg(nodes, casts, f"s{i}")}</details>')
     directions: OrderedDict[str, int] = OrderedDict()
     for c in plan.casts:
