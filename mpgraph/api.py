@@ -144,6 +144,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              mode="train" if opts.train else "inference", tolerance=report,
                              dtype_choice=chosen)
     found, mixed = _computes_low(model)
+    if opts.plan is not None:
+        _check_applied(opts.plan, record, type(model).__name__, found, mixed)
     if found and not mixed and not record.low_nodes:
         record = dataclasses.replace(record, kept_fp32=None, computes_in=f"{found}, its "
                                      "parameters' dtype", warning=(
@@ -261,8 +263,7 @@ def _computes_low(model: torch.nn.Module) -> tuple[str, str]:
 
 def _attach_plan(gm, record: Plan, opts: "Options", abstract) -> None:
     """The plan on the module, with its warnings; what keeps the module's tensors as planned
-    (dtypes kept on assignment, low copies in step with their float32 originals); a saved plan
-    checked as applied."""
+    (dtypes kept on assignment, low copies in step with their float32 originals)."""
     if opts.plan is None and opts.low is not None:  # a dtype the user named
         little = little_converted(record, opts.spec)
         if little:
@@ -291,19 +292,31 @@ def _attach_plan(gm, record: Plan, opts: "Options", abstract) -> None:
     if shared and abstract is None:  # low copies beside their originals, kept in step
         gm.weight_copies = WeightCopies(gm, shared)
         gm.meta["_user_preserved_attributes"]["weight_copies"] = gm.weight_copies
-    if opts.plan is not None:
-        # a node the plan puts low against a numeric-safety finding stays float32, and an item
-        # of a multi-output op comes out in that op's dtype (AssignPrecision warned): that is
-        # the plan applied, not a mismatch
-        differ = []
-        for r in _to_match(opts.plan, {x.name for x in gm.plan.nodes}):
-            got = gm.plan.node(r.name)
-            if got.dtype != r.dtype and not (got.safety and got.dtype == "float32") \
-                    and not got.reason.startswith("an item of "):
-                differ.append(f"{r.name}: the plan says {r.dtype}, the conversion gave "
-                              f"{got.dtype} ({got.reason})")
-        if differ:
-            raise PlanMismatchError(differ)
+
+
+def _check_applied(plan: Plan, record: Plan, name: str, found: str, mixed: str) -> None:
+    """A PlanMismatchError unless the conversion gave each node the saved plan's dtype; where
+    nodes have no float32 tensors because the model computes in another dtype (``found``,
+    ``mixed``: _computes_low's), it says so once, with the way out, before the nodes."""
+    # a node the plan puts low against a numeric-safety finding stays float32, and an item
+    # of a multi-output op comes out in that op's dtype (AssignPrecision warned): that is
+    # the plan applied, not a mismatch
+    differ, unplanned = [], False
+    for r in _to_match(plan, {x.name for x in record.nodes}):
+        got = record.node(r.name)
+        if got.dtype != r.dtype and not (got.safety and got.dtype == "float32") \
+                and not got.reason.startswith("an item of "):
+            differ.append(f"{r.name}: the plan says {r.dtype}, the conversion gave "
+                          f"{got.dtype} ({got.reason})")
+            unplanned |= got.dtype is None
+    if differ and found and unplanned:  # (a plan applied to the model loaded in bf16: pC 11)
+        where = f" where its parameters are ({mixed})" if mixed else ""
+        differ.insert(0, f"{name} computes in {found}{where}, not float32: the plan decides its "
+                         f"float32 nodes, and those nodes have none here. Apply it to the model "
+                         f"in float32: mpgraph.convert(model.float(), inputs, plan=plan), with "
+                         f"float32 inputs")
+    if differ:
+        raise PlanMismatchError(differ)
 
 
 def _tied_parameters(gm, record: Plan) -> tuple:

@@ -1,4 +1,5 @@
 """Reports, saved plans, overrides, diffs and `mpgraph inspect`."""
+import copy
 import dataclasses
 import html
 import json
@@ -9,6 +10,7 @@ import re
 import shutil
 import struct
 import subprocess
+import warnings
 import zlib
 
 import pytest
@@ -218,6 +220,28 @@ def test_a_plan_made_in_training_mode_applied_in_eval_mode_says_so():
                                                         r"training mode .*\(model\.train\(\)\)"):
         mpgraph.convert(model.eval(), x, plan=plan)
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_plan_applied_to_the_model_in_another_dtype_says_so_once(dtype):
+    # before: a line per node, "fc1: the plan says float16, the conversion gave None (no float32
+    # tensors)", never naming the model's dtype nor model.float() (probe pC 11)
+    model, x = _blocks()
+    plan = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules").plan
+    other = copy.deepcopy(model).to(dtype)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(mpgraph.PlanMismatchError) as err:
+            mpgraph.convert(other, x.to(dtype), plan=plan)
+    lines = err.value.mismatches
+    assert lines[0] == (f"Blocks computes in {str(dtype)[6:]}, not float32: the plan decides its "
+                        "float32 nodes, and those nodes have none here. Apply it to the model in "
+                        "float32: mpgraph.convert(model.float(), inputs, plan=plan), with float32 "
+                        "inputs")
+    assert sum("computes in" in line for line in lines) == 1
+    assert len(lines) == 1 + len(plan.compute_nodes)  # (then each node, as before)
+    assert not [w for w in said if "computes in" in str(w.message)]  # (the error says it)
+    again = mpgraph.convert(other.float(), x, plan=plan)  # the way out applies it
+    assert [(r.name, r.dtype) for r in again.plan.nodes] == [(r.name, r.dtype) for r in plan.nodes]
 
 def test_a_plan_for_another_model_is_a_clear_error():
     model, x = _blocks()
