@@ -248,12 +248,15 @@ def _refuse_converted(model) -> None:
 
 
 def _computes_low(model: torch.nn.Module) -> tuple[str, str]:
-    """The low floating dtypes of a model's parameters (one loaded with
-    torch_dtype=torch.bfloat16; its float32 buffers, such as rotary inv_freq, do not count), as
-    text, "" where none is low; and where float32 ones sit beside them (a bf16 base model's
-    float32 LoRA adapters), how many of them are low ("6 of 10"), else ""."""
+    """The dtypes other than float32 a model computes in, by its parameters (one loaded with
+    torch_dtype=torch.bfloat16, or a model.double(); its float32 buffers, such as rotary
+    inv_freq, do not count), as text, "" where none; and where float32 ones sit beside low ones
+    (a bf16 base model's float32 LoRA adapters), how many of them are low ("6 of 10"), else "".
+    (A float64 parameter beside float32 ones, a learnt scale, is the model's own: planned around.)"""
     floats = [t for t in model.parameters() if t.is_floating_point()]
     low = [t for t in floats if t.dtype in (torch.float16, torch.bfloat16)]
+    if not low and not any(t.dtype == torch.float32 for t in floats):
+        low = [t for t in floats if t.dtype == torch.float64]  # nothing float32 to plan either
     if not low:
         return "", ""
     found = " and ".join(sorted({dtype_name(t.dtype) for t in low}))

@@ -963,6 +963,25 @@ class LoraOnBf16(nn.Module):
         return self.out(torch.relu(r.to(torch.bfloat16)))
 
 
+def test_a_float64_model_is_returned_as_it_computes_with_a_warning():
+    # before: dtype="fp16" named, nothing converted and no warning, where a bf16/fp16 model gets
+    # one (probe pC 12); a float64 parameter beside float32 ones stays the model's own, unsaid
+    torch.manual_seed(0)
+    model, x = TwoLayers().eval().double(), torch.randn(4, 8, dtype=torch.float64)
+    for options in ({"dtype": "fp16", "target": GPU}, {"dtype": "bf16", "target": GPU}):
+        with pytest.warns(UserWarning, match=r"^TwoLayers computes in float64, not float32: .* "
+                                             r"Convert model\.float\(\) to plan its mixed "
+                                             r"precision$"):
+            fast = mpgraph.convert(model, x, **options)
+        assert fast.plan.summary().startswith("warning: TwoLayers computes in float64")
+        assert not fast.plan.low_nodes and fast.plan.computes_in == "float64, its parameters' dtype"
+        assert torch.equal(fast(x), model(x))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mpgraph.convert(Float64Scale().eval(), torch.randn(8, 64), dtype="fp16", target=GPU,
+                        strategy="rules")
+    assert not [w for w in said if "computes in" in str(w.message)]
+
 def test_a_bf16_model_with_float32_adapters_is_planned_and_checked_as_it_computes():
     """The add of the model's own bf16 value and the adapter's (planned fp16) was planned fp16,
     where torch promotes bf16 with fp16 to float32: ConversionError "does not match its plan"

@@ -221,7 +221,7 @@ def test_a_plan_made_in_training_mode_applied_in_eval_mode_says_so():
         mpgraph.convert(model.eval(), x, plan=plan)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_a_plan_applied_to_the_model_in_another_dtype_says_so_once(dtype):
     # before: a line per node, "fc1: the plan says float16, the conversion gave None (no float32
     # tensors)", never naming the model's dtype nor model.float() (probe pC 11)
