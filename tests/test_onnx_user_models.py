@@ -469,3 +469,33 @@ def test_the_torchscript_fallback_names_inputs_by_argument_and_keeps_them_dynami
         want = model(*other)
     for g, w in zip(got, want):
         assert relative_l2(torch.from_numpy(g).float(), w) < 5e-3
+
+
+class _PaddedMHA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha, self.out = nn.MultiheadAttention(32, 4, batch_first=True), nn.Linear(32, 8)
+
+    def forward(self, x, pad):
+        return self.out(self.mha(x, x, x, key_padding_mask=pad, need_weights=False)[0])
+
+
+def test_a_file_onnxruntime_crashes_on_names_the_static_export_that_it_runs(tmp_path):
+    """onnxruntime 1.31 crashes (SIGSEGV) on the dynamic-shape file of nn.MultiheadAttention
+    given a key_padding_mask, at opset 23 and 18: the error said only "crashed; nothing is
+    written" (probe pB F1). It names dynamic_shapes=None, whose file runs."""
+    torch.manual_seed(0)
+    model = _PaddedMHA().eval()
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, 5:] = True
+    example = (torch.randn(2, 8, 32), pad)
+    try:
+        result = mpgraph.export_onnx(model, example, str(tmp_path / "dyn.onnx"), dtype="fp16")
+    except mpgraph.ExportError as e:  # (the crash, with the way out)
+        assert "crashed" in str(e) and "dynamic_shapes=None" in str(e), str(e)
+        assert not list(tmp_path.iterdir())
+    else:  # (an onnxruntime that runs it: the file is checked as any other)
+        assert max(result.validation.err_vs_fp32) < tolerance_of(result.plan)
+    static = mpgraph.export_onnx(model, example, str(tmp_path / "static.onnx"), dtype="fp16",
+                                 dynamic_shapes=None)
+    assert max(static.validation.err_vs_fp32) < tolerance_of(static.plan)

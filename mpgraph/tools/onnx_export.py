@@ -760,6 +760,13 @@ def export_onnx(model_or_converted: torch.nn.Module, example_inputs: Any, path: 
                 if not pins or reference is None:
                     way = (f"; convert it with overrides={{{', '.join(repr(p) + ': ' + repr('fp32') for p in pins)}}} "
                            "and export that" if pins else "")
+                    if not pins and "crashed" in str(failed) and dynamic_shapes is not None:
+                        # (1.31 on nn.MultiheadAttention with a key_padding_mask: probe pB F1)
+                        way = ("; onnxruntime's optimiser crashes on some files of dynamic "
+                               "shapes (1.31: nn.MultiheadAttention given a key_padding_mask, at "
+                               "opset 23 and 18): export_onnx(..., dynamic_shapes=None) writes "
+                               "the example's shapes, which it runs; or run the file with "
+                               "graph_optimization_level=ORT_ENABLE_BASIC (mpgraph.ort_session)")
                     raise ExportError(f"{failed}; nothing is written{way}") from None
                 fallbacks.append(f"kept float32: {', '.join(pins)} ({_RUNTIME_PIN_WHY}: {failed})")
                 log.warning("%s", fallbacks[-1])
