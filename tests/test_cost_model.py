@@ -72,11 +72,13 @@ def test_cpu_micro_benchmark_times_cpu_float32_whatever_the_caller_s_defaults(mo
     finally:
         torch.set_default_dtype(default)
         torch.set_float32_matmul_precision(precision)
-    assert precisions[:3] == ["highest"] * 3
+    rates = 3 * device.ROUNDS  # (interleaved rounds, the best of each dtype kept)
+    assert precisions[:rates] == ["highest"] * rates
     tensors = [t for r in timed for t in (r if isinstance(r, list) else [r])]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
-    assert [t.dtype for t in timed[:3]] == [torch.float32, torch.bfloat16, torch.float16]
-    assert all(t.dtype == torch.float32 for t in tensors[3:])
+    assert [t.dtype for t in timed[:rates]] == [torch.float32, torch.bfloat16,
+                                                torch.float16] * device.ROUNDS
+    assert all(t.dtype == torch.float32 for t in tensors[rates:])
     assert data["bandwidth"] == 2 * 16 * 1024 * 1024 * 4 / 1.0
     # a cache file with a rate no CPU has, or damaged values, is measured again and rewritten
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
