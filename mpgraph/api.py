@@ -21,6 +21,7 @@ from mpgraph.cost.model import CostModel
 from mpgraph.cost.roofline import RUNTIMES, Roofline, read_calibration
 from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
+from mpgraph.passes.assign_precision import PINNED_BY_SEARCH
 from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, stage
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
@@ -713,7 +714,7 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
         passes = default_pipeline(low, args, kwargs, costs=costs, spec=opts.spec,
                                   strategy=opts.strategy, keep_io_types=opts.keep_io_types,
                                   op_table=opts.table,
-                                  overrides={**opts.overrides, **(pins or {})},
+                                  overrides=opts.overrides, pins=pins,
                                   keep_fp32=keep_fp32, check=opts.check,
                                   range_dtype=range_dtype, from_plan=from_plan, train=opts.train,
                                   simulate=simulate, tolerance=opts.tolerance)
@@ -740,14 +741,14 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
     if chosen is not None and chosen["candidates"] and not any(
             (d := n.meta.get(PRECISION)) is not None and d.dtype in LOW_DTYPES
             and n.op.startswith("call_") for n in gm.graph.nodes):
-        matmuls = [n.meta[PRECISION].reason for n in gm.graph.nodes
+        matmuls = [(n.name, n.meta[PRECISION].reason) for n in gm.graph.nodes
                    if n.op.startswith("call_") and n.meta.get(PRECISION) is not None
                    and getattr(n.meta.get(OP_CLASS), "op_class", None) == TENSOR_CORE]
-        if matmuls and all(r.startswith("user override") for r in matmuls):
-            keys = sorted({r[len("user override ("):-1] for r in matmuls})
-            pinned = {repr(name) for name, _ in (report or {}).get("pinned", ())} \
-                - {repr(key) for key in opts.overrides}
-            theirs, pins = [k for k in keys if k not in pinned], [k for k in keys if k in pinned]
+        if matmuls and all(r.startswith(("user override", PINNED_BY_SEARCH)) for _, r in matmuls):
+            theirs = sorted({r[len("user override ("):-1] for _, r in matmuls
+                             if r.startswith("user override")})
+            pins = sorted(repr(name) for name, r in matmuls if r.startswith(PINNED_BY_SEARCH))
+            keys = sorted(theirs + pins)
             if theirs and pins:
                 keep_fp32 = (f"the overrides ({', '.join(theirs)}) and the tolerance search's "
                              f"pins ({', '.join(pins)}) keep every matmul/conv in float32")

@@ -237,7 +237,7 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
     """The first plan whose error meets ``tolerance``, and the report of the search.
 
     ``base`` is the float32 graph, ``build(pins)`` converts a fresh copy with the given node
-    names pinned to float32, ``first`` is the plan without pins.
+    names (-> the error attributed to each) pinned to float32, ``first`` is the plan without pins.
     """
     references = [_call(base, c) for c in calls]
     for i, ref in enumerate(references):
@@ -260,7 +260,7 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
     def measure(pinned: dict):
         nonlocal rounds
         rounds += 1
-        g = build({name: "fp32" for name in pinned})
+        g = build(dict(pinned))
         e = _error([_call(g, c, simulate) for c in calls], references)
         e = math.inf if math.isnan(e) else e
         log.info("tolerance %g: round %d, %d nodes pinned, error %.3g", tolerance, rounds,

@@ -48,6 +48,8 @@ FP32 = torch.float32
 # convert decides one captured graph several times (once per candidate dtype, then for the plan):
 # an override that matches no node is warned about once per graph, not once per decision
 _UNMATCHED_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> keys warned
+# the reason of a node the tolerance search pinned (api reads it apart from the user's overrides)
+PINNED_BY_SEARCH = "pinned to float32 by the tolerance search"
 _METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                   "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
                   "bool": torch.bool}
@@ -130,6 +132,9 @@ class AssignPrecision(Pass):
     ("class:tensor_core"); "node:" and a node name where a module has that name too. A module
     path covers its submodules. A key that matches no node is a warning naming it. ``from_plan`` maps
     node names to (dtype name, reason) of a saved plan: applied like node-name overrides.
+    ``pins`` maps node names to the error the tolerance search attributed to them: float32 over
+    any override, as the stated tolerance needs (merged into the overrides, a pin tied with a
+    user's glob on a top-level layer and lost, and the search counted it pinned).
     """
     stage = "decide"
     reads, reads_on, writes = (TENSOR, OP_CLASS), ALL_NODES, (PRECISION, ESTIMATE)
@@ -138,7 +143,8 @@ class AssignPrecision(Pass):
     def __init__(self, low_dtype: torch.dtype, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                  range_dtype: Optional[torch.dtype] = None, from_plan: Optional[dict] = None,
-                 train: bool = False, kernels: Optional[str] = None):
+                 train: bool = False, kernels: Optional[str] = None,
+                 pins: Optional[dict] = None):
         self.keep_fp32 = keep_fp32  # a reason to keep every node in float32 (dtype="auto")
         # the target kind whose kernel contracts the plan keeps ("cpu", "gpu", "onnx"; see
         # op_table.KERNEL_KINDS); None: a plan every target's kernels accept
@@ -149,6 +155,7 @@ class AssignPrecision(Pass):
         self.keep_io_types = keep_io_types
         self.overrides = dict(overrides or {})
         self.from_plan = dict(from_plan or {})
+        self.pins = dict(pins or {})
         # training: parameters stay float32 masters, cast once per forward for low readers
         self.train = train
         for key, value in self.overrides.items():
@@ -167,7 +174,7 @@ class AssignPrecision(Pass):
                              f"got {value!r}") from None
 
     def _override(self, node) -> Optional[tuple[torch.dtype, str]]:
-        """(dtype, why) when a saved plan or a user override decides this node."""
+        """(dtype, why) when a saved plan, a tolerance pin or a user override decides this node."""
         if node.name in self.from_plan:
             name, reason = self.from_plan[node.name]
             return self._dtype_of(node.name, name), f"saved plan: {reason.removeprefix('saved plan: ')}"
@@ -191,11 +198,18 @@ class AssignPrecision(Pass):
 
         hits = sorted((rank, i, key) for i, key in enumerate(self.overrides)
                       if (rank := specificity(key)) is not None)
+        self._matched.update(k for _, _, k in hits)  # (a key a more specific one shadows matched)
+        key = hits[0][2] if hits else None
+        dtype = self._dtype_of(key, self.overrides[key]) if hits else None
+        if node.name in self.pins:
+            why = f"{PINNED_BY_SEARCH} (attributed error {self.pins[node.name]:.2g})"
+            if dtype is not None and dtype != FP32:
+                why += f"; over the user override ({key!r}) to {dtype_name(dtype)}"
+                log.info("%s: %s", node.name, why)
+            return FP32, why
         if not hits:
             return None
-        self._matched.update(k for _, _, k in hits)  # (a key a more specific one shadows matched)
-        key = hits[0][2]
-        return self._dtype_of(key, self.overrides[key]), f"user override ({key!r})"
+        return dtype, f"user override ({key!r})"
 
     @staticmethod
     def _safety_reason(node, rules=("range", "underflow", "constant", "weight",

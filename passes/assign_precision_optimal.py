@@ -44,9 +44,10 @@ class AssignPrecisionOptimal(AssignPrecision):
     def __init__(self, low_dtype: torch.dtype, kernels: Kind, keep_io_types: bool = True,
                  overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                  range_dtype: Optional[torch.dtype] = None,
-                 from_plan: Optional[dict] = None, train: bool = False):
+                 from_plan: Optional[dict] = None, train: bool = False,
+                 pins: Optional[dict] = None):
         super().__init__(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype, from_plan, train,
-                         kernels=Kind(kernels))  # "cpu", "gpu", "onnx"; a CostModel is refused
+                         kernels=Kind(kernels), pins=pins)  # "cpu", "gpu", "onnx"; a CostModel is refused
 
     def requires(self, gm):
         super().requires(gm)  # TENSOR and OP_CLASS on every node; and what it prices:

@@ -47,18 +47,20 @@ def decide_pipeline(low_dtype: torch.dtype, *, costs: CostModel, spec: DeviceSpe
                     strategy: str = "optimal", keep_io_types: bool = True,
                     op_table: Optional[OpTable] = None, overrides: Optional[dict] = None,
                     keep_fp32: Optional[str] = None, range_dtype: Optional[torch.dtype] = None,
-                    from_plan: Optional[dict] = None, train: bool = False) -> list[Pass]:
+                    from_plan: Optional[dict] = None, train: bool = False,
+                    pins: Optional[dict] = None) -> list[Pass]:
     """The analysis and decision passes: op classes, safety findings, costs, a dtype per node.
-    They write node meta only, so a caller can run them once per candidate dtype."""
+    They write node meta only, so a caller can run them once per candidate dtype. ``pins``: the
+    tolerance search's (node name -> attributed error), float32 over any override."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "optimal":
         decide: Pass = AssignPrecisionOptimal(low_dtype, costs.kind, keep_io_types, overrides, keep_fp32,
                                               range_dtype=range_dtype, from_plan=from_plan,
-                                              train=train)
+                                              train=train, pins=pins)
     else:
         decide = AssignPrecision(low_dtype, keep_io_types, overrides, keep_fp32, range_dtype,
-                                 from_plan, train, kernels=costs.kind)
+                                 from_plan, train, kernels=costs.kind, pins=pins)
     return [
         ClassifyOps(low_dtype, op_table),     # analysis: op class per node
         NumericSafety(low_dtype, range_dtype=range_dtype),  # analysis: fp32 findings, evidence
@@ -74,15 +76,17 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
                      overrides: Optional[dict] = None, keep_fp32: Optional[str] = None,
                      check: Union[bool, str] = True, range_dtype: Optional[torch.dtype] = None,
                      from_plan: Optional[dict] = None, train: bool = False,
-                     simulate: bool = False, tolerance: Optional[float] = None) -> list[Pass]:
+                     simulate: bool = False, tolerance: Optional[float] = None,
+                     pins: Optional[dict] = None) -> list[Pass]:
     """Passes after capture and ``prepare_pipeline``: decide, then rewrite, then verify.
     ``range_dtype`` (bf16 beside fp16) computes the nodes fp16's range keeps out of fp16;
     ``simulate``: the check computes as the target would (a GPU plan checked on a CPU);
-    ``tolerance``: the value check's bound, met by the tolerance search that follows."""
+    ``tolerance``: the value check's bound, met by the tolerance search that follows; ``pins``:
+    the nodes that search keeps float32 (decide_pipeline)."""
     passes = decide_pipeline(low_dtype, costs=costs, spec=spec, strategy=strategy,
                              keep_io_types=keep_io_types, op_table=op_table, overrides=overrides,
                              keep_fp32=keep_fp32, range_dtype=range_dtype, from_plan=from_plan,
-                             train=train)
+                             train=train, pins=pins)
     passes += [
         *([] if train else [StoreWeights(low_dtype, keep_io_types)]),  # rewrite: weights stored once
         *([StoreWeights(range_dtype, keep_io_types)] if range_dtype and not train else []),  # bf16

@@ -367,6 +367,52 @@ def test_a_tolerance_met_by_pinning_every_matmul_says_so_not_the_overrides():
            "every matmul/conv in float32" in fast.plan.summary()
 
 
+class TopLevelMlp(nn.Module):
+    """Layers at the top level: under torch.fx a node's name is its module path ("fc1")."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(64, 128), nn.Linear(128, 128), nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+@pytest.mark.parametrize("key", ["fc*", "node:fc1"])
+def test_tolerance_pins_take_effect_over_a_users_override_to_low(key):
+    """Before: the search's pins were merged into the overrides, and a pin on "fc1" (a node name
+    that is also a module path) tied with the user's "fc*" (or lost to "node:fc1"), the user's
+    key first: nothing was pinned, and the ToleranceError said "with 3 nodes pinned to float32
+    and no float16 node left to pin"."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    fast = mpgraph.convert(TopLevelMlp().eval(), (x,), dtype="fp16", target=GPU,
+                           overrides={key: "low"}, tolerance=1e-7)
+    pinned = [name for name, _ in fast.plan.tolerance["pinned"]]
+    assert "fc1" in pinned and fast.plan.tolerance["error"] <= 1e-7
+    for name in pinned:
+        assert fast.plan.node(name).dtype == "float32"
+    reason = fast.plan.node("fc1").reason
+    assert reason.startswith("pinned to float32 by the tolerance search (attributed error ")
+    assert reason.endswith(f"; over the user override ({key!r}) to float16")
+
+
+def test_a_tolerance_pin_says_the_search_pinned_it_in_reasons_report_and_diff():
+    """Before: every pin read "user override ('_0')" where the user gave no overrides."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).eval()
+    x = torch.randn(8, 64)
+    fast = convert_rules(model, (x,), tolerance=1e-6)
+    assert [name for name, _ in fast.plan.tolerance["pinned"]] == ["_2", "_0"]
+    said = "pinned to float32 by the tolerance search (attributed error "
+    for name, share in fast.plan.tolerance["pinned"]:
+        assert fast.plan.node(name).reason == f"{said}{share:.2g})"
+    text = mpgraph.report(fast)
+    assert text.count(said) == 2 and "user override" not in text
+    changed = mpgraph.diff(convert_rules(model, (x,)).plan, fast.plan).changed
+    assert sorted(c.name for c in changed if c.reason_b.startswith(said)) == ["_0", "_2"]
+
+
 def test_a_rules_plan_states_its_own_estimate_not_the_optimal_plans():
     """Before: a rules plan whose dtype the cost model chose stated the estimate of the optimal
     plan the choice had priced (here 1.00x, where its own fp16 layer and two casts, at the
