@@ -366,20 +366,37 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
     """Why an explicit dtype converted under half of the matmul/conv work, and the way out; None
     when it converted more, or when only the user's own overrides and pins kept it float32."""
     work = [r for r in plan.compute_nodes if r.op_class == "tensor_core"]
-    if not work:
-        return None
     low = dtype_name(plan.dtype)
-    flops = sum(r.flops or 1.0 for r in work)
-    share = sum(r.flops or 1.0 for r in work if r.dtype != "float32") / flops
-    kept = [r for r in work if r.dtype == "float32"]
+
+    def share(records) -> float:
+        flops = sum(r.flops or 1.0 for r in records)
+        return sum(r.flops or 1.0 for r in records if r.dtype != "float32") / flops
+
+    # what the user's overrides and the tolerance search's pins keep float32 is theirs: named
+    # apart, and the rest judged alone (a pooler kept for its casts warned over 14 matmuls the
+    # overrides kept, blamed on cost, with strategy='rules' as the way out)
+    theirs = [r for r in work if r.dtype == "float32" and r.reason.startswith("user override")]
+    pinned = [r for r in work if r.dtype == "float32" and r.reason.startswith(PINNED_BY_SEARCH)]
+    rest = [r for r in work if r not in theirs and r not in pinned]
+    if not rest or share(rest) >= LITTLE:
+        return None
+    kept = [r for r in rest if r.dtype == "float32"]
     slower = [r for r in kept if r.reason.startswith("cost:") and r.t_low is not None
               and r.t_fp32 is not None and r.t_low >= r.t_fp32]
     casts = [r for r in kept if r.reason.startswith("cost:") and r not in slower]
     safety = [r for r in kept if r.safety]
-    if share >= LITTLE or not (slower or casts or safety):
+    if not (slower or casts or safety):
         return None
-    text = (f"dtype={low} converted {len(work) - len(kept)} of {len(work)} matmul/conv nodes "
-            f"({share:.0%} of their FLOPs) for {spec.name}")
+    converted = sum(r.dtype != "float32" for r in work)
+    text = (f"dtype={low} converted {converted} of {len(work)} matmul/conv nodes "
+            f"({share(work):.0%} of their FLOPs) for {spec.name}")
+    held = []
+    if theirs:
+        held.append(f"your overrides keep {len(theirs)} float32 ({_names(theirs)})")
+    if pinned:
+        held.append(f"the tolerance search pinned {len(pinned)} to float32 ({_names(pinned)})")
+    if held:  # (what they keep first, then why the rest stayed float32)
+        text += f": {'; '.join(held)}; of the other {len(rest)},"
     why = []
     # a GPU without Tensor Cores for the dtype (a T4 or V100 and bf16): no strategy makes it pay
     missing = spec.kind == Kind.GPU and spec.matmul_peak(plan.dtype) is None
@@ -410,11 +427,21 @@ def little_converted(plan: Plan, spec: DeviceSpec) -> Optional[str]:
         way.append(f"use dtype='{has[0]}', which its Tensor Cores run" if has else
                    "keep float32 there")
     elif slower or casts:
-        way.append(f"to put every matmul/conv in {low} whatever it costs there, strategy='rules'")
+        which = f"the {len(slower) + len(casts)} the cost model kept" if held \
+            else "every matmul/conv"
+        way.append(f"to put {which} in {low} whatever it costs there, strategy='rules'")
     if safety:
         way.append("the safety findings hold in any plan (their evidence is in the plan)")
+    if pinned:
+        way.append(f"a looser tolerance than {plan.tolerance['tolerance']:g} pins fewer")
     way_out = "; ".join(way)
-    return f"{text}: {'; '.join(why)}. {way_out[0].upper()}{way_out[1:]}."
+    return f"{text}{' ' if held else ': '}{'; '.join(why)}. {way_out[0].upper()}{way_out[1:]}."
+
+
+def _names(records, most: int = 4) -> str:
+    """The first ``most`` node names, and how many more."""
+    names = ", ".join(r.name for r in records[:most])
+    return names + (f" and {len(records) - most} more" if len(records) > most else "")
 
 
 def calibration_warning(plan: Plan, constant: tuple) -> Optional[str]:

@@ -214,6 +214,61 @@ def test_explicit_dtype_that_converts_little_says_why_once_with_the_way_out():
     assert gm.plan.kept_fp32 and "kept float32" in gm.plan.summary()
 
 
+def _three_linears():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
+                         nn.Linear(128, 64)).eval(), torch.randn(8, 64)
+
+
+def _little(**options) -> tuple:
+    model, x = _three_linears()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = mpgraph.convert(model, (x,), dtype="fp16", target="a100", **options).plan
+    said = [str(w.message) for w in caught if "matmul/conv nodes" in str(w.message)]
+    assert said == ([plan.warning] if plan.warning else [])
+    return said, plan
+
+
+def test_converting_little_names_what_the_overrides_keep_apart_from_what_cost_kept():
+    """Before: "converted 0 of 3 ...: 1 are too small to pay for their casts. To put every
+    matmul/conv in float16 whatever it costs there, strategy='rules'", the 2 the user's
+    overrides kept float32 unmentioned and blamed on cost."""
+    said, plan = _little(overrides={"2": "fp32", "4": "fp32"})
+    assert said == ["dtype=float16 converted 0 of 3 matmul/conv nodes (0% of their FLOPs) for "
+                    "NVIDIA A100 80GB SXM: your overrides keep 2 float32 (_2, _4); of the other "
+                    "1, 1 are too small to pay for their casts. To put the 1 the cost model kept "
+                    "in float16 whatever it costs there, strategy='rules'."]
+    # half the rest converted: nothing to warn of (before: "converted 1 of 3 ... (25% of their
+    # FLOPs)", the share counting the FLOPs the override kept)
+    said, plan = _little(overrides={"2": "fp32"})
+    assert said == [] and plan.node("_4").dtype == "float16"
+
+
+def test_converting_little_names_the_tolerance_pins_and_points_to_a_looser_tolerance():
+    """Before: the warning blamed cost for the search's pins ("... too small to pay for their
+    casts") and named strategy='rules' alone as the way out."""
+    _, plan = _little(overrides={"2": "fp32", "4": "fp32"})  # _0 kept float32 by its casts
+    said = "pinned to float32 by the tolerance search (attributed error 2e-04)"
+    pinned = dataclasses.replace(plan, tolerance={"tolerance": 1e-7, "pinned": []}, nodes=[
+        dataclasses.replace(r, reason=said) if r.name in ("_2", "_4") else r
+        for r in plan.nodes])
+    assert little_converted(pinned, GPU_SPECS["a100-80gb"]) == (
+        "dtype=float16 converted 0 of 3 matmul/conv nodes (0% of their FLOPs) for NVIDIA A100 "
+        "80GB SXM: the tolerance search pinned 2 to float32 (_2, _4); of the other 1, 1 are too "
+        "small to pay for their casts. To put the 1 the cost model kept in float16 whatever it "
+        "costs there, strategy='rules'; a looser tolerance than 1e-07 pins fewer.")
+    # the search's own pins, as convert words them (which and how many: its attribution's)
+    said, plan = _little(tolerance=1e-7)
+    pins = [r.name for r in plan.compute_nodes if r.op_class == "tensor_core"
+            and r.reason.startswith("pinned to float32 by the tolerance search")]
+    assert pins and sorted(pins) == sorted(name for name, _ in plan.tolerance["pinned"])
+    assert said or len(pins) == 3  # (a warning where a matmul is left to the cost model)
+    for text in said:
+        assert f"the tolerance search pinned {len(pins)} to float32 ({', '.join(pins)}); " \
+               f"of the other {3 - len(pins)}, " in text and "every matmul/conv" not in text
+
+
 def _sandwich(n):
     return nn.Sequential(nn.LayerNorm(n), nn.Linear(n, n), nn.LayerNorm(n)).eval()
 
