@@ -78,6 +78,19 @@ def _hooked_leaf(node: torch.fx.Node, gm: torch.fx.GraphModule, low: torch.dtype
             f"{dtype_name(low)} where the hooks keep the dtype)")
 
 
+def _torch_module(node: torch.fx.Node) -> str:
+    """"nn.linear" for a torch.export node computed inside an nn.Linear (the innermost module
+    of its ``nn_module_stack``, one of torch.nn's), "" otherwise: an ``op:nn.Linear`` override
+    covers the Linear's aten ops as it covers the module call under torch.fx (it matched none
+    in a torch.export graph: probe pC 9)."""
+    stack = node.meta.get("nn_module_stack") if node.op == "call_function" else None
+    if not stack:
+        return ""
+    kind = list(stack.values())[-1][1]
+    name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
+    return f"nn.{name.rpartition('.')[2]}".lower() if name.startswith("torch.nn.") else ""
+
+
 def _op_name(node: torch.fx.Node) -> str:
     """The op table's name of what ``node`` calls ("" for none)."""
     target = node.target
@@ -181,7 +194,7 @@ class AssignPrecision(Pass):
         path, info = module_path(node), node.meta[OP_CLASS]
         # (and the op table's name of it, the same under either capture: nn.MaxPool2d under
         # torch.fx and aten.max_pool2d under torch.export are both 'max_pool2d')
-        ops = {info.key.lower(), target_name(node).lower(), _op_name(node)}
+        ops = {info.key.lower(), target_name(node).lower(), _op_name(node), _torch_module(node)}
 
         def specificity(key: str) -> Optional[tuple[int, int]]:
             if key == f"node:{node.name}" or (key == node.name and key not in self._modules):

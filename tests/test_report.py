@@ -293,6 +293,13 @@ def test_an_op_override_by_the_op_table_s_name_matches_under_either_capture():
                              overrides={"op:relu": "fp32"}, **capture)
         relus = [r for r in gm.plan.compute_nodes if r.module.endswith(".1")]
         assert len(relus) == 3 and all(r.dtype == "float32" for r in relus), gm.plan.capture
+    # and by the module class, as README's "op:nn.Linear": it matched nothing under torch.export
+    # (the aten.linear inside an nn.Linear: probe pC 9)
+    for capture in ({}, {"mode": "train"}):
+        gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules", target=GPU,
+                             overrides={"op:nn.Linear": "fp32"}, **capture)
+        linears = [r for r in gm.plan.compute_nodes if r.op_class == "tensor_core"]
+        assert len(linears) == 4 and all(r.dtype == "float32" for r in linears), gm.plan.capture
 
 
 def test_override_that_matches_nothing_is_a_warning_naming_it(caplog):
