@@ -499,3 +499,16 @@ def test_a_file_onnxruntime_crashes_on_names_the_static_export_that_it_runs(tmp_
     static = mpgraph.export_onnx(model, example, str(tmp_path / "static.onnx"), dtype="fp16",
                                  dynamic_shapes=None)
     assert max(static.validation.err_vs_fp32) < tolerance_of(static.plan)
+
+
+def test_a_plan_cast_the_exporter_folds_into_a_low_initializer_is_no_difference(tmp_path):
+    """weight_norm's weight, computed from weights alone and cast to fp16 by the plan, becomes
+    an fp16 initializer in the file: the export warned "Cast nodes in the file differ from the
+    plan: plan cast ... has no Cast in the file" where the file carries out the plan (probe pB
+    F5, HF's Wav2Vec2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)), nn.GELU(),
+                          nn.Linear(64, 8)).eval()
+    result = _export(model, (torch.randn(16, 64),), str(tmp_path / "wn.onnx"), dtype="fp16")
+    assert result.plan.casts and result.cast_differences == []
+    assert max(result.validation.err_vs_fp32) < tolerance_of(result.plan)
