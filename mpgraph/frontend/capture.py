@@ -426,7 +426,9 @@ def capture(model: torch.nn.Module, example_inputs: Any = None,
         raise CaptureError({"copy.deepcopy": "the model must be deep-copyable so that it is never "
                                              "modified: " + _brief(e)}) from e
     own_parametrizations(work)
-    own_closures(work, memo, model)
+    own = own_closures(work, memo)
+    if training:
+        keep_parameter_hooks(model, memo, own)
     with _parametrizations_uncached():
         return _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract,
                              observe, dynamic, training)
@@ -665,16 +667,15 @@ def computed_attributes(model: torch.nn.Module) -> dict:
 _WALKED_ITEMS = 1000
 
 
-def own_closures(work: torch.nn.Module, memo: dict, model: torch.nn.Module) -> None:
+def own_closures(work: torch.nn.Module, memo: dict):
     """Rebind the functions the copy's modules hold (``self.fn = lambda t: self.l(t)`` set in
     ``__init__``, a forward hook closing over the model) to the copy: deepcopy shares functions,
     so the copy's closures still read the user's model, whose weights the tracers then froze
     into the graph as constants (a ``load_state_dict`` into the converted module was ignored)
     or shared with it. Reached: a module attribute or hook, and two levels into what deepcopy
     copied there (a list, tuple or dict, a ``functools.partial``'s function and arguments, an
-    object's attributes). ``memo``: deepcopy's, the user's objects to their copies. The hooks
-    on ``model``'s parameters (``p.register_hook``: gradient clipping, logging; and
-    ``register_post_accumulate_grad_hook``), which deepcopy drops, go on the copy's, rebound so."""
+    object's attributes). ``memo``: deepcopy's, the user's objects to their copies. Returns
+    the rebinding, ``own(value, depth)``, for other functions the copy is given."""
     done: dict = {}
     # what deepcopy made anew (not what it kept: a __deepcopy__ returning itself is the user's)
     copies = {id(v) for k, v in memo.items() if k != id(memo) and k != id(v)}
@@ -753,20 +754,39 @@ def own_closures(work: torch.nn.Module, memo: dict, model: torch.nn.Module) -> N
         for key, value in list(store.items()):  # (hooks: _forward_hooks, ... hold them)
             if not key.startswith(("_parameters", "_buffers", "_modules")):
                 store[key] = own(value, 2)
-    kept = 0
-    for p in {id(p): p for p in model.parameters()}.values():
+    return own
+
+
+def keep_parameter_hooks(model: torch.nn.Module, memo: dict, own) -> None:
+    """The hooks on ``model``'s parameters that transform or read their gradients
+    (``p.register_hook``: per-element clipping, logging), which deepcopy drops, on the copy's
+    (a training conversion's float32 masters), rebound as own_closures rebinds: they never
+    ran, and the gradients were 55x the clip (probe pA 1). ``register_post_accumulate_grad_hook``
+    hooks (an optimizer step in backward) act on the model's own parameters, its optimizers
+    keyed by them: not carried (one raised KeyError inside backward), said instead."""
+    kept, stepped = 0, []
+    for name, p in model.named_parameters():
         mine = memo.get(id(p))
-        if mine is None or mine is p or id(mine) not in copies:
+        if mine is None or mine is p:
             continue
-        for hook in (p._backward_hooks or {}).values():
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            stepped.append(name)
+        if not p._backward_hooks or not mine.requires_grad:
+            continue  # (a frozen parameter's hook never runs: torch refuses to register it)
+        for hook in p._backward_hooks.values():
             mine.register_hook(own(hook, 2))
-            kept += 1
-        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
-            mine.register_post_accumulate_grad_hook(own(hook, 2))
             kept += 1
     if kept:
         log.info("%d hooks on %s's parameters are kept on the converted module's (they see its "
                  "gradients)", kept, type(model).__name__)
+    if stepped:
+        warnings.warn(
+            f"{len(stepped)} of {type(model).__name__}'s parameters ({', '.join(stepped[:3])}"
+            f"{', ...' if len(stepped) > 3 else ''}) have register_post_accumulate_grad_hook "
+            "hooks (an optimizer step in backward), which act on the model's own parameters: "
+            "the converted module trains its own, so they are not on it. Register them on the "
+            "converted module's parameters (converted.named_parameters(), the model's names)",
+            UserWarning, stacklevel=4)
 
 
 def _filled(cell) -> bool:

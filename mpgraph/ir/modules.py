@@ -829,8 +829,21 @@ class _NoHooks:
     """In place of a hook registration method on a submodule the graph never calls."""
 
     def __init__(self, path: str, method: str, module: Optional[torch.nn.Module] = None):
-        self.path, self.method, self.module = path, method, module
+        self.path, self.method = path, method
         self.order = list(module._parameters) if module is not None else []
+        self._module = weakref.ref(module) if module is not None else None
+
+    @property
+    def module(self) -> Optional[torch.nn.Module]:
+        return self._module() if self._module is not None else None
+
+    def __deepcopy__(self, memo):  # (a copy's refers to the copied module, not this one)
+        module = self.module
+        new = _NoHooks(self.path, self.method)
+        new.order = list(self.order)
+        copied = memo.get(id(module)) if module is not None else None
+        new._module = weakref.ref(copied) if copied is not None else None
+        return new
 
     def __call__(self, *args, **kwargs):
         hook = args[0] if args else kwargs.get("hook")
@@ -1279,7 +1292,8 @@ class ConvertedModule(torch.fx.GraphModule):
         """The call's input checks, the weight copies' refresh, and the graph."""
         if "_has_values" not in self.__dict__ and self.meta.get(TRACED_ON) not in (None, "meta"):
             self._check_has_values()
-        if torch._C._is_tracing() and not self.__dict__.get("_said_jit_trace"):
+        if not torch.compiler.is_compiling() and torch._C._is_tracing() \
+                and not self.__dict__.get("_said_jit_trace"):  # (dynamo cannot trace that)
             self._say_jit_trace_fixes_sizes()
         signature = self.__dict__.get("call_signature")
         if signature is not None:
