@@ -451,6 +451,19 @@ class _StatefulLSTM(nn.Module):
         return self.out(y), h, c
 
 
+def test_the_torchscript_fallback_declares_no_dynamic_axis_where_the_graph_computes_sizes():
+    """The TorchScript exporter traces: a size the graph computes (torch.export's sym_size)
+    becomes the example's, so a file declared dynamic failed inside onnxruntime at other shapes
+    (review rA 4). Such a graph gets names and no dynamic axes."""
+    from mpgraph.tools.onnx_export import _legacy_inputs
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0).eval()
+    x = torch.randn(4, 16, 32)
+    fast = mpgraph.convert(layer, x, dtype="fp16", target=GPU, strategy="rules")
+    assert any("sym_size" in str(n.target) for n in fast.graph.nodes)
+    assert _legacy_inputs(fast, (x,), {}, auto=True) == (["src"], None)
+
+
 def test_the_torchscript_fallback_names_inputs_by_argument_and_keeps_them_dynamic(tmp_path):
     """The TorchScript exporter's file took 'input', 'onnx::LSTM_1' at the example's shapes
     only, and the result's fallbacks did not say which exporter wrote it (probe pB F2)."""

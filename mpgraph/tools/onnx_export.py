@@ -220,6 +220,10 @@ def _legacy_inputs(gm: torch.nn.Module, args: tuple, kwargs: dict, auto: bool):
             f"{name}_{i}" for i in range(len(tensors))]
     if not auto:
         return names, None
+    if any(n.op == "call_function" and "sym_size" in str(n.target) for n in gm.graph.nodes):
+        # (the TorchScript exporter traces: sizes the graph computes become the example's, and
+        # a file declared dynamic failed inside onnxruntime at other shapes: review rA 4)
+        return names, None
     try:  # torch.export itself ran (what failed was its ONNX translation): its dims
         program = torch.export.export(gm, tuple(args), dict(kwargs), strict=False,
                                       dynamic_shapes=auto_dynamic_shapes(gm, args, kwargs))
@@ -429,6 +433,9 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
     tmp = os.path.join(workdir, "torchscript.onnx")
     try:
         inputs, axes = _legacy_inputs(converted, args, kwargs, auto)
+        static = auto and axes is None  # (said in the result's fallbacks)
+        said = converted.__dict__.get("_said_jit_trace", False)
+        converted.__dict__["_said_jit_trace"] = True  # (its trace: this file says it, not that)
         with state_kept(converted):
             try:  # (inputs named by argument, dynamic where the graph does not fix them)
                 torch.onnx.export(converted, call_args, tmp, kwargs=kwargs or None,
@@ -456,7 +463,13 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
         raise ExportError("the model could not be exported to ONNX:\n" + blocker +
                           f"  torch.onnx.export(dynamo=True): {reason}\n"
                           f"  torch.onnx.export(dynamo=False): {ts_reason}") from ts_error
-    return Exported(model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: {reason}]")
+    finally:
+        if "said" in locals():
+            converted.__dict__["_said_jit_trace"] = said
+    shapes = "; at the example's shapes only (it traces the sizes the graph computes)" \
+        if static else ""
+    return Exported(model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: "
+                           f"{reason}{shapes}]")
 
 
 def _argument_check_refused(error: BaseException) -> bool:
