@@ -579,9 +579,11 @@ class Options:
         meta device or None), every argument checked with an error that names it."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
-        # this machine, unless a target is named: a saved plan's own target (a CPU's name) is
-        # priced as the machine it is applied on where it is one (it got the roofline: pC 7)
-        here = target is None or isinstance(target, str) and target.lower() in ("cpu", "cuda")
+        # this machine, unless a target is named: a saved plan's own target, a CPU's name, is
+        # this CPU (it got the roofline: pC 7); a GPU's stays the roofline it was made with
+        here = (target is None and (plan is None or not isinstance(plan, Plan) or not plan.target
+                                    or plan.target.startswith("CPU"))) \
+            or isinstance(target, str) and target.lower() in ("cpu", "cuda")
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if check not in CHECKS:

@@ -407,8 +407,8 @@ def test_a_gpu_s_float16_taken_by_rule_is_not_said_to_be_the_cost_model_s_choice
         assert plan.dtype == torch.float16
         assert (estimates["float16"] > 1.02 * estimates["bfloat16"]) == by_rule, estimates
         figures = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in estimates.items())
-        said = (f"float16 as on every GPU, not by the estimate ({figures}): its Tensor Cores run "
-                "fp16 at bf16's rate" if by_rule else
+        said = (f"float16 as on every GPU, not the estimate's choice ({figures}): its Tensor "
+                "Cores run fp16 at bf16's rate" if by_rule else
                 f"float16 chosen by the cost model (estimated {figures})")
         assert said in plan.summary()
         assert ("chosen by the cost model" in plan.summary()) != by_rule

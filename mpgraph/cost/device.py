@@ -87,7 +87,8 @@ ROUNDS = 3  # interleaved rounds of the matmul rates (the best of each dtype's i
 
 
 def _measure_cpu() -> dict:
-    """Matmul FLOP/s per dtype, memory bandwidth and per-op overhead, in about a second.
+    """Matmul FLOP/s per dtype (the best of ROUNDS interleaved rounds), memory bandwidth and
+    per-op overhead, in a few seconds (once per machine: cached).
     Every tensor is a float32 (or the timed dtype) CPU tensor whatever the caller's context: a
     first conversion inside ``with torch.device("meta")`` timed meta "kernels" (136 TFLOP/s,
     55 TB/s) and a default float64 halved the bandwidth, and the result is cached for good."""

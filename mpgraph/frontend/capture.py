@@ -461,8 +461,10 @@ def _capture_copy(work, model, args, kwargs, has_inputs, export_only, abstract, 
         if training and not model.training and has_inputs and abstract is None else None
     if evaluated is not None:
         work.train()
-    switched = _evaluated_with_state(work, args, kwargs, state) if model.training \
-        and has_inputs and abstract is None and reads_training(work) else None
+    # (a training conversion's: an inference one of a model in training mode is told at
+    # convert to convert model.eval(); this costs a forward: review rA 6)
+    switched = _evaluated_with_state(work, args, kwargs, state) if training \
+        and model.training and has_inputs and abstract is None and reads_training(work) else None
     own = _tensor_paths(work)  # (before the tracers add their constants to it)
     depth = len(torch._C._functorch.get_interpreter_stack() or ())
     with _CAPTURE_LOCK, fake_mode(abstract), python_rng_kept():  # (the tracers run the forward)

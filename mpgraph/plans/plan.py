@@ -363,10 +363,9 @@ class Plan:
                      f"{estimates})" if fallback else
                      f"; {dtype_name(self.dtype)} named by {named} (estimated {estimates})"
                      if named else
-                     f"; float16 as on every GPU, not by the estimate ({estimates}): its Tensor "
-                     "Cores run fp16 at bf16's rate with 3 more mantissa bits, and bf16 takes the "
-                     "nodes fp16's range keeps out, which the comparison prices as float32; "
-                     "dtype='bf16' plans bf16 throughout"
+                     f"; float16 as on every GPU, not the estimate's choice ({estimates}): its "
+                     "Tensor Cores run fp16 at bf16's rate with 3 more mantissa bits, bf16 beside "
+                     "it where fp16's range keeps a node out; dtype='bf16' plans with bf16"
                      if self.dtype_choice.get("rule") == "gpu_fp16" else
                      f"; {dtype_name(self.dtype)} chosen by the cost model (estimated {estimates})")
         misaligned = [r for r in self.nodes if r.tensor_core.startswith("eligible but misaligned")]
