@@ -579,13 +579,9 @@ def test_model_over_2gb_exports_with_external_data_and_validates_by_path(tmp_pat
         data = tmp_path / "big.onnx.data"
         assert result.external_data == "big.onnx.data"
         assert path.stat().st_size < 1_000_000 and data.stat().st_size > 1.07e9
-        import onnxruntime as ort  # the CPU provider's own weight prepacking would add ~6 s
-        sess = mpgraph.ort_session(str(path), device="cpu",
-                                   graph_optimization_level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
-        out = sess.run(None, {"x": x.numpy()})[0]
-        with torch.no_grad():
-            ref = model(x).numpy()
-        assert relative_l2(out, ref) < 1e-2
+        # (the validation ran onnxruntime on the file by path, its weights in FILE.onnx.data,
+        # against the float32 model: a second session here cost the suite ~20 s)
+        assert result.validation is not None and max(result.validation.err_vs_fp32) < 1e-2
     finally:
         for f in tmp_path.iterdir():
             f.unlink()

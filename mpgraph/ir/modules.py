@@ -1364,7 +1364,7 @@ class ConvertedModule(torch.fx.GraphModule):
             "the traced module is right at the example's shapes only (other shapes fail, or "
             "with as many elements compute other values). For other shapes use "
             "torch.export.export(converted, ...), torch.compile, or mpgraph.export_onnx",
-            UserWarning, stacklevel=_outside(os.path.dirname(torch.__file__),
+            UserWarning, stacklevel=caller_outside(os.path.dirname(torch.__file__),
                                              os.path.dirname(os.path.dirname(__file__))))
 
     @compiler_disable("mpgraph: a call inside torch.autocast, which the converted module turns off "
@@ -1999,7 +1999,7 @@ def _recurrent(module: torch.nn.Module) -> bool:
         n.op == "call_function" and str(n.target).startswith(_RECURRENT) for n in graph.nodes)
 
 
-def _outside(*folders: str) -> int:
+def caller_outside(*folders: str) -> int:
     """The stacklevel, for its caller's warnings.warn, of the first frame outside ``folders``
     (torch's tracer and mpgraph between the user's call and the warning)."""
     roots = tuple(os.path.abspath(f) + os.sep for f in folders)

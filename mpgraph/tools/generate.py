@@ -49,7 +49,7 @@ from mpgraph.ir.fake import has_meta_tensors, module_tensors
 from mpgraph.ir.graph import fetch_attr, is_inplace, set_attr
 from mpgraph.tools.cuda_graph import GraphedModule
 from mpgraph.ir.meta import dtype_name
-from mpgraph.ir.modules import _outside, autocasting
+from mpgraph.ir.modules import autocasting, caller_outside
 from mpgraph.plans.weights import load_weights_shared
 
 log = logging.getLogger(__name__)
@@ -994,7 +994,7 @@ def generate(decoder, *args, **kwargs):
                 f"generate was called inside {dtypes}: a converted decoder decides its own "
                 "precision (its plans put each node low or in float32), so it generates with "
                 "autocast off. Call it outside torch.autocast", UserWarning,
-                stacklevel=_outside(os.path.dirname(os.path.dirname(__file__))))
+                stacklevel=caller_outside(os.path.dirname(os.path.dirname(__file__))))
         with torch.autocast(on[0], enabled=False):  # (its graphs then say nothing of it)
             return _generate(decoder, *args, **kwargs)
     finally:
