@@ -1353,8 +1353,7 @@ class ConvertedModule(torch.fx.GraphModule):
         at other shapes deep inside torch (shape '[16, 16, 8]' is invalid for input of size
         576), or, with as many elements, could compute other values (probe pB F4). Said once."""
         self.__dict__["_said_jit_trace"] = True
-        if not any(n.op == "call_function" and "sym_size" in str(n.target)
-                   for n in self.graph.nodes):
+        if not computes_sizes(self.graph):
             return
         signature = self.__dict__.get("call_signature")
         name = signature.model if signature is not None else type(self).__name__
@@ -1505,8 +1504,7 @@ class ConvertedModule(torch.fx.GraphModule):
         reads one of them for all): one tensor, or equal ones (``load_state_dict(assign=True)``
         sets each name its own copy), compared once per change of them."""
         # (by attribute: torch.func.functional_call puts plain tensors in for one call)
-        held = [getattr(self.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
-                for n in names]
+        held = [getattr(*_owner(self, n)) for n in names]
         if all(t is held[0] for t in held[1:]):
             return
         stamp = tuple((id(t), t._version) for t in held)
@@ -1997,6 +1995,12 @@ def _recurrent(module: torch.nn.Module) -> bool:
     graph = getattr(module, "graph", None)
     return graph is not None and any(
         n.op == "call_function" and str(n.target).startswith(_RECURRENT) for n in graph.nodes)
+
+
+def computes_sizes(graph: torch.fx.Graph) -> bool:
+    """Whether a graph computes sizes as Python numbers (torch.export's ``sym_size`` nodes),
+    which a tracer (torch.jit.trace, the TorchScript ONNX exporter) records as the example's."""
+    return any(n.op == "call_function" and "sym_size" in str(n.target) for n in graph.nodes)
 
 
 def caller_outside(*folders: str) -> int:

@@ -33,7 +33,7 @@ from mpgraph.ir.graph import as_call, fresh, state_kept, target_name
 from mpgraph.passes.infra import stage
 from mpgraph.errors import ExportError, MpgraphError
 from mpgraph.ir.meta import STATIC_SHAPES, dtype_name
-from mpgraph.ir.modules import pytree_copies_quiet, refresh_weights
+from mpgraph.ir.modules import computes_sizes, pytree_copies_quiet, refresh_weights
 from mpgraph.plans.plan import Plan
 from mpgraph.tools.onnx_check import OrtRunError
 
@@ -220,7 +220,7 @@ def _legacy_inputs(gm: torch.nn.Module, args: tuple, kwargs: dict, auto: bool):
             f"{name}_{i}" for i in range(len(tensors))]
     if not auto:
         return names, None
-    if any(n.op == "call_function" and "sym_size" in str(n.target) for n in gm.graph.nodes):
+    if computes_sizes(gm.graph):
         # (the TorchScript exporter traces: sizes the graph computes become the example's, and
         # a file declared dynamic failed inside onnxruntime at other shapes: review rA 4)
         return names, None
@@ -431,11 +431,11 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
         log.warning("dynamo ONNX export failed (%s); trying the TorchScript exporter", reason)
     legacy_opset = min(opset, 20)  # the TorchScript exporter stops at opset 20
     tmp = os.path.join(workdir, "torchscript.onnx")
+    said = converted.__dict__.get("_said_jit_trace", False)
+    converted.__dict__["_said_jit_trace"] = True  # (its trace: this file says it, not that)
     try:
         inputs, axes = _legacy_inputs(converted, args, kwargs, auto)
         static = auto and axes is None  # (said in the result's fallbacks)
-        said = converted.__dict__.get("_said_jit_trace", False)
-        converted.__dict__["_said_jit_trace"] = True  # (its trace: this file says it, not that)
         with state_kept(converted):
             try:  # (inputs named by argument, dynamic where the graph does not fix them)
                 torch.onnx.export(converted, call_args, tmp, kwargs=kwargs or None,
@@ -464,8 +464,7 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
                           f"  torch.onnx.export(dynamo=True): {reason}\n"
                           f"  torch.onnx.export(dynamo=False): {ts_reason}") from ts_error
     finally:
-        if "said" in locals():
-            converted.__dict__["_said_jit_trace"] = said
+        converted.__dict__["_said_jit_trace"] = said
     shapes = "; at the example's shapes only (it traces the sizes the graph computes)" \
         if static else ""
     return Exported(model, f"torch.onnx.export(dynamo=False) [fallback; dynamo said: "
