@@ -815,6 +815,31 @@ def _check_override_keys(overrides) -> None:
                         f"{bad[0]!r} ({type(bad[0]).__name__}) is not one{hint}")
 
 
+def _in_eval_mode(gm, args, kwargs, evaluated, buffers: bool = False
+                  ) -> Optional[tuple[float, dict]]:
+    """The float32 graph run once in eval mode on the example inputs (its training flags put
+    back): the worst relative L2 of its outputs against ``evaluated``, the model's in eval
+    mode, and with ``buffers`` its buffers as the run left them; None where the outputs do not
+    pair up (logged)."""
+    flags = {m: m.training for m in gm.modules()}
+    written: dict = {}
+
+    def keep(g):
+        written.update((n, b.detach().clone()) for n, b in g.named_buffers())
+
+    torch.nn.Module.train(gm, False)
+    try:
+        out = run_recording(gm, args, kwargs, lambda node, value: None,
+                            after=keep if buffers else None)
+        return max(output_errors(out, evaluated), default=0.0), written
+    except Exception as e:  # noqa: BLE001 (outputs that do not pair up: nothing to compare)
+        log.info("eval mode not compared with the model's: %s", e)
+        return None
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
 def _say_if_eval_differs(gm, model, args, kwargs, evaluated) -> None:
     """A model in eval mode converted with mode='train' is traced in training mode, so that
     dropout and batch norm train, and starts in eval mode; dropout and batch norm switch, but a
@@ -822,18 +847,10 @@ def _say_if_eval_differs(gm, model, args, kwargs, evaluated) -> None:
     ``if self.training: h = h + noise``) stays the training one. Its float32 graph in eval mode
     is compared with the model's eval forward on the example inputs, and a difference is said:
     a validation loop in eval mode got the training branch's values (1.32 off), silently."""
-    flags = {m: m.training for m in gm.modules()}
-    torch.nn.Module.train(gm, False)
-    try:
-        errors = output_errors(run_recording(gm, args, kwargs, lambda node, value: None),
-                               evaluated)
-    except Exception as e:  # noqa: BLE001 (outputs that do not pair up: nothing to say)
-        log.info("eval mode not compared with the model's: %s", e)
+    ran = _in_eval_mode(gm, args, kwargs, evaluated)
+    if ran is None:
         return
-    finally:
-        for m, flag in flags.items():
-            m.training = flag
-    worst = max(errors, default=0.0)
+    worst, _ = ran
     if worst > 1e-4:
         readers = gm.meta.get(READS_TRAINING, ((), True))[0]
         where = f" ({', '.join(readers[:3])} read it)" if readers else ""
@@ -856,19 +873,10 @@ def _eval_switches_alike(gm, args, kwargs, evaluated, buffers: dict) -> None:
     mode is run on the example inputs: where its outputs and the buffers it writes are the
     model's in eval mode (capture's _evaluated_with_state), the reads switched, and nothing is
     said; else ``.eval()`` warns, as before."""
-    flags = {m: m.training for m in gm.modules()}
-    written: dict = {}
-    torch.nn.Module.train(gm, False)
-    try:
-        out = run_recording(gm, args, kwargs, lambda node, value: None, after=lambda g: (
-            written.update((n, b.detach().clone()) for n, b in g.named_buffers())))
-        worst = max(output_errors(out, evaluated), default=0.0)
-    except Exception as e:  # noqa: BLE001 (outputs that do not pair up: .eval() says it)
-        log.info("eval mode not compared with the model's: %s", e)
+    ran = _in_eval_mode(gm, args, kwargs, evaluated, buffers=True)
+    if ran is None:  # (.eval() says what it says)
         return
-    finally:
-        for m, flag in flags.items():
-            m.training = flag
+    worst, written = ran
     kept = [n for n, b in buffers.items() if n in written and not (
         written[n].shape == b.shape and torch.allclose(written[n].double(), b.double(),
                                                        rtol=1e-4, atol=1e-6, equal_nan=True))]

@@ -489,17 +489,25 @@ def _evaluated_with_state(work: torch.nn.Module, args: tuple, kwargs: dict, stat
     in eval mode, and its buffers after that run (both put back), or None where that run fails:
     what the converted module in eval mode is compared with (api._eval_switches_alike)."""
     try:
-        with torch.enable_grad(), seeded(), state_kept(work):
-            out = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
-                                  owned(work.train(False)(*fresh(args), **fresh(kwargs)), work))
-            buffers = {name: b.detach().clone() for name, b in work.named_buffers()}
+        return _in_eval_mode(work, args, kwargs, buffers=True)
     except Exception as e:  # noqa: BLE001 - then .eval() says what it says
         log.info("eval mode not run before the trace: %s", _brief(e))
         return None
     finally:
         work.train(True)
         _changed_state(work, state)
-    return out, buffers
+
+
+def _in_eval_mode(work: torch.nn.Module, args: tuple, kwargs: dict, buffers: bool = False):
+    """The copy's outputs in eval mode (detached), and with ``buffers`` its buffers as that run
+    left them; the run seeded, its buffers put back. Autograd on, as the graph runs: without it
+    nn.TransformerEncoder takes its nested-tensor fast path, which zeroes padded positions the
+    graph computes (a difference api._say_if_eval_differs took for a branch on self.training)."""
+    with torch.enable_grad(), seeded(), state_kept(work):
+        out = pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                              owned(work.train(False)(*fresh(args), **fresh(kwargs)), work))
+        held = {name: b.detach().clone() for name, b in work.named_buffers()} if buffers else {}
+    return out, held
 
 
 def _distributed_wrapper(model: torch.nn.Module) -> Optional[str]:
@@ -634,13 +642,7 @@ def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict)
     tracers' runs say it)."""
     outs = []
     try:
-        # eval mode with autograd on, as the graph runs: without it nn.TransformerEncoder takes
-        # its nested-tensor fast path, which zeroes padded positions the graph computes (a
-        # difference api._say_if_eval_differs took for a branch on self.training)
-        with torch.enable_grad(), seeded(), state_kept(work):
-            outs.append(pytree.tree_map(
-                lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
-                owned(work.train(False)(*fresh(args), **fresh(kwargs)), work)))
+        outs.append(_in_eval_mode(work, args, kwargs)[0])
         outs.append(run_kept(work.train(True), args, kwargs))
     except Exception as e:  # noqa: BLE001 - traced in eval mode instead
         log.info("not traced in training mode: its training forward fails: %s", _brief(e))
