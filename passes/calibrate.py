@@ -10,6 +10,7 @@ same statistics, and a batch that is those inputs, on a graph that run covered, 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import sys
@@ -22,7 +23,8 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import CalibrationError
 from mpgraph.numerics import float_leaves
-from mpgraph.ir.graph import as_call, flat_inputs, is_batch_encoding, mutated_nodes, run_recording
+from mpgraph.ir.graph import (as_call, flat_inputs, is_batch_encoding, mutated_nodes,
+                               run_recording, source_line)
 from mpgraph.ir.modules import guard_error
 from mpgraph.ir.meta import (CONSTANT_INPUTS, OBSERVED, RANGE, REFERENCE, TENSOR, Reference,
                              TensorInfo, ValueRange)
@@ -78,25 +80,42 @@ def tensor_stats(t: torch.Tensor) -> tuple[float, float, int]:
 _CHUNK = 1 << 22  # values per chunk of tensor_stats: 16 MB of float32
 
 
+def _digest(t: torch.Tensor) -> bytes:
+    """A hash of a tensor's bytes, position by position: batches of token ids with equal sums,
+    or one the other's permutation, are different batches."""
+    flat = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=16).digest()
+
+
 def _seen_before(earlier: set, batch) -> bool:
     """Whether ``batch`` holds the values of one already in ``earlier`` (and records it if
     not): ``calibration=[x] * 4`` is one batch's ranges, and its plan must say one batch. A
-    fingerprint only (which keyword each value is; shapes, dtypes, the sum and the sum of
-    squares of each tensor), so that batches streamed from a loader are not all kept alive."""
+    fingerprint only (which keyword each value is; shapes, dtypes and a hash of the values of
+    each tensor), so that batches streamed from a loader are not all kept alive."""
     leaves, spec = pytree.tree_flatten(batch)
     try:
-        key = (str(spec), *((tuple(t.shape), t.dtype, str(t.device),
-                             float(t.detach().sum(dtype=torch.float64)),
-                             float(t.detach().double().square().sum())
-                             if t.is_floating_point() else 0.0)
+        key = (str(spec), *((tuple(t.shape), t.dtype, str(t.device), _digest(t))
                             if isinstance(t, torch.Tensor) and not is_abstract(t) else repr(t)
                             for t in leaves))
-    except Exception:  # noqa: BLE001 - (a leaf without a sum: never a repeat)
+    except Exception:  # noqa: BLE001 - (a leaf without bytes, a sparse one: never a repeat)
         return False
     if key in earlier:
         return True
     earlier.add(key)
     return False
+
+
+def _where(gm: torch.fx.GraphModule, last: str) -> str:
+    """The node a run failed at (the one after ``last``, the last it recorded) and the model's
+    line that made it: "view_18" alone names nothing the user wrote."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr")]
+    names = [n.name for n in nodes]
+    at = nodes[names.index(last) + 1] if last in names and names.index(last) + 1 < len(nodes) \
+        else None
+    if at is None:
+        return f"after node {last}"
+    line = source_line(at)
+    return f"at node {at.name}" + (f" ({line})" if line else "")
 
 
 def _nan_inputs(names: list[str], inputs: list) -> list[tuple[str, int, int]]:
@@ -364,8 +383,8 @@ class Calibrate(Pass):
                         raise CalibrationError(f"calibration batch {i} does not fit the graph "
                                                f"captured from the example: "
                                                f"{guard_error(gm, first)}") from None
-                    raise CalibrationError(f"calibration batch {i} failed after node {last[0]}: "
-                                           f"{type(e).__name__}: {first}") from e
+                    raise CalibrationError(f"calibration batch {i} failed {_where(gm, last[0])}"
+                                           f": {type(e).__name__}: {first}") from e
             if nan_in and computed_bad:  # (it reached what the graph computes)
                 _refuse_nan(nan_in, i)
             for node, m in seen.items():

@@ -8,6 +8,8 @@ import inspect
 import logging
 import math
 import operator
+import os
+import re
 import sys
 from typing import Any, NamedTuple, Optional
 
@@ -41,6 +43,10 @@ def as_call(batch: Any, kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
     """Inputs as (args tuple, kwargs dict): a tensor, a tuple/list of arguments, a dict (or a
     tokenizer's BatchEncoding) of keyword arguments, a Call, or None (no positional arguments);
     ``kwargs`` are added."""
+    if kwargs is not None and not isinstance(kwargs, collections.abc.Mapping):
+        raise TypeError(f"example_kwargs must be a dict of keyword arguments (name: value), "
+                        f"got {type(kwargs).__name__} {_short_repr(kwargs)}: positional "
+                        "arguments go in example_inputs, as a tuple")
     extra = dict(kwargs or {})
     if batch is None:
         return (), extra
@@ -51,6 +57,19 @@ def as_call(batch: Any, kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
     if isinstance(batch, (tuple, list)):
         return tuple(batch), extra
     return (batch,), extra
+
+
+def _short_repr(value, most: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """Where the model's code made ``node``: "modeling_t5.py:1234: loss = ...", or ""."""
+    found = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n\s*(.*)',
+                       node.meta.get("stack_trace") or "")
+    return f"{os.path.basename(found[-1][0])}:{found[-1][1]}: {found[-1][2].strip()}" \
+        if found else ""
 
 
 def is_batch_encoding(value) -> bool:
