@@ -204,7 +204,8 @@ class CheckConversion(Pass):
 
         def record(node, value):
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-                absmax = float(value.detach().abs().float().nan_to_num(math.inf).max())
+                absmax = float(value.detach().abs().float()  # (an inf is an inf, not float32's max)
+                               .nan_to_num(nan=math.inf, posinf=math.inf).max())
                 ref = exact.pop(node, None)
                 error = relative_l2(value.detach().float(), ref) \
                     if ref is not None and ref.shape == value.shape else 0.0

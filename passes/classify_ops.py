@@ -69,7 +69,8 @@ class ClassifyOps(Pass):
             else:
                 info = OpInfo(entry.class_for(self.low), entry.reason, key,
                               entry.params_as_values, entry.low_io, entry.range_expanding)
-                proof = proven_in_range(node, self.low) if info.op_class == FP32_ONLY \
+                proof = proven_in_range(node, self.low, name=key.rpartition(".")[2]) \
+                    if info.op_class == FP32_ONLY \
                     and info.range_expanding and self.low == torch.float16 else None
                 if proof:
                     info = replace(info, op_class=FOLLOW, reason=f"{info.reason}; {proof}")

@@ -141,34 +141,102 @@ def op_name(node: torch.fx.Node) -> str:
 
 
 # ops through which a value keeps elements of its inputs unchanged: a fill value a mask put in
-# reaches the cast through them (T5: where(mask, position_bias, finfo.min), then + scores)
+# reaches the cast through them (T5: where(mask, position_bias, finfo.min), then + scores), and
+# the reductions and poolings that select or sum elements (max pooling over a -1e9-filled
+# padding: sentence-transformers' pooling of an all-padding item is the fill)
+_BOUNDS = ("clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_", "clamp_max",
+           "clamp_max_")
 _CARRY = frozenset(MOVES) | {"add", "sub", "rsub", "neg", "where", "masked_fill", "to",
                              "_to_copy", "type_as", "cat", "stack", "full", "full_like",
-                             "fill", "mul"}
+                             "fill", "mul", "max", "min", "amax", "amin", "topk", "sort",
+                             "msort", "median", "nanmedian", "kthvalue", "mode", "cummax",
+                             "cummin", "maximum", "minimum", "fmax", "fmin", "max_pool1d",
+                             "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
+                             "max_pool3d_with_indices", "adaptive_max_pool1d",
+                             "adaptive_max_pool2d", "adaptive_max_pool3d", "pad",
+                             "constant_pad_nd", "index_fill", "new_full", "new_tensor",
+                             "scalar_tensor", "sum", "nansum", "mean", "div", "truediv",
+                             "true_divide", *_BOUNDS}
 _CARRY_DEPTH = 24  # nodes walked back from a cast
 
+# The arguments, as (position, keyword), that are element values, by op: an int there is a
+# value, as a float is (masked_fill(m, -100000) is a fill beyond fp16's range, and an fp16
+# kernel refuses it on every call); ints elsewhere are sizes, dims and indices.
+_BOTH = ((0, "input"), (1, "other"))
+VALUE_ARGS: dict[str, tuple[tuple[int, str], ...]] = {
+    **dict.fromkeys(("masked_fill", "masked_fill_"), ((2, "value"),)),
+    "where": ((1, "input"), (2, "other")),
+    **dict.fromkeys(("clamp", "clamp_", "clip", "clip_"), ((1, "min"), (2, "max"))),
+    **dict.fromkeys(("clamp_min", "clamp_min_"), ((1, "min"),)),
+    **dict.fromkeys(("clamp_max", "clamp_max_"), ((1, "max"),)),
+    **dict.fromkeys(("fill", "fill_", "full_like", "new_full"), ((1, "fill_value"),
+                                                                   (1, "value"))),
+    "full": ((1, "fill_value"),),
+    "index_fill": ((3, "value"),),
+    "pad": ((3, "value"),),
+    "constant_pad_nd": ((2, "value"),),
+    "scalar_tensor": ((0, "s"),),
+    **dict.fromkeys(("add", "add_", "iadd", "__add__", "__radd__", "sub", "sub_", "isub",
+                     "__sub__", "__rsub__", "rsub", "mul", "mul_", "imul", "__mul__",
+                     "__rmul__", "maximum", "minimum", "fmax", "fmin"), _BOTH),
+}
 
-def carries_sentinel(value: torch.fx.Node, dtype: torch.dtype) -> bool:
-    """Whether ``value`` may hold a finite constant beyond ``dtype``'s range put in by an op on
-    its way (a mask's ``finfo(float32).min``, a -1e9 fill for fp16) through ops that carry
-    elements unchanged: calibration sees such a fill only where the example's mask has a
+
+def value_constants(node: torch.fx.Node) -> list[float]:
+    """The finite numbers ``node`` takes as element values: every float constant, and the ints
+    in ``VALUE_ARGS``' slots."""
+    found = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+             if isinstance(a, float) and math.isfinite(a)]
+    for position, keyword in VALUE_ARGS.get(op_name(node), ()):
+        a = _arg(node, position, keyword)
+        if isinstance(a, int) and not isinstance(a, bool):
+            found.append(float(a))
+    return found
+
+
+def sentinel_source(value: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.fx.Node]:
+    """The node that may put a finite constant beyond ``dtype``'s range into ``value`` (a mask's
+    ``finfo(float32).min``, a -1e9 fill for fp16) on its way through ops that carry elements
+    unchanged, or None: calibration sees such a fill only where the example's mask has a
     masked position, and a plain cast makes it -inf (a fully masked row then computed 0 in
     place of float32's uniform attention: T5, relative L2 0.46)."""
     top = torch.finfo(dtype).max
     seen, todo = set(), [value]
     while todo and len(seen) < _CARRY_DEPTH:
         node = todo.pop()
-        if node in seen or node.op not in ("call_function", "call_method"):
+        if node in seen or node.op not in ("call_function", "call_method", "get_attr"):
             continue
         seen.add(node)
+        if node.op == "get_attr":  # a scalar tensor constant: torch.export lifts the -1e9 of
+            if _scalar_beyond(node, top):  # ``tok[mask == 0] = -1e9`` into one
+                return node
+            continue
         if OP_CLASS not in node.meta or op_name(node) not in _CARRY:
             continue
-        constants = [a for a in pytree.tree_leaves((node.args, node.kwargs))
-                     if isinstance(a, float) and math.isfinite(a)]
-        if any(abs(c) > top for c in constants):
-            return True
+        constants = value_constants(node)
+        if op_name(node) in _BOUNDS:  # (a bound puts in no value; both inside the range stop
+            if len(constants) == 2 and all(abs(c) <= top for c in constants):  # a fill)
+                continue
+        elif any(abs(c) > top for c in constants):
+            return node
         todo.extend(input_nodes(node))
-    return False
+    return None
+
+
+def _scalar_beyond(node: torch.fx.Node, top: float) -> bool:
+    """Whether a get_attr is a one-element float tensor holding a finite value beyond ``top``."""
+    owner = node.graph.owning_module
+    try:
+        t = fetch_attr(owner, node.target) if owner is not None else None
+    except AttributeError:
+        return False
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == 1 \
+        and not is_abstract(t) and math.isfinite(float(t)) and abs(float(t)) > top
+
+
+def carries_sentinel(value: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """Whether ``sentinel_source`` finds a fill beyond ``dtype``'s range on ``value``'s way."""
+    return sentinel_source(value, dtype) is not None
 
 
 def _arg(node: torch.fx.Node, position: int, keyword: str):
@@ -259,14 +327,36 @@ def amplification(node: torch.fx.Node, gm) -> list[tuple[str, Optional[float]]]:
     return out
 
 
-def proven_in_range(node: torch.fx.Node, low: torch.dtype, margin: float = RANGE_MARGIN
-                    ) -> Optional[str]:
+# exp-like ops: a model input twice as large doubles their argument, and squares their output
+# (exp(2a) = exp(a)**2); the margin of 2 on their output was +0.69 on their input (8% of a
+# calibrated 8.6: held-out batches of the same distribution overflowed)
+_EXP_LIKE = ("exp", "exp_", "expm1", "expm1_", "exp2", "exp2_", "sinh", "sinh_", "cosh", "cosh_")
+
+
+def expanding_limit(node: torch.fx.Node, low: torch.dtype, margin: float,
+                    name: Optional[str] = None) -> tuple[float, str]:
+    """(the largest output a range-expanding op may have been calibrated at, how it is made):
+    ``margin`` of headroom on its input."""
+    name = name or op_name(node)
+    top = torch.finfo(low).max
+    exponent = _arg(node, 1, "exponent")
+    if name in _EXP_LIKE:  # exp(margin * a) <= max
+        return top ** (1 / margin), f"max ** (1/{margin:g}): its input x {margin:g}"
+    if name in ("pow", "pow_", "__pow__", "float_power") and isinstance(exponent, (int, float)) \
+            and not isinstance(exponent, bool) and exponent > 1:  # (margin x)**p = margin**p x**p
+        return top / margin ** exponent, f"max / {margin:g}**{exponent:g}: its input x {margin:g}"
+    return top / margin, f"max / {margin:g}"
+
+
+def proven_in_range(node: torch.fx.Node, low: torch.dtype, margin: float = RANGE_MARGIN,
+                    name: Optional[str] = None) -> Optional[str]:
     """Calibration's proof that a node's values stay in ``low``'s range with ``margin`` of
-    headroom (what lets ClassifyOps give a range-expanding op ``follow`` in fp16), or None."""
+    headroom on its input (what lets ClassifyOps give a range-expanding op ``follow`` in fp16),
+    or None. ``name``: the op's name (``op_name``), where OP_CLASS is not yet set."""
     r = node.meta.get(RANGE)
-    limit = torch.finfo(low).max / margin
+    limit, how = expanding_limit(node, low, margin, name)
     if r is not None and r.nonfinite == 0 and r.absmax <= limit:
-        return f"calibration: absmax {r.absmax:.3g} <= limit {limit:.3g} on all " \
+        return f"calibration: absmax {r.absmax:.3g} <= limit {limit:.3g} ({how}) on all " \
                f"{len(r.batch_absmax)} batches"
     return None
 
@@ -341,9 +431,11 @@ class _Rules:
 
     def _range_evidence(self, node) -> Optional[str]:
         r = node.meta.get(RANGE)
-        if self.narrow and carries_sentinel(node, self.low):
-            return (f"{node.name} may hold a constant beyond {dtype_name(self.low)}'s range (a "
-                    "mask's fill, where the calibration's mask masked nothing)")
+        source = sentinel_source(node, self.low) if self.narrow else None
+        if source is not None:
+            return (f"{node.name} may hold {source.name}'s constant, beyond "
+                    f"{dtype_name(self.low)}'s range (as a mask's fill: calibration sees one "
+                    "only where its batches masked something)")
         if r is None or r.absmax <= self.limit:
             return None
         return (f"{node.name} absmax {r.absmax:.3g} > limit {self.limit:.3g} "
@@ -352,10 +444,9 @@ class _Rules:
 
     def _constant_findings(self, node) -> list[SafetyFinding]:
         out = []
-        for a in list(node.args) + list(node.kwargs.values()):
-            # float operands only: int arguments are indices and sizes (slice ends of 2**63 - 1)
-            if not isinstance(a, float) or not math.isfinite(a):
-                continue
+        for a in value_constants(node):
+            # floats, and ints only where they are values: other int arguments are indices and
+            # sizes (slice ends of 2**63 - 1)
             if abs(a) > self.top:
                 out.append(SafetyFinding("constant", f"constant {a:g} overflows {dtype_name(self.low)} "
                                                      f"(max {self.top:.5g})"))
@@ -396,9 +487,10 @@ class _Rules:
                              "but classed fp32_only: ClassifyOps ran before Calibrate (run "
                              "Calibrate first: the class of a range-expanding op rests on it)")
         r = node.meta.get(RANGE)
+        limit, how = expanding_limit(node, self.low, self.margin)
         seen = "not calibrated" if r is None else (
-            f"absmax {r.absmax:.3g} > limit {self.limit:.3g} on "
-            f"{r.batches_over(self.limit)}/{len(r.batch_absmax)} batches" if r.absmax > self.limit
+            f"absmax {r.absmax:.3g} > limit {limit:.3g} ({how}) on "
+            f"{r.batches_over(limit)}/{len(r.batch_absmax)} batches" if r.absmax > limit
             else f"{r.nonfinite} inf/NaN values in float32")
         return SafetyFinding("unproven_range", f"range-expanding op not proven safe: {seen}")
 

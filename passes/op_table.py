@@ -390,6 +390,8 @@ def _fn_name(target: Any) -> str:
         return target
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    if "<locals>" in name and getattr(target, "__name__", None):  # (F.max_pool1d is torch's
+        name = target.__name__  # boolean_dispatch.<locals>.fn, named max_pool1d)
     if module.startswith("torch.nn.functional"):
         return f"F.{name}"
     if module in ("_operator", "operator"):

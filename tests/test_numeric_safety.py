@@ -720,3 +720,143 @@ def test_a_cache_stored_into_by_slices_is_no_written_buffer():
     fast = convert_rules(model, (x,), dtype=FP16, calibration=[torch.randn(2, 4, 16)])
     assert not [r for r in fast.plan.nodes if "the forward writes" in r.reason]
     assert {r.dtype for r in fast.plan.nodes if r.op_class == "tensor_core"} == {"float16"}
+
+
+class _MaxPoolHead(nn.Module):
+    """Masked max pooling and a head: an all-padding item pools the fill itself."""
+
+    def __init__(self, how, export):
+        super().__init__()
+        self.enc, self.head, self.how, self.export = nn.Linear(16, 16), nn.Linear(16, 4), how, export
+
+    def forward(self, x, mask):
+        h = self.enc(x)
+        if self.export and h.shape[1] < 1:  # (a test fx cannot trace: torch.export captures)
+            return h
+        if self.how == "setitem":  # sentence-transformers' pooling
+            h = h.clone()
+            h[~mask] = -1e9
+        elif self.how == "int_where":
+            h = torch.where(mask[..., None], h, -100000)
+        else:
+            h = h.masked_fill(~mask[..., None], -100000 if self.how.startswith("int") else -1e9)
+        if self.how in ("amax", "int_amax", "setitem"):
+            return self.head(h.amax(1) if self.how != "setitem" else torch.max(h, 1)[0])
+        if self.how == "topk":
+            return self.head(torch.topk(h, 2, dim=1).values.sum(1) / 2)
+        if self.how == "max_pool1d":
+            return self.head(torch.nn.functional.max_pool1d(h.transpose(1, 2), h.shape[1])[..., 0])
+        return self.head(h.amax(1))
+
+
+@pytest.mark.parametrize("how", ["amax", "setitem", "topk", "max_pool1d", "int_amax",
+                                 "int_where"])
+@pytest.mark.parametrize("capture_with", ["symbolic", "export"])
+def test_a_fill_beyond_fp16_selected_by_a_max_keeps_its_reader_float32(how, capture_with):
+    """-1e9 (or the int -100000) filled into padding and pooled by a max: calibrated without an
+    all-padding item, the fill never left the max; on one, fp16 made the pooled -1e9 -inf and
+    the head's output inf. The reader keeps float32 and the output is float32's, finite."""
+    torch.manual_seed(0)
+    model = _MaxPoolHead(how, capture_with == "export").eval()
+    x, mask = torch.randn(3, 5, 16), torch.ones(3, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    fast = mpgraph.convert(model, (x, mask), dtype="fp16", target=GPU, strategy="rules")
+    if how != "setitem":  # (fx does not trace an item assignment by a mask: torch.export does)
+        assert fast.plan.capture.startswith("torch.export" if capture_with == "export"
+                                            else "torch.fx")
+    matmuls = [r.dtype for r in fast.plan.nodes if r.op_class == "tensor_core"]
+    assert matmuls == ["float16", "float32"]  # (the encoder low, the head not)
+    empty = mask.clone()
+    empty[1] = False
+    with torch.no_grad():
+        ref, got = model(x, empty), fast(x, empty)
+    assert torch.isfinite(ref).all() and torch.isfinite(got).all()
+    assert relative_l2(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("spelling", ["masked_fill", "clamp", "where", "full_like"])
+def test_an_int_constant_beyond_fp16_is_a_value_like_a_float_one(spelling):
+    """An int operand of a value-taking op is a value: masked_fill(m, -100000) in an fp16 kernel
+    raised torch's "cannot be converted to type c10::Half" on every call, where(m, h, -100000)
+    gave -inf. A constant finding keeps the op float32, as for -1e5."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, m):
+            h = self.l1(x)
+            if spelling == "masked_fill":
+                h = h.masked_fill(m, -100000)
+            elif spelling == "clamp":
+                h = torch.clamp(h, -100000, 100000)
+            elif spelling == "where":
+                h = torch.where(m, -100000, h)
+            else:
+                h = h + torch.full_like(h, 100000) * m
+            return self.l2(h).softmax(-1)
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    x, m = torch.randn(4, 8), torch.zeros(4, 8, dtype=torch.bool)
+    fast = mpgraph.convert(model, (x, m), dtype="fp16", target=GPU, strategy="rules")
+    found = [r for r in fast.plan.nodes if any("constant 100000 overflows" in f
+                                                or "constant -100000 overflows" in f
+                                                for f in r.safety)]
+    assert [r.dtype for r in found] == ["float32"], [(r.name, r.safety) for r in fast.plan.nodes]
+    m[1, :3] = True
+    with torch.no_grad():
+        ref, got = model(x, m), fast(x, m)
+    assert torch.isfinite(got).all() and relative_l2(got, ref) < 5e-3
+
+
+def test_a_tolerance_on_a_model_with_only_integer_outputs_says_it_bounds_nothing():
+    """An argmax classifier: "tolerance 1e-06: error 0" while 1.6% of the classes differed."""
+    class Classes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(64, 256), nn.Linear(256, 512)
+
+        def forward(self, x):
+            return self.l2(torch.relu(self.l1(x))).argmax(-1)
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"tolerance=1e-06 bounds the relative L2 error of "
+                                         r"floating outputs, and this model returns none"):
+        fast = mpgraph.convert(Classes().eval(), torch.randn(64, 64), target="a100", dtype="bf16",
+                               strategy="rules", tolerance=1e-6)
+    assert "of output 0's values differ from float32's" in fast.plan.summary()
+
+
+class _Softplus(nn.Module):
+    """A hand-written softplus head: log(1 + exp(5.5 l1(x)))."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.l2(torch.log(1 + torch.exp(self.l1(x) * 5.5)))
+
+
+def test_an_exp_is_proven_with_the_margin_on_its_input_and_held_out_batches_stay_finite():
+    """Calibrated at exp(9.1) = 9e3, under max / 2, exp ran in fp16 and held-out batches of the
+    same distribution overflowed (inputs of 11.1-12.1): the margin of 2 on exp's output was
+    +0.69 on its input. With it on the input (exp(2 a) <= max), the exp stays float32 and
+    every held-out batch is finite."""
+    torch.manual_seed(0)
+    model = _Softplus().eval()
+    batches = [torch.randn(2, 32, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    fast = mpgraph.convert(model, batches[0], calibration=batches, target="a100", dtype="fp16",
+                           strategy="rules")
+    exp = fast.plan.node("exp")
+    assert exp.dtype == "float32" and any(
+        "max ** (1/2): its input x 2" in f for f in exp.safety), exp.safety
+    held_out = [torch.randn(16, 32, generator=torch.Generator().manual_seed(s))
+                for s in range(100, 120)]
+    with torch.no_grad():
+        assert all(torch.isfinite(fast(x)).all() for x in held_out)
+    small = [b * 0.1 for b in batches]  # exp(0.86 * ...) <= 256: proven, runs in fp16
+    fast = mpgraph.convert(model, small[0], calibration=small, target="a100", dtype="fp16",
+                           strategy="rules")
+    assert fast.plan.node("exp").dtype == "float16" and fast.plan.node("exp").op_class == "follow"

@@ -79,3 +79,23 @@ def test_outputs_that_are_buffers_the_forward_updates_are_checked_as_the_model_r
     for w, g in zip(want, got):
         torch.testing.assert_close(g.float(), w, atol=0.05, rtol=0.05)
     assert got[1].data_ptr() == fast.ema.data_ptr()  # (returned as the model returns it)
+
+
+def test_a_value_that_went_inf_is_named_inf_not_float32_s_max():
+    """sigmoid rounds to exactly 1.0 in fp16 and logit of it is inf: the diagnosis said
+    "absmax 3.403e+38" (nan_to_num's default for inf), a number the value never held."""
+    class Logit(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.l2(torch.special.logit(torch.sigmoid(self.l1(x) * 4), eps=1e-9))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    with pytest.raises(mpgraph.ValueCheckError, match=r"first part at node special_logit "
+                                                      r"\(special_logit\): absmax inf, float32 "
+                                                      r"8\.9") as raised:
+        convert(Logit().eval(), x, dtype=torch.float16)
+    assert "3.403e+38" not in str(raised.value)
