@@ -662,11 +662,34 @@ def test_sliding_window_attention_within_its_window_converts_and_beyond_it_is_re
         mpgraph.convert_decoder(model, prompt(), **{**options, "max_cache_len": SLOTS + 1})
 
 
+def test_gpt_neo_local_attention_within_its_window_converts_and_beyond_it_is_refused():
+    """GPT-Neo's local layers (window_size, attention_layers) slice their window from the
+    cache's length: past the window a static cache masked real prompt keys, logits 10-15% off
+    under an all-float32 plan that said "error 0.0". Within it the tokens are HF's."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+    torch.manual_seed(0)
+    model = GPTNeoForCausalLM(GPTNeoConfig(
+        hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+        window_size=16, vocab_size=VOCAB, max_position_embeddings=64)).eval()
+    ids = prompt()
+    with pytest.raises(ValueError, match=r"local \(windowed\) attention \(window 16\) in 1 "
+                                         r"layers, and max_cache_len=17 outgrows the window: .*"
+                                         r"Convert with max_cache_len <= 16"):
+        mpgraph.convert_decoder(model, ids, max_cache_len=17, dtype="bf16", target="cpu")
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=16, dtype="bf16", target="cpu",
+                                      overrides={"*": "fp32"})
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                  do_sample=False, eos_token_id=None)
+    assert torch.equal(decoder.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)
+
+
 def test_a_graph_whose_automatic_fp16_falls_back_takes_the_other_graph_to_bf16_with_it():
-    """The prompt's last token embeds at ~1e-8 (fp16 subnormals): the decode graph's fp16 plan
-    fails its value check and falls back to bf16, the prefill's passes; the two share the
-    cache, which was then refused ('the decode plan stores it as bfloat16, the prefill plan as
-    float16'). Both graphs are now bf16."""
+    """A calibration prompt of a token that embeds at ~1e-8 (fp16 subnormals): the prefill
+    graph's fp16 plan fails its value check (on that prompt) and falls back to bf16, the decode
+    graph's passes on the example; the two share the cache, which was then refused ('the decode
+    plan stores it as bfloat16, the prefill plan as float16'). Both graphs are now bf16. (The
+    decode graph failed alone on the example while it was calibrated on an all-zero cache.)"""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
@@ -678,8 +701,10 @@ def test_a_graph_whose_automatic_fp16_falls_back_takes_the_other_graph_to_bf16_w
         model.model.embed_tokens.weight[:5] *= 10
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=12, target=GPU,
-                                      costs=kernels_only())
-    assert decoder.decode.plan.dtype_choice["fallback"].startswith("float16's plan failed")
+                                      costs=kernels_only(),
+                                      calibration=[torch.tensor([[5] * 5]), ids])
+    assert decoder.prefill.plan.dtype_choice["fallback"].startswith("float16's plan failed")
+    assert "fallback" not in (decoder.decode.plan.dtype_choice or {})
     assert decoder.prefill.plan.dtype == decoder.decode.plan.dtype == torch.bfloat16
     assert {c.dtype for c in decoder.cache_plan} == {"bfloat16"}
 
@@ -1170,3 +1195,109 @@ def test_a_peft_wrapped_lm_converts_without_its_cache_and_convert_decoder_names_
     with pytest.raises(TypeError, match=r"PeftLike is a peft wrapper: .* "
                                         r"convert_decoder\(model\.get_base_model\(\), \.\.\.\)"):
         mpgraph.convert_decoder(wrapped, ids, max_cache_len=SLOTS)
+
+
+def test_the_decode_graph_is_calibrated_with_the_prompt_in_its_cache():
+    """A prompt token with a large value vector (an attention sink): the prefill plan sees the
+    large attention output and keeps o_proj float32; the decode plan was calibrated and checked
+    on an all-zero cache, lowered o_proj, and every decode step came out NaN while its summary
+    said "checked: error 0.00036". Calibrated with the prompt in its cache, it keeps what the
+    prefill keeps, and its reported error is the measured one."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    sink = 5
+    with torch.no_grad():
+        embed, attention = model.model.embed_tokens.weight, model.model.layers[0].self_attn
+        embed[:, 0] = 0
+        embed[sink] = 0
+        embed[sink, 0] = 1.0
+        attention.q_proj.weight.zero_()  # uniform attention over the cache
+        attention.v_proj.weight[0] = 0
+        attention.v_proj.weight[0, 0] = 3500.0
+        attention.o_proj.weight[:, 0] = 50.0
+    ids = torch.randint(6, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    ids[:, 3] = sink
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=24, target=GPU, dtype="fp16",
+                                      strategy="rules", calibration=[ids, ids[:, :6]])
+    o_proj = "model.model.layers.0.self_attn.o_proj"  # (under the StaticCacheStep)
+    dtypes = [[r.dtype for r in gm.plan.nodes if r.module == o_proj]
+              for gm in (decoder.prefill, decoder.decode)]
+    assert dtypes == [["float32"], ["float32"]]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got = decoder.generate(ids, max_new_tokens=6, forced_tokens=out.sequences[:, PROMPT:],
+                           return_logits=True).logits
+    errors = [relative_l2(g, r) for g, r in zip(got, out.logits)]
+    assert all(e < BOUND[torch.float16] for e in errors), errors
+    assert decoder.decode.plan.check["error"] == pytest.approx(errors[1], rel=0.3)
+
+
+def test_the_decoder_s_settings_are_its_own_and_converting_keeps_the_caller_s_rng():
+    """decoder.config and decoder.generation_config were the model's objects: editing one edited
+    the model (its own generate then sampled). A model left in training mode drew dropout from
+    the caller's RNG when the cache was built; convert leaves it as it was."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=64))  # (training mode)
+    torch.manual_seed(123)
+    with pytest.warns(UserWarning, match="training mode"):
+        decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="bf16",
+                                          target="cpu")
+    after = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.rand(4))  # the caller's stream, where it was
+    assert decoder.config is not model.config
+    assert decoder.generation_config is not model.generation_config
+    decoder.generation_config.do_sample = True
+    decoder.config.vocab_size = 7
+    assert not model.generation_config.do_sample and model.config.vocab_size == VOCAB
+
+
+def test_llama4_chunked_attention_within_its_chunk_converts_and_t5_is_refused_by_name():
+    """Llama4's chunked layers take their size from attention_chunk_size (sliding_window is
+    None): the refusal said "window None ... max_cache_len <= None" at any length. T5 failed
+    inside transformers ("exactly one of input_ids or inputs_embeds")."""
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
+        attention_chunk_size=24, vocab_size=VOCAB, pad_token_id=0)).eval()
+    ids = prompt()
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=24, dtype="bf16", target="cpu",
+                                      overrides={"*": "fp32"})
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                  do_sample=False, eos_token_id=None)
+    assert torch.equal(decoder.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)
+    with pytest.raises(ValueError, match=r"\(window 24\) .* max_cache_len=25 outgrows the window"
+                                         r": .* Convert with max_cache_len <= 24 "):
+        mpgraph.convert_decoder(model, ids, max_cache_len=25, dtype="bf16", target="cpu")
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=VOCAB))
+    with pytest.raises(TypeError, match="T5ForConditionalGeneration is an encoder-decoder model: "
+                                        "convert_decoder takes a decoder-only causal LM"):
+        mpgraph.convert_decoder(t5, ids, max_cache_len=24)
+
+
+def test_a_causal_lm_whose_config_counts_encoder_layers_builds_its_decoder_s_cache():
+    """MarianForCausalLM's num_hidden_layers is the encoder's count (4 here): the cache had 4
+    layers, the decoder wrote 2, and convert_decoder refused it ("did not write its cache
+    layers [2, 3]") though HF's generate runs it."""
+    torch.manual_seed(0)
+    model = transformers.MarianForCausalLM(transformers.MarianConfig(
+        d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+        encoder_layers=4, max_position_embeddings=64, decoder_start_token_id=0,
+        vocab_size=VOCAB, pad_token_id=0, eos_token_id=2)).eval()
+    ids = prompt()
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, dtype="bf16",
+                                      target="cpu", overrides={"*": "fp32"})
+    assert len(cache_names(decoder.prefill)) == 2 * 2  # (keys and values of 2 layers)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                  do_sample=False, eos_token_id=None)
+    assert torch.equal(decoder.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)

@@ -28,6 +28,7 @@ are tied to the device they were converted on (export bakes it into the graph's 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import fnmatch
@@ -94,6 +95,12 @@ class StaticCacheStep(torch.nn.Module):
             raise TypeError(f"{type(model).__name__} has no language-model head (it returns "
                             "hidden states, not logits): convert_decoder takes a causal LM, "
                             "the *ForCausalLM class (LlamaForCausalLM, not LlamaModel)")
+        if getattr(config, "is_encoder_decoder", False):  # (T5's own "exactly one of
+            raise TypeError(  # input_ids or inputs_embeds" came first)
+                f"{type(model).__name__} is an encoder-decoder model: convert_decoder takes a "
+                "decoder-only causal LM (LlamaForCausalLM, GPT2LMHeadModel); convert the "
+                "encoder and decoder with mpgraph.convert, or generate with the HF model's own "
+                "generate")
         if "cache" not in params:
             raise TypeError(f"{type(model).__name__}.forward takes no `cache` argument: not a "
                             "transformers 5 causal LM with a KV cache")
@@ -101,8 +108,14 @@ class StaticCacheStep(torch.nn.Module):
         self._logits_to_keep = "logits_to_keep" in params
         text = config.get_text_config(decoder=True)
         _check_rope(model, text, max_cache_len)
+        layers = getattr(text, "decoder_layers", None)  # (Marian/BART as causal LMs: their
+        if isinstance(layers, int) and layers != getattr(text, "num_hidden_layers", layers):
+            text = copy.deepcopy(text)  # num_hidden_layers is the encoder's count)
+            text.num_hidden_layers = layers
         self.cache = StaticCache(config=text, max_cache_len=max_cache_len)
         window = getattr(text, "sliding_window", None)
+        if window is None:  # (Llama4's chunked layers: their size is the chunk's)
+            window = getattr(text, "attention_chunk_size", None)
         sliding = [i for i, layer in enumerate(self.cache.layers)
                    if type(layer) is StaticSlidingWindowLayer]
         if sliding and window is not None and max_cache_len <= window:
@@ -118,6 +131,18 @@ class StaticCacheStep(torch.nn.Module):
                 "convert_decoder's static cache does not roll. Convert with max_cache_len <= "
                 f"{window} (prompt + new tokens within the window), or generate with the HF "
                 "model's own generate")
+        local = [i for i, kind in enumerate(getattr(text, "attention_layers", None) or ())
+                 if kind == "local"]  # (GPT-Neo's windows: window_size, in full cache layers)
+        neo_window = getattr(text, "window_size", None)
+        if local and isinstance(neo_window, int) and max_cache_len > neo_window:
+            # (its local layers slice their window from the cache's length, not the tokens'
+            # count: past the window, real prompt keys are masked, logits 10-15% off)
+            raise ValueError(
+                f"{type(model).__name__} has local (windowed) attention (window {neo_window}) "
+                f"in {len(local)} layers, and max_cache_len={max_cache_len} outgrows the "
+                "window: its local layers mask real keys under a static cache. Convert with "
+                f"max_cache_len <= {neo_window} (prompt + new tokens within the window), or "
+                "generate with the HF model's own generate")
         kinds = {type(layer).__name__ for layer in self.cache.layers
                  if type(layer) is not StaticLayer}
         if kinds:
@@ -137,9 +162,12 @@ class StaticCacheStep(torch.nn.Module):
         and head size are the model's, not the config's guess (multi-query Falcon writes one
         key/value head where its config counts all of them). Then zeroed."""
         device = next(model.parameters()).device
-        with torch.no_grad():
-            model(input_ids=torch.zeros((batch_size, 1), dtype=torch.long, device=device),
-                  cache=self.cache, use_cache=True)
+        devices = [device] if device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):  # (a model in training
+            ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=self.cache,
+                  use_cache=True)  # mode draws dropout: not the caller's RNG; a mask: token 0
+            # may be the pad id, and transformers warned that the ids "may be padded")
         unwritten = [i for i, layer in enumerate(self.cache.layers) if not layer.is_initialized]
         if unwritten:
             raise ValueError(f"{type(model).__name__} did not write its cache layers {unwritten}: "
@@ -499,6 +527,26 @@ def _step_args(tokens: torch.Tensor, position: int, max_cache_len: int) -> tuple
             _mask(batch, position, max_cache_len, device))
 
 
+@contextlib.contextmanager
+def _cache_holding_prompt(step: StaticCacheStep, prefill_args: tuple):
+    """The step's cache filled by a float32 run of the example prompt, as it is when a decode
+    step runs, then put back as it was: a decode graph captured and calibrated on an all-zero
+    cache saw only the current token's key and value, so its ranges and its value check missed
+    what attending to the prompt brings (a prompt token with a large value vector: every
+    decode step NaN in fp16, "checked: error 0.00036")."""
+    buffers = dict(step.named_buffers(recurse=False))
+    saved = {name: t.clone() for name, t in buffers.items()}
+    devices = [t.device for t in saved.values() if t.device.type == "cuda"][:1]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            step(*prefill_args)
+        yield
+    finally:
+        with torch.no_grad():
+            for name, t in buffers.items():
+                t.copy_(saved[name])
+
+
 def _decode_calibration(model, first: tuple, ids, max_cache_len: int) -> Optional[list]:
     """The decode graph's calibration: one token at the first free slot (``first``) and one,
     another token, at the last slot the model can take (its last position embedding, if fewer):
@@ -598,8 +646,9 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
         return convert(step, prefill_args, calibration=prompts, **options).eval()
 
     def convert_decode(**options):
-        return convert(step, decode_args, calibration=_decode_calibration(
-            model, decode_args, ids, max_cache_len), **options).eval()
+        with _cache_holding_prompt(step, prefill_args):
+            return convert(step, decode_args, calibration=_decode_calibration(
+                model, decode_args, ids, max_cache_len), **options).eval()
 
     prefill, decode = convert_prefill(**options), convert_decode(**options)
     fell_back = [gm for gm in (prefill, decode)
@@ -639,8 +688,12 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
                  "(ConvertedDecoder.sharing lists them), e.g. %s", len(sharing.unshared),
                  "; ".join(f"{n} ({w})" for n, w in sharing.unshared[:2]))
     out = ConvertedDecoder(prefill, decode, batch_size=batch, max_cache_len=max_cache_len,
-                           sharing=sharing, cache_plan=plan, config=getattr(model, "config", None),
-                           generation_config=getattr(model, "generation_config", None))
+                           sharing=sharing, cache_plan=plan,
+                           # (copies: editing the decoder's settings must not edit the model's,
+                           # nor the model's edits reach a decoder that holds its own weights)
+                           config=copy.deepcopy(getattr(model, "config", None)),
+                           generation_config=copy.deepcopy(getattr(model, "generation_config",
+                                                                   None)))
     out.reset_cache()
     log.info("%s", out.summary())
     return out
