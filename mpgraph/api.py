@@ -103,7 +103,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         calibration=calibration, tolerance=tolerance, progress=progress, plan=plan, mode=mode,
         costs=costs, runtime=runtime)
 
-    fallback = None  # (not a function of its own: capture's warnings count frames up to here)
+    fallback, failed = None, None  # (not a function of its own: capture's warnings count
+    # frames up to here)
     while True:
         with stage("capture"):
             gm = capture(model, args, kwargs, export_only=opts.train, abstract=abstract,
@@ -121,9 +122,15 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                         gm.fused_weights
             break
         except ValueCheckError as e:  # the cost model's fp16 failed the check: bf16, once
-            fallback = _fallback(e, opts) if fallback is None else None
+            if fallback is not None:  # (bf16 failed too: a precision loss, not fp16's range;
+                # the plan the user is told of is the float16 one the cost model chose)
+                log.warning("%s: bfloat16 failed the value check too (error %.3g, more than "
+                            "its bound %.3g)", type(model).__name__, e.error, e.bound)
+                raise failed from None
+            fallback = _fallback(e, opts)
             if fallback is None:
                 raise
+            failed = e
             log.warning("%s: %s; converting in bfloat16 instead", type(model).__name__,
                         fallback["fallback"])
     gm.meta.pop(REFERENCE, None)  # the float32 outputs the check compared against: not kept
@@ -140,6 +147,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                 and name in held}
         if real:  # buffers built for real beside meta parameters: cast as the plan stored them
             load_weights(gm, real, device=abstract.device, strict=False)
+    _keep_unread_tensors(gm, model)
     record = Plan.from_graph(gm, low, opts.keep_io_types, target=opts.spec.name,
                              strategy=opts.strategy, kept_fp32=keep_fp32,
                              mode="train" if opts.train else "inference", tolerance=report,
@@ -170,6 +178,37 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         _check_gradients(gm, args, kwargs)
     log.info("%s", gm.plan.summary())
     return gm
+
+
+def _keep_unread_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+    """The model's state_dict entries the graph never reads (a training-only auxiliary head, a
+    loss's class weights), as float32 copies at their own paths: the traced module dropped
+    them, so ``fast.load_state_dict(model.state_dict())`` failed on unexpected keys."""
+    have = set(gm.state_dict(keep_vars=True))
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in have or not isinstance(t, torch.Tensor):
+            continue
+        *path, leaf = name.split(".")
+        owner = gm
+        for part in path:
+            sub = owner._modules.get(part)
+            if sub is None:
+                if hasattr(owner, part):  # (a name the graph module uses otherwise)
+                    owner = None
+                    break
+                sub = torch.nn.Module()
+                owner.add_module(part, sub)
+            owner = sub
+        if owner is None or leaf in owner._parameters or leaf in owner._buffers \
+                or hasattr(owner, leaf):
+            log.info("the model's %s is not read by the graph and its path is taken: not kept",
+                     name)
+            continue
+        value = t.detach().clone()
+        if isinstance(t, torch.nn.Parameter):
+            owner.register_parameter(leaf, torch.nn.Parameter(value, t.requires_grad))
+        else:
+            owner.register_buffer(leaf, value)
 
 
 def _check_gradients(gm, args, kwargs) -> None:

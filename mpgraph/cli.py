@@ -96,6 +96,11 @@ class FactoryError(ValueError):
     (-v: the traceback)."""
 
 
+def _on_path(folder: str) -> None:
+    if os.path.abspath(folder) not in map(os.path.abspath, sys.path):  # ('' is the cwd)
+        sys.path.insert(0, folder)
+
+
 def load_factory(spec: str):
     """``path/to/file.py:name`` or ``package.module:name`` -> the callable it names."""
     import importlib
@@ -107,6 +112,8 @@ def load_factory(spec: str):
     if where.endswith(".py") or os.sep in where:
         if not os.path.isfile(where):
             raise ValueError(f"no such file: {where}")
+        _on_path(os.path.dirname(os.path.abspath(where)))  # (as `python FILE.py` does: a
+        # module beside the file imports)
         module_spec = importlib.util.spec_from_file_location(f"_mpgraph_factory_{abs(hash(where))}", where)
         module = importlib.util.module_from_spec(module_spec)
         try:
@@ -114,6 +121,7 @@ def load_factory(spec: str):
         except Exception as e:  # the user's code, as when the factory is called
             raise FactoryError(f"could not load {where}: {type(e).__name__}: {e}") from e
     else:
+        _on_path(os.getcwd())  # (as `python -m` does: a module in the current directory)
         try:
             module = importlib.import_module(where)
         except Exception as e:
@@ -153,6 +161,9 @@ def build_from(spec: str, **sizes):
         raise ValueError(f"{spec} must return (model, example_inputs[, example_kwargs])")
     model, inputs = built[0], built[1]
     kwargs = built[2] if len(built) == 3 else None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"{spec} must return (model, example_inputs[, example_kwargs]): its "
+                         f"example_kwargs is a {type(kwargs).__name__}, not a dict")
     return model, inputs, kwargs
 
 
@@ -215,14 +226,17 @@ def _inspect(args) -> int:
     except MpgraphError as e:
         print(f"mpgraph: inspect failed: {e}", file=sys.stderr)
         return 1
-    if args.explain:
-        print(explain(runs))
-    print(_without_plan_warnings(report(converted, "text"), converted.plan), end="")
+    written = []  # (the files first: a reader that stops early, `| head`, must not lose them)
     for fmt in ("html", "json", "dot"):
         path = getattr(args, fmt)
         if path:
             report(converted, fmt, path)
-            print(f"wrote {path}")
+            written.append(f"wrote {path}")
+    if args.explain:
+        print(explain(runs))
+    print(_without_plan_warnings(report(converted, "text"), converted.plan), end="")
+    for line in written:
+        print(line)
     return 0
 
 
@@ -384,7 +398,13 @@ def main(argv=None) -> int:
     show = sys.stderr.isatty() if args.progress is None else args.progress
     with _console(args.verbose, show):
         try:
-            return args.func(args)
+            status = args.func(args)
+            sys.stdout.flush()
+            return status
+        except BrokenPipeError:  # (`mpgraph inspect ... | head`: the reader has what it wants)
+            devnull = os.open(os.devnull, os.O_WRONLY)  # (no second error when Python exits
+            os.dup2(devnull, sys.stdout.fileno())  # and flushes stdout)
+            return 0
         except (ValueError, TypeError, OSError) as e:
             if args.verbose:
                 traceback.print_exception(e, file=sys.stderr)

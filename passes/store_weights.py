@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.fake import held_counts
+from mpgraph.ir.fake import held_counts, module_tensors
 from mpgraph.ir.graph import (fetch_attr, free_attr_name, owner_of, read_transposed, set_attr,
                               with_data)
 from mpgraph.ir.meta import (INSERTED_BY, OP_CLASS, PRECISION, TENSOR, WEIGHTS, Decision, TensorInfo,
@@ -156,11 +156,24 @@ class StoreWeights(Pass):
         places = held_counts(gm)
         elsewhere = {id(t) for t in (fetch_attr(gm, n.target) for n in gm.graph.nodes
                                      if n.op == "get_attr") if isinstance(t, torch.Tensor)}
-        elsewhere |= {i for i, n in places.items() if n > 1}
+
+        def is_low(n):
+            return n.meta[PRECISION].dtype == self.low \
+                and n.meta[PRECISION].param_dtype in (None, self.low)
+
+        # a tensor tied only between modules every call of which is low (two Linears sharing a
+        # weight) is stored low once, for all its holders: a low copy per module beside float32
+        # originals held 2x the float32 model's memory
+        in_low = defaultdict(int)
+        for target, nodes in calls.items():
+            if all(is_low(n) for n in nodes):
+                for _, t in module_tensors(gm.get_submodule(target)):
+                    in_low[id(t)] += 1
+        elsewhere |= {i for i, n in places.items() if n > 1 and (in_low[i] != n or i in elsewhere)}
+        done: dict[int, torch.Tensor] = {}  # a tied tensor's one low value, by its original
         edits = 0
         for target, nodes in calls.items():
-            low = [n for n in nodes if n.meta[PRECISION].dtype == self.low
-                   and n.meta[PRECISION].param_dtype in (None, self.low)]
+            low = [n for n in nodes if is_low(n)]
             if not low:
                 continue
             module = gm.get_submodule(target)
@@ -188,7 +201,11 @@ class StoreWeights(Pass):
                     owner._buffers.pop(leaf, None)
                     _add_copy(module, name, t.detach().to(self.low))
                 else:
-                    set_attr(module, name, _converted(t, self.low))
+                    if id(t) in done:  # (tied: stored and recorded once)
+                        set_attr(module, name, done[id(t)])
+                        continue
+                    done[id(t)] = _converted(t, self.low)
+                    set_attr(module, name, done[id(t)])
                 records.append(WeightRecord(f"{target}.{name}", f"{source}.{name}", self.low,
                                             t.numel(), shared))
             edits += 1

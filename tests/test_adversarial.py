@@ -458,6 +458,35 @@ def test_calibration_batches_of_other_sequence_lengths(bert):
             assert relative_l2(fast(b).last_hidden_state, bert(b).last_hidden_state) < 5e-3
 
 
+class _RareToken(nn.Module):
+    """Token 7's embedding is large: its square overflows float16 (1200**2 > 65504)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.out = nn.Embedding(10, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+        with torch.no_grad():
+            self.emb.weight[7] = 40.0
+            self.lin.weight.fill_(30.0 / 64)
+
+    def forward(self, ids):
+        h = self.lin(self.emb(ids))
+        return self.out(h * h)
+
+
+def test_calibration_batches_of_token_ids_with_equal_sums_are_different_batches():
+    """[1, 2, 3, 8] and [1, 2, 4, 7] sum alike; the second holds the overflowing token, and a
+    permutation of a batch is another batch too: every one counts and is calibrated on."""
+    torch.manual_seed(0)
+    model = _RareToken().eval()
+    a, b = torch.tensor([[1, 2, 3, 8]] * 2), torch.tensor([[1, 2, 4, 7]] * 2)
+    fast = mpgraph.convert(model, (a,), calibration=[(a,), (b,), (a.flip(-1),), (a,)],
+                           dtype="fp16", target=GPU, strategy="rules")
+    assert fast.plan.calibration_batches == 3
+    with torch.no_grad():
+        assert torch.isfinite(model(b)).all() and torch.isfinite(fast(b)).all()
+        assert relative_l2(fast(b), model(b)) < 1e-2
+
+
 # -- real architectures, as they are called ------------------------------------------------------
 
 def test_bert_flags_through_kwargs_hidden_states_attentions_and_tuples(bert):
@@ -2294,3 +2323,33 @@ def test_a_try_except_in_a_function_called_as_a_modules_attribute_is_said(tmp_pa
     import rd_f4_model
     said = _catches(rd_f4_model.ViaModule().eval(), _x(16, 8))
     assert said and "rd_f4_linalg_utils.py:" in said[0] and "in the safe_cholesky" in said[0]
+
+
+class _TiedPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.m = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.m.weight = self.l.weight
+
+    def forward(self, x):
+        return self.m(torch.relu(self.l(x)))
+
+
+def test_a_weight_tied_between_two_low_layers_is_stored_low_once():
+    """Each layer got a float16 copy of every tensor beside float32 originals: 2.0x the float32
+    model's memory, "4 weights (0.13M values)" for 3 tensors of 8,320 values. One float16
+    tensor serves both, the tie holds, and loads reach both readers."""
+    torch.manual_seed(0)
+    model, x = _TiedPair().eval(), _x(8, 64)
+    fast = mpgraph.convert(model, x, dtype="fp16", target=GPU, strategy="rules")
+    assert fast.l.weight is fast.m.weight and fast.l.weight.dtype == torch.float16
+    held = {id(t): t for t in (*fast.parameters(), *fast.buffers())}
+    assert sorted((t.dtype, t.numel()) for t in held.values()) == \
+        [(torch.float16, 64)] * 2 + [(torch.float16, 4096)]
+    assert "3 weights (0.00M values) stored as float16" in fast.plan.summary()
+    with torch.no_grad():
+        assert relative_l2(fast(x), model(x)) < 1e-2
+        other = _TiedPair().eval()
+        fast.load_state_dict(other.state_dict())
+        assert fast.l.weight is fast.m.weight
+        assert relative_l2(fast(x), other(x)) < 1e-2

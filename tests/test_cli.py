@@ -382,3 +382,45 @@ def test_cli_keeps_transformers_logs_for_verbose(tmp_path, monkeypatch):
     # in a library user's process, the CLI leaves transformers' settings as they were
     assert cli.main(["inspect", f"{factory}:build", "--target", "a100", "--check", "off"]) == 0
     assert "TRANSFORMERS_VERBOSITY" not in os.environ
+
+
+def test_cli_factories_import_modules_beside_them_and_from_the_current_folder(tmp_path, capsys,
+                                                                              monkeypatch):
+    """As `python FILE.py` and `python -m` do: a factory file importing a module beside it, and
+    module:factory naming a module in the current folder (only PYTHONPATH=. worked)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "mp_sibling_layers.py").write_text(
+        "import torch.nn as nn\ndef head():\n    return nn.Linear(8, 4)\n")
+    (tmp_path / "mp_sibling_factory.py").write_text(
+        "import torch\nfrom mp_sibling_layers import head\n"
+        "def build():\n    return head(), torch.randn(2, 8)\n"
+        "def listed():\n    return head(), (torch.randn(2, 8),), [1]\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["inspect", f"{tmp_path / 'mp_sibling_factory.py'}:build", "--target",
+                     "a100", "--check", "off"]) == 0, capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["inspect", "mp_sibling_factory:build", "--target", "a100", "--check",
+                     "off"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert cli.main(["inspect", "mp_sibling_factory:listed", "--target", "a100"]) == 2
+    assert capsys.readouterr().err == (
+        "mpgraph: error: mp_sibling_factory:listed must return (model, example_inputs[, "
+        "example_kwargs]): its example_kwargs is a list, not a dict\n")
+    for module in ("mp_sibling_layers", "mp_sibling_factory"):
+        sys.modules.pop(module, None)
+
+
+def test_cli_inspect_read_by_head_writes_its_files_and_exits_0(tmp_path):
+    """`mpgraph inspect ... | head`: the report files were not written and the command ended
+    "mpgraph: error: [Errno 32] Broken pipe", status 2."""
+    factory = tmp_path / "lin.py"
+    factory.write_text("import torch, torch.nn as nn\n"
+                       "def build():\n    return nn.Linear(8, 8), torch.randn(2, 8)\n")
+    out = tmp_path / "plan.json"
+    command = (f"{sys.executable} -m mpgraph inspect {factory}:build --target a100 --explain "
+               f"--json {out} | head -1; exit ${{PIPESTATUS[0]}}")
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert proc.returncode == 0 and "Broken pipe" not in proc.stderr, proc.stderr
+    assert proc.stdout.count("\n") == 1 and out.stat().st_size > 100

@@ -1,4 +1,6 @@
 """End to end: convert real and hand-written architectures, check numbers, dtypes, structure."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -6,7 +8,7 @@ import torch.nn as nn
 import mpgraph
 from mpgraph.ir.meta import PRECISION, TENSOR
 
-from conftest import (convert_rules, LOW_DTYPES, TOL, ConvBnReluPool, MLP, SoftmaxAttention, casts, rel_err,
+from conftest import (GPU, convert_rules, LOW_DTYPES, TOL, ConvBnReluPool, MLP, SoftmaxAttention, casts, rel_err,
                       round_trips)
 
 convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
@@ -283,3 +285,35 @@ def test_an_example_input_that_requires_grad_converts_without_torch_s_warning():
         torch.set_warn_always(always)
     assert not [str(w.message) for w in caught if "requires_grad" in str(w.message)]
     assert x.grad is None and fast(x).requires_grad
+
+
+@pytest.mark.parametrize("kwargs, shown", [([1], "list [1]"), ("abc", "str 'abc'")])
+def test_example_kwargs_that_are_not_a_dict_are_named(kwargs, shown):
+    """A list gave dict()'s "cannot convert dictionary update sequence element #0"."""
+    with pytest.raises(TypeError, match=rf"example_kwargs must be a dict of keyword arguments "
+                                        rf"\(name: value\), got {re.escape(shown)}: positional "
+                                        "arguments go in example_inputs"):
+        mpgraph.convert(nn.Linear(2, 2), (torch.randn(1, 2),), example_kwargs=kwargs)
+
+
+class _Gather(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, idx):
+        h = self.l(x)
+        if h.shape[0] < 1:  # (fx cannot trace it: torch.export, whose nodes know their line)
+            return h
+        return h[idx]
+
+
+def test_a_calibration_batch_that_fails_names_the_node_and_the_model_s_line():
+    """It named the node before the failing one ("failed after node view_18"), a name the user
+    never wrote: now the failing node and the line of the model's code that made it."""
+    x = torch.randn(4, 8)
+    with pytest.raises(mpgraph.CalibrationError, match=r"calibration batch 1 failed at node "
+                                                       r"\w+ \(test_convert\.py:\d+: return "
+                                                       r"h\[idx\]\): IndexError: index 9"):
+        mpgraph.convert(_Gather().eval(), (x, torch.tensor([0, 1])), target=GPU,
+                        calibration=[(x, torch.tensor([0, 1])), (x, torch.tensor([0, 9]))])

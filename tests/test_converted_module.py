@@ -696,3 +696,33 @@ def test_a_converted_hf_model_carries_its_config_and_says_what_it_does_not_keep(
                        r"training conversion trains its own copy of the weights: load them into "
                        r"it first, model\.load_state_dict\(converted\.state_dict\(\)\)\)"):
         train.save_pretrained
+
+
+class _WithAux(nn.Module):
+    """A training-only auxiliary head and a loss's class weights: the inference graph reads
+    neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.aux_head = nn.Linear(16, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+        self.register_buffer("class_weights", torch.ones(4))
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return (self.head(h), self.aux_head(h)) if self.training else self.head(h)
+
+
+def test_tensors_the_graph_never_reads_keep_their_keys_and_load_both_ways():
+    """They were dropped: fast.load_state_dict(model.state_dict()) raised torch's "Unexpected
+    key(s)", and the model could not load the converted module's state dict."""
+    torch.manual_seed(0)
+    model, x = _WithAux().eval(), torch.randn(8, 16)
+    fast = mpgraph.convert(model, x, dtype="bf16", target=GPU, strategy="rules")
+    assert set(fast.state_dict()) == set(model.state_dict())
+    assert fast.state_dict()["aux_head.weight"].data_ptr() != model.aux_head.weight.data_ptr()
+    other = _WithAux().eval()
+    fast.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert relative_l2(fast(x), other(x)) < 1e-2
+    model.load_state_dict(fast.state_dict())
+    assert torch.equal(model.aux_head.weight, other.aux_head.weight)

@@ -418,6 +418,29 @@ def test_an_automatic_fp16_that_fails_the_check_falls_back_to_bf16_and_says_why(
     assert out.plan.dtype == BF16 and out.plan.calibration_batches == 2
 
 
+class _Cancelling(nn.Module):
+    """Values near 100, then centred: a loss of precision (fp16 0.029 off), not of range."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.l1(x) + 100
+        return self.l2((h - h.mean(-1, keepdim=True)) / (h.var(-1, keepdim=True) + 1e-5).sqrt())
+
+
+def test_an_automatic_fp16_whose_bf16_fallback_fails_too_reports_the_fp16_plan(caplog):
+    """bf16 (8x coarser) cannot mend a precision loss: it failed at 0.24 and the error was about
+    a bfloat16 plan the user never asked for. The float16 plan's error is the one raised."""
+    torch.manual_seed(0)
+    model, x = _Cancelling().eval(), torch.randn(2, 16, 32)
+    with pytest.raises(mpgraph.ValueCheckError, match=r"differs from float32 by 0\.0\d+ .*more "
+                                                      r"than a float16 plan should \(0\.0156\)"):
+        mpgraph.convert(model, (x,), target="a100", strategy="rules", costs=kernels_only())
+    assert "bfloat16 failed the value check too (error 0.2" in caplog.text
+
+
 def test_a_named_fp16_that_fails_the_check_is_an_error_that_names_bf16():
     model, x = _tiny_mlp()
     with pytest.raises(mpgraph.ConversionError, match=r"differs from float32 by .* more than a "
