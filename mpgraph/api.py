@@ -677,6 +677,7 @@ class Options:
             raise ValueError("convert needs example_inputs (a tensor or a tuple of the model's "
                              "arguments) to learn which values are float32 and their shapes")
         args, kwargs = as_call(example_inputs, example_kwargs)
+        _refuse_sparse(model, args, kwargs)
         kwargs = without_cache(model, args, kwargs)
         if tolerance is not None:
             tolerance = check_tolerance(tolerance)
@@ -731,6 +732,27 @@ def _device_of(args: tuple, kwargs: dict, model) -> torch.device:
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     tensors += list(itertools.islice(model.parameters(), 1))
     return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _refuse_sparse(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A sparse input (a GCN's adjacency for torch.sparse.mm): the passes read every value's
+    range and cast dense tensors; a sparse one failed deep inside torch (aminmax has no
+    SparseCPU kernel), blamed on the traced graph."""
+    from torch.utils import _pytree as pytree
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    given = [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
+    for name, value in given + list(kwargs.items()):
+        leaf = next((t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
+                     and t.layout != torch.strided), None)
+        if leaf is not None:
+            raise ValueError(
+                f"argument {name!r} is a {str(leaf.layout).replace('torch.', '')} tensor: "
+                "mpgraph converts graphs of dense tensors. Convert the dense parts (the layers "
+                f"around the sparse product) with mpgraph.convert and call them from "
+                f"{type(model).__name__}'s forward, or pass the input dense (.to_dense())")
 
 
 def _fallback(error: ValueCheckError, opts: Options) -> Optional[dict]:

@@ -49,6 +49,10 @@ CAPTURE_FIXES = (
      "write the buffer in place, which the graph records: self.ema.copy_(new value) (under "
      "torch.no_grad() where it is computed from activations), or assign it (self.ema = new "
      "value)"),
+    (("grows it once, on its first call",),
+     "build the buffer at its largest size in __init__ (the longest length the model takes), "
+     "or run the model once at that length before converting; the forward then only reads a "
+     "slice of it, self.pe[:T]"),
     (("a graph writes a buffer back in its shape",),
      "allocate the buffer at its largest size once and write each call's part in place, with "
      "the position as an input: self.kc.index_copy_(1, pos, k) or self.kc[:, pos] = k (a "

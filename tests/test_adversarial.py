@@ -487,6 +487,28 @@ def test_calibration_batches_of_token_ids_with_equal_sums_are_different_batches(
         assert relative_l2(fast(b), model(b)) < 1e-2
 
 
+class _ComplexIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, z):
+        return self.l(z.real) + self.l(z.imag)
+
+
+def test_complex_calibration_batches_that_differ_in_their_imaginary_part_are_two():
+    """The fingerprint summed a complex batch as real: torch warned "Casting complex values to
+    real discards the imaginary part" and the two batches were taken for one."""
+    torch.manual_seed(0)
+    z = torch.randn(4, 16, dtype=torch.cfloat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fast = mpgraph.convert(_ComplexIn().eval(), (z,), target=GPU, dtype="fp16",
+                               strategy="rules",
+                               calibration=[(z,), (torch.complex(z.real, z.imag * 1000),)])
+    assert fast.plan.calibration_batches == 2
+
+
 # -- real architectures, as they are called ------------------------------------------------------
 
 def test_bert_flags_through_kwargs_hidden_states_attentions_and_tuples(bert):

@@ -383,9 +383,14 @@ class _RebindsBuffer(nn.Module):
         self.kind, self.fc = kind, nn.Linear(16, 16)
         self.register_buffer("ema", torch.zeros(16))
         self.register_buffer("kc", torch.zeros(2, 1, 16))
+        self.register_buffer("table", torch.zeros(0, 16), persistent=False)
 
     def forward(self, x):
         h = self.fc(x)
+        if self.kind == "lazy":  # (a positional table built at the first call's length)
+            if self.table.shape[0] < x.shape[1]:
+                self.table = torch.ones(x.shape[1], 16)
+            return h + self.table[:x.shape[1]]
         if self.kind == "data":
             self.ema.data = self.ema.data * 0.9 + 0.1 * h.detach().mean((0, 1))
             return h - self.ema
@@ -398,19 +403,24 @@ class _RebindsBuffer(nn.Module):
              r"self\.ema\.data = ", r"self\.ema\.copy_\(new value\)"),
     ("grow", r"buffer kc: _RebindsBuffer's forward gives it a new shape on every call, "
              r"\(2, \d+, 16\) -> \(2, \d+, 16\) \(test_capture\.py:\d+: self\.kc = torch\.cat",
-     r"self\.kc\.index_copy_\(1, pos, k\)")], ids=["data", "grow"])
+     r"self\.kc\.index_copy_\(1, pos, k\)"),
+    ("lazy", r"buffer table: _RebindsBuffer's forward grows it once, on its first call, "
+             r"\(0, 16\) -> \(4, 16\) \(test_capture\.py:\d+: self\.table = torch\.ones",
+     r"build the buffer at its largest size in __init__")], ids=["data", "grow", "lazy"])
 def test_a_buffer_rebound_in_the_forward_is_a_capture_error_naming_it_and_the_way_out(kind, says,
                                                                                      fix):
     """pV f4, f8: ``self.ema.data = ...`` and a cache grown with ``torch.cat`` each call were
     CaptureErrors quoting torch's internals ("We found a fake tensor ... Please file an issue on
-    github", "The size of tensor a (2) must match ... copy_") with the generic fix."""
+    github", "The size of tensor a (2) must match ... copy_") with the generic fix; a table grown
+    once, at the first call, was torch's copy_ size mismatch too."""
     model = _RebindsBuffer(kind).eval()
     with pytest.raises(mpgraph.CaptureError) as caught:
-        mpgraph.convert(model, (torch.randn(2, 1, 16),))
+        mpgraph.convert(model, (torch.randn(2, 4, 16),))
     text = str(caught.value)
     assert re.search(says, text) and re.search(fix, text), text
     assert "file an issue" not in text and "must match" not in text
     assert tuple(model.kc.shape) == (2, 1, 16) and not model.ema.any()  # (the model's: untouched)
+    assert tuple(model.table.shape) == (0, 16)
 
 
 class _Ensemble(nn.Module):

@@ -317,3 +317,21 @@ def test_a_calibration_batch_that_fails_names_the_node_and_the_model_s_line():
                                                        r"h\[idx\]\): IndexError: index 9"):
         mpgraph.convert(_Gather().eval(), (x, torch.tensor([0, 1])), target=GPU,
                         calibration=[(x, torch.tensor([0, 1])), (x, torch.tensor([0, 9]))])
+
+
+class _GCN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, adj):
+        return torch.sparse.mm(adj, self.l(x))
+
+
+def test_a_sparse_input_is_refused_by_its_argument_name():
+    """It failed inside torch (aminmax has no SparseCPU kernel), blamed on the traced graph."""
+    adj = torch.eye(4).to_sparse()
+    with pytest.raises(ValueError, match=r"argument 'adj' is a sparse_coo tensor: mpgraph "
+                                         r"converts graphs of dense tensors\. Convert the dense "
+                                         r"parts .* _GCN's forward, or pass the input dense"):
+        mpgraph.convert(_GCN(), (torch.randn(4, 8), adj))

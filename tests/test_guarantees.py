@@ -1159,3 +1159,28 @@ def test_a_node_reading_the_models_own_float64_value_is_not_planned_low():
     assert {r.name for r in fast.plan.low_nodes} == {"a", "b"}
     assert rel_err(fast(x), model(x)) == pytest.approx(fast.plan.check["error"], rel=1e-3)
 
+
+
+class _Upsample(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x, out_size=(16, 16)):
+        return nn.functional.interpolate(self.c(x), size=out_size, mode="bilinear")
+
+
+def test_a_fixed_size_argument_is_the_same_as_a_tuple_a_list_or_a_torch_size():
+    """Converted with out_size=(32, 32), a call with x.shape[-2:] (a torch.Size) or [32, 32] was
+    refused: "torch.Size([32, 32]) would be ignored". Equal sizes are the same argument; other
+    sizes, and 32.0 for 32, are still refused."""
+    torch.manual_seed(0)
+    model, x = _Upsample().eval(), torch.randn(2, 3, 16, 16)
+    fast = mpgraph.convert(model, x, example_kwargs={"out_size": (32, 32)}, target=GPU)
+    with torch.no_grad():
+        ref = model(x, out_size=(32, 32))
+        for size in ([32, 32], torch.Size([32, 32]), torch.randn(1, 32, 32).shape[-2:]):
+            assert relative_l2(fast(x, out_size=size), ref) < 5e-3
+    for size in ([32, 16], (32.0, 32)):
+        with pytest.raises(TypeError, match="would be ignored"):
+            fast(x, out_size=size)

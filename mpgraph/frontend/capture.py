@@ -1365,11 +1365,46 @@ def _rebound_buffers(model: torch.nn.Module, args: tuple, kwargs: dict, state: d
                 f"{_line_in_forward(m, f'{attr}.data =')}: a write through .data is not an op, "
                 "so no graph records it")}
         if isinstance(now, torch.Tensor) and tuple(now.shape) != shape:
+            line = _line_in_forward(m, f'{attr} =')
+            if not _grows_again(model, args, kwargs, state, m, name):
+                return {buffer: (
+                    f"{type(m).__name__}'s forward grows it once, on its first call, {shape} -> "
+                    f"{tuple(now.shape)}{line}, and keeps it: each traced call would grow it "
+                    "again from the shape it was captured with")}
             return {buffer: (
                 f"{type(m).__name__}'s forward gives it a new shape on every call, {shape} -> "
-                f"{tuple(now.shape)}{_line_in_forward(m, f'{attr} =')}: a graph writes a "
-                "buffer back in its shape")}
+                f"{tuple(now.shape)}{line}: a graph writes a buffer back in its shape")}
     return None
+
+
+def _buffer_bindings(model: torch.nn.Module) -> list:
+    return [(m, name, b, b.data) for m in model.modules()
+            for name, b in m._buffers.items() if b is not None]
+
+
+def _rebind(bindings: list) -> None:
+    """Each buffer back in its place with its values (a forward that rebinds one, ``self.pe =
+    table(T)``, is not undone by state_kept)."""
+    for m, name, b, data in bindings:
+        b.data = data
+        m._buffers[name] = b
+
+
+def _grows_again(model, args, kwargs, state, module, name) -> bool:
+    """Whether a second call gives the buffer a new shape again (``torch.cat`` onto it every
+    call), not only the first (a table built at the first call's length)."""
+    bindings = _buffer_bindings(model)
+    try:
+        with torch.no_grad(), seeded():
+            model(*fresh(args), **fresh(kwargs))  # (the first call: grows it)
+            shape = tuple(module._buffers[name].shape)
+            model(*fresh(args), **fresh(kwargs))
+            return tuple(module._buffers[name].shape) != shape
+    except Exception:  # noqa: BLE001 - the first run said it grows: as before
+        return True
+    finally:
+        _rebind(bindings)
+        _changed_state(model, state)
 
 
 def _line_in_forward(module: torch.nn.Module, text: str) -> str:
@@ -2203,10 +2238,12 @@ def _eager_failure(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict
     """What the model's own forward raises on the example inputs, or None: every tracer fails
     on inputs the model cannot take (a wrong shape or dtype), and its report would send the
     user to rewrite a model that is fine. One eager run, on the failure path only."""
+    bindings = _buffer_bindings(work)
     try:
         run_kept(work, args, kwargs)
     except Exception as e:  # noqa: BLE001 - reported, with the tracers' reports
         return _brief(e)
     finally:
+        _rebind(bindings)  # (_rebound_buffers runs it again, from the buffers it started with)
         _changed_state(work, state)
     return None

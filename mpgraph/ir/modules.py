@@ -430,9 +430,14 @@ def _fields(value) -> dict:
     return dict(getattr(value, "__dict__", {}))
 
 
+_SEQUENCES = (tuple, list, torch.Size)  # (x.shape[-2:] given where (32, 32) was: the same)
+
+
 def _same(a, b) -> bool:
     if a is b:
         return True
+    if type(a) in _SEQUENCES and type(b) in _SEQUENCES:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001 - a value without a plain equality
