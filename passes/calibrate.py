@@ -105,6 +105,19 @@ def _seen_before(earlier: set, batch) -> bool:
     return False
 
 
+_EMPTY = ("empty", "empty_like", "new_empty", "empty_strided", "empty_permuted")
+
+
+def _uninitialised(node: torch.fx.Node) -> bool:
+    """A tensor torch.empty* made: its values are whatever memory held until the model writes
+    them (a range measured there changed from run to run: 3.48e+17, 5.97e+23)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    return name.split(".")[0] in _EMPTY
+
+
 def _where(gm: torch.fx.GraphModule, last: str) -> str:
     """The node a run failed at (the one after ``last``, the last it recorded) and the model's
     line that made it: "view_18" alone names nothing the user wrote."""
@@ -348,7 +361,8 @@ class Calibrate(Pass):
             last = ["(graph inputs)"]
 
             def wanted(node) -> bool:  # a weight is the same on every batch: measured once
-                return not (count and node.op == "get_attr" and node in per_batch)
+                return not (count and node.op == "get_attr" and node in per_batch) \
+                    and not _uninitialised(node)
 
             def add(node, stats) -> None:
                 if stats:

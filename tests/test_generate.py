@@ -1301,3 +1301,26 @@ def test_a_causal_lm_whose_config_counts_encoder_layers_builds_its_decoder_s_cac
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
                                   do_sample=False, eos_token_id=None)
     assert torch.equal(decoder.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)
+
+
+def test_convert_decoder_s_warnings_name_the_lm_and_its_paths_once():
+    """They named StaticCacheStep and its model.model.layers.0 paths, the user's never, once per
+    graph, and said a train-mode model's decoder "starts in training mode" (both graphs are
+    returned in eval mode)."""
+    torch.manual_seed(0)
+    model = llama()
+    model.model.layers[0].register_forward_hook(lambda *args: None)
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="bf16",
+                                          target="cpu")
+    told = [str(w.message) for w in caught]
+    assert not any("StaticCacheStep" in t or "model.model." in t or "starts in training mode"
+                   in t for t in told), told
+    hooks = [t for t in told if t.startswith("forward hooks on model.layers.0 of "
+                                             "LlamaForCausalLM ran while it was traced")]
+    assert len(hooks) == 1, told
+    assert any("LlamaForCausalLM is in training mode; generation wants model.eval()" in t
+               for t in told)
+    assert not decoder.prefill.training and not decoder.decode.training

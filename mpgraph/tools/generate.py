@@ -34,9 +34,11 @@ import dataclasses
 import fnmatch
 import functools
 import inspect
+import itertools
 import logging
 import operator
 import os
+import re
 import threading
 import warnings
 import weakref
@@ -528,6 +530,40 @@ def _step_args(tokens: torch.Tensor, position: int, max_cache_len: int) -> tuple
 
 
 @contextlib.contextmanager
+def _told_as_the_lm(model: torch.nn.Module):
+    """convert's warnings about the two graphs, as the user knows the model: the LM's class,
+    not StaticCacheStep, its module paths (``model.layers.0``), not ours (``model.model.layers.0``),
+    each once (not once per graph), and not "starts in training mode" (convert_decoder returns
+    both graphs in eval mode, and warns of a training-mode model itself)."""
+    paths = {name for name, _ in model.named_modules() if name} | {
+        name for name, _ in itertools.chain(model.named_parameters(), model.named_buffers())}
+    name = type(model).__name__
+
+    def as_the_lm(text: str) -> str:
+        text = text.replace(StaticCacheStep.__name__, name)
+        return re.sub(r"\bmodel\.([\w.]+)", lambda m: m[1] if m[1].rstrip(".") in paths
+                      else m[0], text)
+
+    seen: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                seen = list(caught)
+    finally:  # (told outside the recording, through the caller's own filters)
+        said = set()
+        for w in seen:
+            text = as_the_lm(str(w.message))
+            if (text, w.category) in said or "is converted for inference: the converted " \
+                    "module starts in training mode" in text:
+                continue
+            said.add((text, w.category))
+            warnings.warn_explicit(text, w.category, w.filename, w.lineno)
+
+
+@contextlib.contextmanager
 def _cache_holding_prompt(step: StaticCacheStep, prefill_args: tuple):
     """The step's cache filled by a float32 run of the example prompt, as it is when a decode
     step runs, then put back as it was: a decode graph captured and calibrated on an all-zero
@@ -650,26 +686,27 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
             return convert(step, decode_args, calibration=_decode_calibration(
                 model, decode_args, ids, max_cache_len), **options).eval()
 
-    prefill, decode = convert_prefill(**options), convert_decode(**options)
-    fell_back = [gm for gm in (prefill, decode)
-                 if (gm.plan.dtype_choice or {}).get("fallback")]
-    if dtype is None and fell_back and prefill.plan.dtype != decode.plan.dtype:
-        # one graph's automatic fp16 failed its value check and fell back to bf16: the other in
-        # bf16 too (the graphs share the cache, so they share its dtype)
-        log.info("convert_decoder: the %s graph fell back to bfloat16 (%s): the other graph too",
-                 "prefill" if fell_back[0] is prefill else "decode",
-                 fell_back[0].plan.dtype_choice["fallback"])
-        options = dict(options, dtype=torch.bfloat16)  # (and for any reconversion below)
-        if fell_back[0] is prefill:
-            decode = convert_decode(**options)
-        else:
-            prefill = convert_prefill(**options)
-    names = cache_names(prefill)
-    if names != cache_names(decode):
-        raise ValueError(f"the two graphs have different cache buffers: {names} vs "
-                         f"{cache_names(decode)}")
-    prefill, decode = _agree_on_float32_cache(prefill, decode, names, options,
-                                              convert_prefill, convert_decode)
+    with _told_as_the_lm(model):  # (convert's warnings name the LM, not our wrapper)
+        prefill, decode = convert_prefill(**options), convert_decode(**options)
+        fell_back = [gm for gm in (prefill, decode)
+                     if (gm.plan.dtype_choice or {}).get("fallback")]
+        if dtype is None and fell_back and prefill.plan.dtype != decode.plan.dtype:
+            # one graph's automatic fp16 failed its value check and fell back to bf16: the other in
+            # bf16 too (the graphs share the cache, so they share its dtype)
+            log.info("convert_decoder: the %s graph fell back to bfloat16 (%s): the other graph too",
+                     "prefill" if fell_back[0] is prefill else "decode",
+                     fell_back[0].plan.dtype_choice["fallback"])
+            options = dict(options, dtype=torch.bfloat16)  # (and for any reconversion below)
+            if fell_back[0] is prefill:
+                decode = convert_decode(**options)
+            else:
+                prefill = convert_prefill(**options)
+        names = cache_names(prefill)
+        if names != cache_names(decode):
+            raise ValueError(f"the two graphs have different cache buffers: {names} vs "
+                             f"{cache_names(decode)}")
+        prefill, decode = _agree_on_float32_cache(prefill, decode, names, options,
+                                                  convert_prefill, convert_decode)
     for gm, which in ((prefill, "prefill"), (decode, "decode")):
         writes = _in_place_writes(gm, set(names))
         missing = [n for n in names if not writes.get(n)]
