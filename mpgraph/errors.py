@@ -49,6 +49,13 @@ CAPTURE_FIXES = (
      "write the buffer in place, which the graph records: self.ema.copy_(new value) (under "
      "torch.no_grad() where it is computed from activations), or assign it (self.ema = new "
      "value)"),
+    (("torch.export takes tensors, Python numbers, strings and None",),
+     "the report names the argument and how to pass it: torch.export traces the model with "
+     "tensors and plain Python values only"),
+    (("in output, which is not a known type",),
+     "register the output's class before converting, torch.export.register_dataclass(Out) for a "
+     "dataclass (torch.utils._pytree.register_pytree_node for another class), or return a "
+     "tuple or dict"),
     (("grows it once, on its first call",),
      "build the buffer at its largest size in __init__ (the longest length the model takes), "
      "or run the model once at that length before converting; the forward then only reads a "

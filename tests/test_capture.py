@@ -1,7 +1,9 @@
+import dataclasses
 import functools
 import inspect
 import re
 import types
+import typing
 
 import pytest
 import torch
@@ -842,3 +844,53 @@ def test_rebinding_closures_never_writes_into_the_users_model_and_keeps_shared_c
         fast = mpgraph.convert(hooked, (x,), target="a100", dtype="bf16")
         want = hooked(x)
         assert ((fast(x).float() - want).norm() / want.norm()).item() < 2e-2
+
+
+class _Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, act: str = "relu", out_dtype: torch.dtype = torch.float32):
+        h = self.l(x)
+        h = torch.relu(h) if act == "relu" else torch.tanh(h)  # (fx cannot: torch.export)
+        return h.to(out_dtype)
+
+
+def test_an_argument_torch_export_cannot_take_is_named_with_the_way_out():
+    """A torch.dtype (or an Enum member, a device, an object of the user's class) on the
+    torch.export route: torch's "Unsupported input type <class 'torch.dtype'>" named no
+    argument, and the fix was the generic one."""
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(_Flags().eval(), (torch.randn(2, 8),),
+                        example_kwargs={"act": "tanh", "out_dtype": torch.float16})
+    text = str(caught.value)
+    assert re.search(r"argument 'out_dtype' is torch\.float16 \(a dtype\): torch\.export takes "
+                     r"tensors, Python numbers, strings and None .*; convert a wrapper that "
+                     r"passes it as a constant", text), text
+    assert "keep the construct out of the converted graph" not in text
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    aux: typing.Optional[torch.Tensor] = None
+
+
+class _ReturnsDataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, with_aux: bool = False):
+        h = self.l(x)
+        return _Out(h, h.sum(-1) if with_aux else None)  # (fx cannot: torch.export)
+
+
+def test_a_dataclass_output_on_the_torch_export_route_says_how_to_register_it():
+    """torch's "Found <class Out> in output, which is not a known type ... please leave a
+    comment" came with the generic fix."""
+    with pytest.raises(mpgraph.CaptureError, match=r"fix: register the output's class before "
+                                                   r"converting, torch\.export\."
+                                                   r"register_dataclass\(Out\)"):
+        mpgraph.convert(_ReturnsDataclass().eval(), (torch.randn(2, 8),))

@@ -145,12 +145,45 @@ def _quiet():
             lg.setLevel(level)
 
 
+_EXPORTABLE = (torch.Tensor, bool, int, float, str, type(None), torch.SymInt, torch.SymFloat)
+
+
+def _refuse_unexportable(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """An argument torch.export cannot take (an Enum member, a torch.dtype or device, an object
+    of the user's own class): torch said "Unfamiliar meta val" or "Unsupported input type",
+    naming no argument. Named here, with the way out."""
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    given = [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
+    for name, value in given + list(kwargs.items()):
+        leaf = next((v for v in pytree.tree_leaves(value) if not isinstance(v, _EXPORTABLE)
+                     and not type(v).__name__.endswith("Cache")), None)  # (a KV cache: its
+        # own report and fix, INPUT_CACHE_FIX)
+        if leaf is None:
+            continue
+        kind = type(leaf).__name__
+        if dataclasses.is_dataclass(leaf):
+            way = (f"register it before converting, torch.export.register_dataclass({kind}), "
+                   "or pass its tensors as arguments")
+        else:
+            way = (f"convert a wrapper that passes it as a constant (class Wrapped(nn.Module): "
+                   f"forward(self, x) returns model(x, {name}={repr(leaf)[:40]})), or make it a "
+                   "module attribute set before converting")
+        shown = f"an instance of the dataclass {kind}" if dataclasses.is_dataclass(leaf) else \
+            f"{repr(leaf)[:40]} (a {kind})"
+        raise TypeError(f"argument {name!r} is {shown}: torch.export takes tensors, "
+                        f"Python numbers, strings and None (in lists, tuples and dicts); {way}")
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool = True,
             train: bool = False, state: Optional[dict] = None,
             changed: Optional[list] = None) -> torch.fx.GraphModule:
     """torch.export, non-strict. ``state`` (``_python_state``): the attributes the forward
     changes are added to ``changed`` (torch.export puts them back after its trace, saying
     nothing of those that are not tensors)."""
+    _refuse_unexportable(model, args, kwargs)
     frozen = [f"{k}={v!r}" for k, v in list(enumerate(args)) + list(kwargs.items())
               if isinstance(v, (bool, int, float)) and not isinstance(v, torch.Tensor)]
     if frozen:  # (a call with another value is a TypeError naming it: CallSignature)
