@@ -115,6 +115,12 @@ SOURCE_FIXES = (
      "(BatchNorm(..., momentum=0.1): an exponential average), or keep that BatchNorm out of "
      "the converted graph (convert the parts before and after it)"),
 )
+# convert_decoder's graphs: what GENERAL_FIX says of convert's (converting the parts around the
+# construct) does not apply to a decoder's generation step
+DECODER_FIX = ("convert_decoder traces the model's own forward on a static KV cache (a prefill of "
+               "any prompt length, and one decode step), and this model's forward could not be "
+               "traced so: generate with the HF model's own generate (mpgraph.convert of it for "
+               "a fixed-shape forward without a cache still applies)")
 # when no known cause matches: what always works
 GENERAL_FIX = ("keep the construct out of the converted graph: convert the submodules before and "
                "after it (mpgraph.convert(model.encoder, ...)) and call them from your own forward")

@@ -1324,3 +1324,16 @@ def test_convert_decoder_s_warnings_name_the_lm_and_its_paths_once():
     assert any("LlamaForCausalLM is in training mode; generation wants model.eval()" in t
                for t in told)
     assert not decoder.prefill.training and not decoder.decode.training
+
+
+def test_a_decoder_whose_step_cannot_be_traced_gets_the_way_out_that_applies_to_it():
+    """MPT's ALiBi bias sliced by the prompt's length: torch.export's "8 not in VR[0, 2]" came
+    with convert's fix, "convert the submodules before and after it", which no decoder can."""
+    torch.manual_seed(0)
+    model = transformers.MptForCausalLM(transformers.MptConfig(
+        d_model=32, n_layers=1, n_heads=4, max_seq_len=64, vocab_size=VOCAB)).eval()
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert_decoder(model, prompt(), max_cache_len=30)
+    text = str(caught.value)
+    assert "fix: convert_decoder traces the model's own forward on a static KV cache" in text
+    assert "generate with the HF model's own generate" in text and "model.encoder" not in text

@@ -47,6 +47,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mpgraph.api import convert
+from mpgraph.errors import DECODER_FIX, GENERAL_FIX, CaptureError
 from mpgraph.frontend.capture import in_inference_mode, outside_inference_mode
 from mpgraph.ir.fake import has_meta_tensors, module_tensors
 from mpgraph.ir.graph import fetch_attr, is_inplace, set_attr
@@ -530,6 +531,17 @@ def _step_args(tokens: torch.Tensor, position: int, max_cache_len: int) -> tuple
 
 
 @contextlib.contextmanager
+def _decoder_fix():
+    """A capture failure of a decoder's graph with the way out that applies to it (MPT's ALiBi
+    bias sliced by the prompt's length: torch.export's "8 not in VR[0, 2]" came with convert's
+    "convert the submodules before and after it")."""
+    try:
+        yield
+    except CaptureError as e:
+        raise e.retold(GENERAL_FIX, DECODER_FIX)
+
+
+@contextlib.contextmanager
 def _told_as_the_lm(model: torch.nn.Module):
     """convert's warnings about the two graphs, as the user knows the model: the LM's class,
     not StaticCacheStep, its module paths (``model.layers.0``), not ours (``model.model.layers.0``),
@@ -679,10 +691,11 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
         options["overrides"] = _in_step_paths(options["overrides"], model)
 
     def convert_prefill(**options):
-        return convert(step, prefill_args, calibration=prompts, **options).eval()
+        with _decoder_fix():
+            return convert(step, prefill_args, calibration=prompts, **options).eval()
 
     def convert_decode(**options):
-        with _cache_holding_prompt(step, prefill_args):
+        with _cache_holding_prompt(step, prefill_args), _decoder_fix():
             return convert(step, decode_args, calibration=_decode_calibration(
                 model, decode_args, ids, max_cache_len), **options).eval()
 
