@@ -876,7 +876,7 @@ def _check_override_keys(overrides) -> None:
                         f"{bad[0]!r} ({type(bad[0]).__name__}) is not one{hint}")
 
 
-def _in_eval_mode(gm, args, kwargs, evaluated, buffers: bool = False
+def _graph_in_eval_mode(gm, args, kwargs, evaluated, buffers: bool = False
                   ) -> Optional[tuple[float, dict]]:
     """The float32 graph run once in eval mode on the example inputs (its training flags put
     back): the worst relative L2 of its outputs against ``evaluated``, the model's in eval
@@ -908,7 +908,7 @@ def _say_if_eval_differs(gm, model, args, kwargs, evaluated) -> None:
     ``if self.training: h = h + noise``) stays the training one. Its float32 graph in eval mode
     is compared with the model's eval forward on the example inputs, and a difference is said:
     a validation loop in eval mode got the training branch's values (1.32 off), silently."""
-    ran = _in_eval_mode(gm, args, kwargs, evaluated)
+    ran = _graph_in_eval_mode(gm, args, kwargs, evaluated)
     if ran is None:
         return
     worst, _ = ran
@@ -934,7 +934,7 @@ def _eval_switches_alike(gm, args, kwargs, evaluated, buffers: dict) -> None:
     mode is run on the example inputs: where its outputs and the buffers it writes are the
     model's in eval mode (capture's _evaluated_with_state), the reads switched, and nothing is
     said; else ``.eval()`` warns, as before."""
-    ran = _in_eval_mode(gm, args, kwargs, evaluated, buffers=True)
+    ran = _graph_in_eval_mode(gm, args, kwargs, evaluated, buffers=True)
     if ran is None:  # (.eval() says what it says)
         return
     worst, written = ran

@@ -522,7 +522,7 @@ def _evaluated_with_state(work: torch.nn.Module, args: tuple, kwargs: dict, stat
     in eval mode, and its buffers after that run (both put back), or None where that run fails:
     what the converted module in eval mode is compared with (api._eval_switches_alike)."""
     try:
-        return _in_eval_mode(work, args, kwargs, buffers=True)
+        return _model_in_eval_mode(work, args, kwargs, buffers=True)
     except Exception as e:  # noqa: BLE001 - then .eval() says what it says
         log.info("eval mode not run before the trace: %s", _brief(e))
         return None
@@ -531,7 +531,8 @@ def _evaluated_with_state(work: torch.nn.Module, args: tuple, kwargs: dict, stat
         _changed_state(work, state)
 
 
-def _in_eval_mode(work: torch.nn.Module, args: tuple, kwargs: dict, buffers: bool = False):
+def _model_in_eval_mode(work: torch.nn.Module, args: tuple, kwargs: dict,
+                        buffers: bool = False):
     """The copy's outputs in eval mode (detached), and with ``buffers`` its buffers as that run
     left them; the run seeded, its buffers put back. Autograd on, as the graph runs: without it
     nn.TransformerEncoder takes its nested-tensor fast path, which zeroes padded positions the
@@ -672,7 +673,7 @@ def _trains_alike(work: torch.nn.Module, args: tuple, kwargs: dict, state: dict)
     tracers' runs say it)."""
     outs = []
     try:
-        outs.append(_in_eval_mode(work, args, kwargs)[0])
+        outs.append(_model_in_eval_mode(work, args, kwargs)[0])
         outs.append(run_kept(work.train(True), args, kwargs))
     except Exception as e:  # noqa: BLE001 - traced in eval mode instead
         log.info("not traced in training mode: its training forward fails: %s", _brief(e))
