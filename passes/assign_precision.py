@@ -40,7 +40,7 @@ from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, module_path, mutat
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
                              TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
                              is_float32_tensor)
-from mpgraph.passes.op_table import CAST, FOLLOW, OP_OF_SPELLING, TENSOR_CORE, mixed_params_ok
+from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok, table_op_name
 from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
 log = logging.getLogger(__name__)
@@ -89,21 +89,6 @@ def _torch_module(node: torch.fx.Node) -> str:
     kind = list(stack.values())[-1][1]
     name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
     return f"nn.{name.rpartition('.')[2]}".lower() if name.startswith("torch.nn.") else ""
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    """The op table's name of what ``node`` calls ("" for none)."""
-    target = node.target
-    if node.op == "call_module" and node.graph.owning_module is not None:
-        try:
-            target = type(node.graph.owning_module.get_submodule(target))
-        except AttributeError:
-            return ""
-    target = getattr(target, "overloadpacket", target)
-    try:
-        return OP_OF_SPELLING.get(target, "")
-    except TypeError:  # (an unhashable target)
-        return ""
 
 
 def explicit_dtype(node: torch.fx.Node):
@@ -194,7 +179,7 @@ class AssignPrecision(Pass):
         path, info = module_path(node), node.meta[OP_CLASS]
         # (and the op table's name of it, the same under either capture: nn.MaxPool2d under
         # torch.fx and aten.max_pool2d under torch.export are both 'max_pool2d')
-        ops = {info.key.lower(), target_name(node).lower(), _op_name(node), _torch_module(node)}
+        ops = {info.key.lower(), target_name(node).lower(), table_op_name(node), _torch_module(node)}
 
         def specificity(key: str) -> Optional[tuple[int, int]]:
             if key == f"node:{node.name}" or (key == node.name and key not in self._modules):

@@ -79,7 +79,7 @@ from mpgraph.ir.graph import (CALLS, fetch_attr, input_nodes, is_inplace, is_vie
                               owner_of, stored_into_only, stored_through_views_only)
 from mpgraph.ir.meta import (FUSED, OP_CLASS, RANGE, SAFETY, TENSOR, OpInfo, SafetyFinding, ValueRange,
                              dtype_name, is_float32_tensor)
-from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE
+from mpgraph.passes.op_table import CAST, FOLLOW, FP32_ONLY, TENSOR_CORE, table_op_name
 from mpgraph.passes.infra import Pass, PassResult
 from mpgraph.passes.calibrate import tensor_stats
 from mpgraph.ir.fake import is_abstract
@@ -156,7 +156,14 @@ _CARRY = frozenset(MOVES) | {"add", "sub", "rsub", "neg", "where", "masked_fill"
                              "adaptive_max_pool2d", "adaptive_max_pool3d", "pad",
                              "constant_pad_nd", "index_fill", "new_full", "new_tensor",
                              "scalar_tensor", "sum", "nansum", "mean", "div", "truediv",
-                             "true_divide", *_BOUNDS}
+                             "true_divide", "cumsum", "logcumsumexp", "quantile",
+                             "nanquantile", "scatter_reduce", "scatter_add", "index_reduce",
+                             "index_add", "interpolate", "upsample_nearest1d",
+                             "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
+                             "upsample_bilinear2d", "upsample_bicubic2d",
+                             "upsample_trilinear3d", "_upsample_nearest_exact2d",
+                             "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
+                             "adaptive_avg_pool2d", "adaptive_avg_pool3d", *_BOUNDS}
 _CARRY_DEPTH = 24  # nodes walked back from a cast
 
 # The arguments, as (position, keyword), that are element values, by op: an int there is a
@@ -204,23 +211,31 @@ def sentinel_source(value: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.
     seen, todo = set(), [value]
     while todo and len(seen) < _CARRY_DEPTH:
         node = todo.pop()
-        if node in seen or node.op not in ("call_function", "call_method", "get_attr"):
+        if node in seen or node.op not in ("call_function", "call_method", "call_module",
+                                           "get_attr"):
             continue
         seen.add(node)
         if node.op == "get_attr":  # a scalar tensor constant: torch.export lifts the -1e9 of
             if _scalar_beyond(node, top):  # ``tok[mask == 0] = -1e9`` into one
                 return node
             continue
-        if OP_CLASS not in node.meta or op_name(node) not in _CARRY:
+        if OP_CLASS not in node.meta or _carry_name(node) not in _CARRY:
             continue
         constants = value_constants(node)
-        if op_name(node) in _BOUNDS:  # (a bound puts in no value; both inside the range stop
+        if _carry_name(node) in _BOUNDS:  # (a bound puts in no value; both inside the range stop
             if len(constants) == 2 and all(abs(c) <= top for c in constants):  # a fill)
                 continue
         elif any(abs(c) > top for c in constants):
             return node
         todo.extend(input_nodes(node))
     return None
+
+
+def _carry_name(node: torch.fx.Node) -> str:
+    """The op's name for ``_CARRY``: the op table's (an nn.MaxPool1d module is max_pool1d,
+    ``x / y`` div), else its own without an in-place underscore (torch.export's detach_)."""
+    name = table_op_name(node) or op_name(node)
+    return name[:-1] if name.endswith("_") and not name.startswith("__") else name
 
 
 def _scalar_beyond(node: torch.fx.Node, top: float) -> bool:
@@ -340,7 +355,10 @@ def expanding_limit(node: torch.fx.Node, low: torch.dtype, margin: float,
     name = name or op_name(node)
     top = torch.finfo(low).max
     exponent = _arg(node, 1, "exponent")
-    if name in _EXP_LIKE:  # exp(margin * a) <= max
+    base = _arg(node, 0, "self")
+    if name in _EXP_LIKE or name in ("pow", "pow_", "__pow__", "__rpow__", "float_power") \
+            and isinstance(base, (int, float)) and not isinstance(base, bool):
+        # (exp(margin a) <= max; 2 ** h, a constant base, is exp-like too)
         return top ** (1 / margin), f"max ** (1/{margin:g}): its input x {margin:g}"
     if name in ("pow", "pow_", "__pow__", "float_power") and isinstance(exponent, (int, float)) \
             and not isinstance(exponent, bool) and exponent > 1:  # (margin x)**p = margin**p x**p

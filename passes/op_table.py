@@ -475,3 +475,18 @@ def _module_name(klass: type) -> str:
     if klass.__module__.startswith("torch.nn"):
         return f"nn.{klass.__name__}"
     return f"{klass.__module__}.{klass.__name__}"
+
+
+def table_op_name(node: torch.fx.Node) -> str:
+    """The op table's name of what ``node`` calls ("" for none)."""
+    target = node.target
+    if node.op == "call_module" and node.graph.owning_module is not None:
+        try:
+            target = type(node.graph.owning_module.get_submodule(target))
+        except AttributeError:
+            return ""
+    target = getattr(target, "overloadpacket", target)
+    try:
+        return OP_OF_SPELLING.get(target, "")
+    except TypeError:  # (an unhashable target)
+        return ""

@@ -728,6 +728,7 @@ class _MaxPoolHead(nn.Module):
     def __init__(self, how, export):
         super().__init__()
         self.enc, self.head, self.how, self.export = nn.Linear(16, 16), nn.Linear(16, 4), how, export
+        self.pool = nn.AdaptiveMaxPool1d(1)
 
     def forward(self, x, mask):
         h = self.enc(x)
@@ -738,6 +739,8 @@ class _MaxPoolHead(nn.Module):
             h[~mask] = -1e9
         elif self.how == "int_where":
             h = torch.where(mask[..., None], h, -100000)
+        elif self.how == "where_tensor":  # (torch.export lifts the -1e9: lift_fresh_copy, detach_)
+            h = torch.where(mask[..., None], h, torch.tensor(-1e9))
         else:
             h = h.masked_fill(~mask[..., None], -100000 if self.how.startswith("int") else -1e9)
         if self.how in ("amax", "int_amax", "setitem"):
@@ -746,11 +749,13 @@ class _MaxPoolHead(nn.Module):
             return self.head(torch.topk(h, 2, dim=1).values.sum(1) / 2)
         if self.how == "max_pool1d":
             return self.head(torch.nn.functional.max_pool1d(h.transpose(1, 2), h.shape[1])[..., 0])
+        if self.how == "module":
+            return self.head(self.pool(h.transpose(1, 2))[..., 0])
         return self.head(h.amax(1))
 
 
-@pytest.mark.parametrize("how", ["amax", "setitem", "topk", "max_pool1d", "int_amax",
-                                 "int_where"])
+@pytest.mark.parametrize("how", ["amax", "setitem", "topk", "max_pool1d", "module", "int_amax",
+                                 "int_where", "where_tensor"])
 @pytest.mark.parametrize("capture_with", ["symbolic", "export"])
 def test_a_fill_beyond_fp16_selected_by_a_max_keeps_its_reader_float32(how, capture_with):
     """-1e9 (or the int -100000) filled into padding and pooled by a max: calibrated without an
@@ -882,3 +887,30 @@ def test_an_empty_tensor_s_uninitialised_memory_is_no_range():
     empty = [r for r in plan.nodes if r.name.startswith("empty_like")]
     assert empty and all(r.absmax is None and not r.safety for r in empty)
     assert plan.node("fill_").absmax == pytest.approx(1e9)
+
+
+@pytest.mark.parametrize("spelling", ["2 ** h", "torch.pow(2.0, h)"])
+def test_a_power_of_a_constant_base_is_exp_like(spelling):
+    """2 ** h squares when h doubles, as exp does: it was proven with max / 2 (h up to 15) where
+    exp2(h) needs max ** (1/2) (h up to 8), and inputs twice the calibration's overflowed."""
+    class Power(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b((2 ** h if spelling == "2 ** h" else torch.pow(2.0, h)) * 1e-3)
+
+    torch.manual_seed(0)
+    model = Power().eval()
+    with torch.no_grad():
+        model.a.weight.copy_(torch.eye(4))
+        model.a.bias.zero_()
+    x = torch.full((8, 4), 9.0) - torch.rand(8, 4)  # 2 ** 9 = 512: over 256, under 32752
+    fast = mpgraph.convert(model, x, dtype="fp16", target="a100", strategy="rules",
+                           calibration=[x, x * 0.9, x * 0.8])
+    power = [r for r in fast.plan.nodes if r.name.startswith("pow")]
+    assert [r.dtype for r in power] == ["float32"], [(r.name, r.dtype) for r in fast.plan.nodes]
+    with torch.no_grad():
+        assert torch.isfinite(fast(2 * x)).all()
