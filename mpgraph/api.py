@@ -186,8 +186,8 @@ def _keep_unread_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> No
     them, so ``fast.load_state_dict(model.state_dict())`` failed on unexpected keys."""
     have = set(gm.state_dict(keep_vars=True))
     for name, t in model.state_dict(keep_vars=True).items():
-        if name in have or not isinstance(t, torch.Tensor):
-            continue
+        if name in have or not isinstance(t, torch.Tensor) or is_abstract(t):
+            continue  # (a meta model's: load_weights fills what the graph reads, no more)
         *path, leaf = name.split(".")
         owner = gm
         for part in path:
@@ -739,6 +739,14 @@ def _refuse_sparse(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     range and cast dense tensors; a sparse one failed deep inside torch (aminmax has no
     SparseCPU kernel), blamed on the traced graph."""
     from torch.utils import _pytree as pytree
+    held = next(((path, t) for path, t in module_tensors(model) if t.layout != torch.strided),
+                None)
+    if held is not None:
+        raise ValueError(
+            f"{held[0]} is a {str(held[1].layout).replace('torch.', '')} tensor: mpgraph "
+            "converts graphs of dense tensors. Convert the dense parts (the layers around the "
+            f"sparse product) with mpgraph.convert and call them from {type(model).__name__}'s "
+            "forward, or hold it dense (.to_dense())")
     try:
         names = list(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):

@@ -335,3 +335,8 @@ def test_a_sparse_input_is_refused_by_its_argument_name():
                                          r"converts graphs of dense tensors\. Convert the dense "
                                          r"parts .* _GCN's forward, or pass the input dense"):
         mpgraph.convert(_GCN(), (torch.randn(4, 8), adj))
+    held = _GCN()
+    held.register_buffer("adj", adj)  # (held as a buffer, the usual way: torch's bare "reshape
+    with pytest.raises(ValueError, match=r"adj is a sparse_coo tensor: mpgraph converts graphs "
+                                         r"of dense tensors"):  # is not implemented for sparse")
+        mpgraph.convert(held, (torch.randn(4, 8), torch.eye(4)))
