@@ -28,8 +28,8 @@ from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
 from mpgraph.numerics import float_leaves, output_errors
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, run_recording, seeded, state_kept,
                               target_name, weight_copy_paths)
-from mpgraph.ir.modules import (DropoutRate, FusedWeights, TrainingBatchNorm, TrainingFlag,
-                                WeightCopies, planned_layout, refuse_hooks)
+from mpgraph.ir.modules import (ConvertedModule, DropoutRate, FusedWeights, TrainingBatchNorm,
+                                TrainingFlag, WeightCopies, planned_layout, refuse_hooks)
 from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, EVAL_SWITCH, FUSED, OP_CLASS,
                              PRECISION, READS_TRAINING, REFERENCE, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
@@ -678,6 +678,7 @@ class Options:
                              "arguments) to learn which values are float32 and their shapes")
         args, kwargs = as_call(example_inputs, example_kwargs)
         _refuse_sparse(model, args, kwargs)
+        _refuse_reserved_names(model)
         kwargs = without_cache(model, args, kwargs)
         if tolerance is not None:
             tolerance = check_tolerance(tolerance)
@@ -732,6 +733,27 @@ def _device_of(args: tuple, kwargs: dict, model) -> torch.device:
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     tensors += list(itertools.islice(model.parameters(), 1))
     return tensors[0].device if tensors else torch.device("cpu")
+
+
+# what the converted module (a torch.fx GraphModule) holds under its own names, beside the
+# model's top-level submodules, parameters and buffers
+_RESERVED = frozenset(set(dir(ConvertedModule)) - set(dir(torch.nn.Module))) | {
+    "graph", "code", "meta", "plan", "planned_tensors", "tied_parameters", "fused_weights",
+    "weight_copies", "call_signature", "config", "cpu_linears"}
+
+
+def _refuse_reserved_names(model: torch.nn.Module) -> None:
+    """A top-level submodule or tensor under a name the converted module uses (a GNN's
+    ``self.graph``, ``self.meta``, ``self.plan``): torch's "cannot assign 'Plan' as child module",
+    a "the model itself" report for a model that runs, or keys silently left out."""
+    taken = sorted(_RESERVED & {*model._modules, *model._parameters, *model._buffers})
+    if taken:
+        raise ValueError(
+            f"{type(model).__name__} holds {', '.join(f'self.{n}' for n in taken)}: the "
+            "converted module (a torch.fx GraphModule) uses that name for its own "
+            f"{'attributes' if len(taken) > 1 else 'attribute'}. Rename it in the model, or "
+            "convert a wrapper that holds the model (class Wrapped(nn.Module): self.model = "
+            "model; forward returns self.model(...))")
 
 
 def _refuse_sparse(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:

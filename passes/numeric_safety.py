@@ -145,7 +145,7 @@ def op_name(node: torch.fx.Node) -> str:
 # the reductions and poolings that select or sum elements (max pooling over a -1e9-filled
 # padding: sentence-transformers' pooling of an all-padding item is the fill)
 _BOUNDS = ("clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_", "clamp_max",
-           "clamp_max_")
+           "clamp_max_", "hardtanh", "hardtanh_")
 _CARRY = frozenset(MOVES) | {"add", "sub", "rsub", "neg", "where", "masked_fill", "to",
                              "_to_copy", "type_as", "cat", "stack", "full", "full_like",
                              "fill", "mul", "max", "min", "amax", "amin", "topk", "sort",
@@ -156,14 +156,15 @@ _CARRY = frozenset(MOVES) | {"add", "sub", "rsub", "neg", "where", "masked_fill"
                              "adaptive_max_pool2d", "adaptive_max_pool3d", "pad",
                              "constant_pad_nd", "index_fill", "new_full", "new_tensor",
                              "scalar_tensor", "sum", "nansum", "mean", "div", "truediv",
-                             "true_divide", "cumsum", "logcumsumexp", "quantile",
+                             "true_divide", "cumsum", "logcumsumexp", "logsumexp", "quantile",
                              "nanquantile", "scatter_reduce", "scatter_add", "index_reduce",
                              "index_add", "interpolate", "upsample_nearest1d",
                              "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
                              "upsample_bilinear2d", "upsample_bicubic2d",
                              "upsample_trilinear3d", "_upsample_nearest_exact2d",
                              "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
-                             "adaptive_avg_pool2d", "adaptive_avg_pool3d", *_BOUNDS}
+                             "adaptive_avg_pool2d", "adaptive_avg_pool3d", "nan_to_num",
+                             *_BOUNDS}
 _CARRY_DEPTH = 24  # nodes walked back from a cast
 
 # The arguments, as (position, keyword), that are element values, by op: an int there is a
@@ -183,17 +184,33 @@ VALUE_ARGS: dict[str, tuple[tuple[int, str], ...]] = {
     "pad": ((3, "value"),),
     "constant_pad_nd": ((2, "value"),),
     "scalar_tensor": ((0, "s"),),
+    **dict.fromkeys(("hardtanh", "hardtanh_"), ((1, "min_val"), (2, "max_val"))),
+    **dict.fromkeys(("threshold", "threshold_"), ((2, "value"),)),
+    **dict.fromkeys(("nan_to_num", "nan_to_num_"), ((1, "nan"), (2, "posinf"), (3, "neginf"))),
     **dict.fromkeys(("add", "add_", "iadd", "__add__", "__radd__", "sub", "sub_", "isub",
                      "__sub__", "__rsub__", "rsub", "mul", "mul_", "imul", "__mul__",
                      "__rmul__", "maximum", "minimum", "fmax", "fmin"), _BOTH),
 }
 
 
+# modules that hold their element values as attributes (an fx call_module passes only tensors)
+_MODULE_VALUES = ("min_val", "max_val", "value", "threshold")
+
+
 def value_constants(node: torch.fx.Node) -> list[float]:
-    """The finite numbers ``node`` takes as element values: every float constant, and the ints
-    in ``VALUE_ARGS``' slots."""
+    """The finite numbers ``node`` takes as element values: every float constant, the ints in
+    ``VALUE_ARGS``' slots, and a value module's own (nn.Hardtanh's min_val and max_val,
+    nn.Threshold's, a constant pad's)."""
     found = [a for a in pytree.tree_leaves((node.args, node.kwargs))
              if isinstance(a, float) and math.isfinite(a)]
+    owner = node.graph.owning_module
+    if node.op == "call_module" and owner is not None:
+        module = owner.get_submodule(node.target)
+        if isinstance(module, (torch.nn.Hardtanh, torch.nn.Threshold,
+                               torch.nn.modules.padding._ConstantPadNd)):
+            found += [float(v) for v in (getattr(module, a, None) for a in _MODULE_VALUES)
+                      if isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and math.isfinite(v)]
     for position, keyword in VALUE_ARGS.get(op_name(node), ()):
         a = _arg(node, position, keyword)
         if isinstance(a, int) and not isinstance(a, bool):
@@ -356,6 +373,8 @@ def expanding_limit(node: torch.fx.Node, low: torch.dtype, margin: float,
     top = torch.finfo(low).max
     exponent = _arg(node, 1, "exponent")
     base = _arg(node, 0, "self")
+    if name in ("sinh", "sinh_", "cosh", "cosh_"):  # (cosh(2a) ~ 2 cosh(a)**2)
+        return (top / 2) ** (1 / margin), f"(max / 2) ** (1/{margin:g}): its input x {margin:g}"
     if name in _EXP_LIKE or name in ("pow", "pow_", "__pow__", "__rpow__", "float_power") \
             and isinstance(base, (int, float)) and not isinstance(base, bool):
         # (exp(margin a) <= max; 2 ** h, a constant base, is exp-like too)

@@ -340,3 +340,17 @@ def test_a_sparse_input_is_refused_by_its_argument_name():
     with pytest.raises(ValueError, match=r"adj is a sparse_coo tensor: mpgraph converts graphs "
                                          r"of dense tensors"):  # is not implemented for sparse")
         mpgraph.convert(held, (torch.randn(4, 8), torch.eye(4)))
+
+
+@pytest.mark.parametrize("name", ["graph", "meta", "plan", "cpu_linears"])
+def test_a_top_level_submodule_named_like_the_converted_module_s_own_attributes_is_named(name):
+    """A GNN's self.graph, a self.meta or self.plan: torch's "cannot assign 'Plan' as child
+    module", a "the model itself" report for a model that runs, an internal PassError, or the
+    unread keys silently dropped."""
+    model = nn.Sequential()
+    model.add_module("first", nn.Linear(8, 8))
+    model.add_module(name, nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=rf"Sequential holds self\.{name}: the converted module "
+                                         r"\(a torch\.fx GraphModule\) uses that name for its own "
+                                         r"attribute\. Rename it"):
+        mpgraph.convert(model, torch.randn(2, 8))

@@ -779,15 +779,18 @@ def test_a_fill_beyond_fp16_selected_by_a_max_keeps_its_reader_float32(how, capt
     assert relative_l2(got, ref) < 1e-6
 
 
-@pytest.mark.parametrize("spelling", ["masked_fill", "clamp", "where", "full_like"])
+@pytest.mark.parametrize("spelling", ["masked_fill", "clamp", "where", "full_like", "hardtanh",
+                                      "nn.Hardtanh"])
 def test_an_int_constant_beyond_fp16_is_a_value_like_a_float_one(spelling):
     """An int operand of a value-taking op is a value: masked_fill(m, -100000) in an fp16 kernel
     raised torch's "cannot be converted to type c10::Half" on every call, where(m, h, -100000)
-    gave -inf. A constant finding keeps the op float32, as for -1e5."""
+    gave -inf; so did hardtanh's int bounds, and nn.Hardtanh's bounds, which an fx graph keeps
+    on the module. A constant finding keeps the op float32, as for -1e5."""
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
             self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.act = nn.Hardtanh(-1e5, 1e5)
 
         def forward(self, x, m):
             h = self.l1(x)
@@ -797,6 +800,10 @@ def test_an_int_constant_beyond_fp16_is_a_value_like_a_float_one(spelling):
                 h = torch.clamp(h, -100000, 100000)
             elif spelling == "where":
                 h = torch.where(m, -100000, h)
+            elif spelling == "hardtanh":
+                h = nn.functional.hardtanh(h, -100000, 100000)
+            elif spelling == "nn.Hardtanh":  # (an fx call_module: its bounds are attributes)
+                h = self.act(h)
             else:
                 h = h + torch.full_like(h, 100000) * m
             return self.l2(h).softmax(-1)
@@ -912,5 +919,29 @@ def test_a_power_of_a_constant_base_is_exp_like(spelling):
                            calibration=[x, x * 0.9, x * 0.8])
     power = [r for r in fast.plan.nodes if r.name.startswith("pow")]
     assert [r.dtype for r in power] == ["float32"], [(r.name, r.dtype) for r in fast.plan.nodes]
+    with torch.no_grad():
+        assert torch.isfinite(fast(2 * x)).all()
+
+
+@pytest.mark.parametrize("op", ["cosh", "sinh"])
+def test_cosh_and_sinh_keep_the_margin_on_their_input(op):
+    """cosh(2a) is about 2 cosh(a) ** 2: calibrated at 198, under exp's 256, cosh ran in fp16
+    and its input doubled overflowed; its limit is (max / 2) ** (1/2), 181."""
+    class Hyperbolic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(getattr(torch, op)(self.a(x)) * 1e-3)
+
+    torch.manual_seed(0)
+    model = Hyperbolic().eval()
+    with torch.no_grad():
+        model.a.weight.copy_(torch.eye(4))
+        model.a.bias.zero_()
+    x = torch.full((8, 4), 5.98) - torch.rand(8, 4) * 0.5  # cosh(5.98) = 198
+    fast = mpgraph.convert(model, x, dtype="fp16", target="a100", strategy="rules")
+    assert fast.plan.node(op).dtype == "float32"
     with torch.no_grad():
         assert torch.isfinite(fast(2 * x)).all()
