@@ -26,8 +26,8 @@ from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, st
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
 from mpgraph.numerics import float_leaves, output_errors
-from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, run_recording, seeded, state_kept,
-                              target_name, weight_copy_paths)
+from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, named_arguments, run_recording,
+                              seeded, state_kept, target_name, weight_copy_paths)
 from mpgraph.ir.modules import (ConvertedModule, DropoutRate, FusedWeights, TrainingBatchNorm,
                                 TrainingFlag, WeightCopies, planned_layout, refuse_hooks)
 from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, EVAL_SWITCH, FUSED, OP_CLASS,
@@ -769,12 +769,7 @@ def _refuse_sparse(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             "converts graphs of dense tensors. Convert the dense parts (the layers around the "
             f"sparse product) with mpgraph.convert and call them from {type(model).__name__}'s "
             "forward, or hold it dense (.to_dense())")
-    try:
-        names = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        names = []
-    given = [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
-    for name, value in given + list(kwargs.items()):
+    for name, value in named_arguments(model, args, kwargs):
         leaf = next((t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
                      and t.layout != torch.strided), None)
         if leaf is not None:

@@ -72,6 +72,14 @@ def prompt(rows: int = 2, length: int = PROMPT, seed: int = 5):
     return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
+def assert_tokens_equal_hf(model, decoder, ids, n=8):
+    """A float32 decoder's greedy tokens are HF's own generate's, token for token."""
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  do_sample=False, eos_token_id=None)
+    assert torch.equal(decoder.generate(ids, max_new_tokens=n, eos_token_id=[]), expected)
+
+
 def reference(model, ids, n=NEW, mask=None, eos=None, pad=0):
     """float32 greedy: HF's own generate (dynamic cache), its sequences and per-step logits."""
     with torch.no_grad():
@@ -678,10 +686,7 @@ def test_gpt_neo_local_attention_within_its_window_converts_and_beyond_it_is_ref
         mpgraph.convert_decoder(model, ids, max_cache_len=17, dtype="bf16", target="cpu")
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=16, dtype="bf16", target="cpu",
                                       overrides={"*": "fp32"})
-    with torch.no_grad():
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                  do_sample=False, eos_token_id=None)
-    assert torch.equal(decoder.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)
+    assert_tokens_equal_hf(model, decoder, ids)
 
 
 def test_a_graph_whose_automatic_fp16_falls_back_takes_the_other_graph_to_bf16_with_it():
@@ -1270,10 +1275,7 @@ def test_llama4_chunked_attention_within_its_chunk_converts_and_t5_is_refused_by
     ids = prompt()
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=24, dtype="bf16", target="cpu",
                                       overrides={"*": "fp32"})
-    with torch.no_grad():
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                  do_sample=False, eos_token_id=None)
-    assert torch.equal(decoder.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)
+    assert_tokens_equal_hf(model, decoder, ids)
     with pytest.raises(ValueError, match=r"\(window 24\) .* max_cache_len=25 outgrows the window"
                                          r": .* Convert with max_cache_len <= 24 "):
         mpgraph.convert_decoder(model, ids, max_cache_len=25, dtype="bf16", target="cpu")
@@ -1297,10 +1299,7 @@ def test_a_causal_lm_whose_config_counts_encoder_layers_builds_its_decoder_s_cac
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, dtype="bf16",
                                       target="cpu", overrides={"*": "fp32"})
     assert len(cache_names(decoder.prefill)) == 2 * 2  # (keys and values of 2 layers)
-    with torch.no_grad():
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                  do_sample=False, eos_token_id=None)
-    assert torch.equal(decoder.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)
+    assert_tokens_equal_hf(model, decoder, ids)
 
 
 def test_convert_decoder_s_warnings_name_the_lm_and_its_paths_once():

@@ -30,8 +30,8 @@ from mpgraph.errors import BUILT_CACHE_FIX, EAGER, KV_CACHE_FIX, CaptureError
 from mpgraph.numerics import leaves, relative_l2
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, owned,
-                              python_rng_kept, mutated_nodes, run_kept, run_recording, seeded,
-                              source_line, state_kept)
+                              named_arguments, python_rng_kept, mutated_nodes, run_kept,
+                              run_recording, seeded, source_line, state_kept)
 from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
                              EVAL_SWITCH, FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING,
                              STATIC_SHAPES)
@@ -152,12 +152,7 @@ def _refuse_unexportable(model: torch.nn.Module, args: tuple, kwargs: dict) -> N
     """An argument torch.export cannot take (an Enum member, a torch.dtype or device, an object
     of the user's own class): torch said "Unfamiliar meta val" or "Unsupported input type",
     naming no argument. Named here, with the way out."""
-    try:
-        names = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        names = []
-    given = [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
-    for name, value in given + list(kwargs.items()):
+    for name, value in named_arguments(model, args, kwargs):
         leaf = next((v for v in pytree.tree_leaves(value) if not isinstance(v, _EXPORTABLE)
                      and not type(v).__name__.endswith("Cache")), None)  # (a KV cache: its
         # own report and fix, INPUT_CACHE_FIX)

@@ -64,6 +64,17 @@ def _short_repr(value, most: int = 40) -> str:
     return text if len(text) <= most else text[:most - 3] + "..."
 
 
+def named_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """(name, value) of each argument of a call of ``module``: positional ones by the forward's
+    parameter names ("#3" past them), then the keywords."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    return [(names[i] if i < len(names) else f"#{i}", a) for i, a in enumerate(args)] \
+        + list(kwargs.items())
+
+
 def source_line(node: torch.fx.Node) -> str:
     """Where the model's code made ``node``: "modeling_t5.py:1234: loss = ...", or ""."""
     found = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n\s*(.*)',
