@@ -144,8 +144,7 @@ def op_name(node: torch.fx.Node) -> str:
 # reaches the cast through them (T5: where(mask, position_bias, finfo.min), then + scores), and
 # the reductions and poolings that select or sum elements (max pooling over a -1e9-filled
 # padding: sentence-transformers' pooling of an all-padding item is the fill)
-_BOUNDS = ("clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_", "clamp_max",
-           "clamp_max_", "hardtanh", "hardtanh_")
+_BOUNDS = ("clamp", "clip", "clamp_min", "clamp_max", "hardtanh")
 _CARRY = frozenset(MOVES) | {"add", "sub", "rsub", "neg", "where", "masked_fill", "to",
                              "_to_copy", "type_as", "cat", "stack", "full", "full_like",
                              "fill", "mul", "max", "min", "amax", "amin", "topk", "sort",
@@ -167,29 +166,27 @@ _CARRY = frozenset(MOVES) | {"add", "sub", "rsub", "neg", "where", "masked_fill"
                              *_BOUNDS}
 _CARRY_DEPTH = 24  # nodes walked back from a cast
 
-# The arguments, as (position, keyword), that are element values, by op: an int there is a
-# value, as a float is (masked_fill(m, -100000) is a fill beyond fp16's range, and an fp16
-# kernel refuses it on every call); ints elsewhere are sizes, dims and indices.
+# The arguments, as (position, keyword), that are element values, by op (``_plain_name``: in-place
+# spellings and Python's operators under the op's own name): an int there is a value, as a float
+# is (masked_fill(m, -100000) is a fill beyond fp16's range, and an fp16 kernel refuses it on
+# every call); ints elsewhere are sizes, dims and indices.
 _BOTH = ((0, "input"), (1, "other"))
 VALUE_ARGS: dict[str, tuple[tuple[int, str], ...]] = {
-    **dict.fromkeys(("masked_fill", "masked_fill_"), ((2, "value"),)),
+    "masked_fill": ((2, "value"),),
     "where": ((1, "input"), (2, "other")),
-    **dict.fromkeys(("clamp", "clamp_", "clip", "clip_"), ((1, "min"), (2, "max"))),
-    **dict.fromkeys(("clamp_min", "clamp_min_"), ((1, "min"),)),
-    **dict.fromkeys(("clamp_max", "clamp_max_"), ((1, "max"),)),
-    **dict.fromkeys(("fill", "fill_", "full_like", "new_full"), ((1, "fill_value"),
-                                                                   (1, "value"))),
+    **dict.fromkeys(("clamp", "clip"), ((1, "min"), (2, "max"))),
+    "clamp_min": ((1, "min"),),
+    "clamp_max": ((1, "max"),),
+    **dict.fromkeys(("fill", "full_like", "new_full"), ((1, "fill_value"), (1, "value"))),
     "full": ((1, "fill_value"),),
     "index_fill": ((3, "value"),),
     "pad": ((3, "value"),),
     "constant_pad_nd": ((2, "value"),),
     "scalar_tensor": ((0, "s"),),
-    **dict.fromkeys(("hardtanh", "hardtanh_"), ((1, "min_val"), (2, "max_val"))),
-    **dict.fromkeys(("threshold", "threshold_"), ((2, "value"),)),
-    **dict.fromkeys(("nan_to_num", "nan_to_num_"), ((1, "nan"), (2, "posinf"), (3, "neginf"))),
-    **dict.fromkeys(("add", "add_", "iadd", "__add__", "__radd__", "sub", "sub_", "isub",
-                     "__sub__", "__rsub__", "rsub", "mul", "mul_", "imul", "__mul__",
-                     "__rmul__", "maximum", "minimum", "fmax", "fmin"), _BOTH),
+    "hardtanh": ((1, "min_val"), (2, "max_val")),
+    "threshold": ((2, "value"),),
+    "nan_to_num": ((1, "nan"), (2, "posinf"), (3, "neginf")),
+    **dict.fromkeys(("add", "sub", "rsub", "mul", "maximum", "minimum", "fmax", "fmin"), _BOTH),
 }
 
 
@@ -211,7 +208,7 @@ def value_constants(node: torch.fx.Node) -> list[float]:
             found += [float(v) for v in (getattr(module, a, None) for a in _MODULE_VALUES)
                       if isinstance(v, (int, float)) and not isinstance(v, bool)
                       and math.isfinite(v)]
-    for position, keyword in VALUE_ARGS.get(op_name(node), ()):
+    for position, keyword in VALUE_ARGS.get(_plain_name(node), ()):
         a = _arg(node, position, keyword)
         if isinstance(a, int) and not isinstance(a, bool):
             found.append(float(a))
@@ -236,10 +233,11 @@ def sentinel_source(value: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.
             if _scalar_beyond(node, top):  # ``tok[mask == 0] = -1e9`` into one
                 return node
             continue
-        if OP_CLASS not in node.meta or _carry_name(node) not in _CARRY:
+        name = _plain_name(node) if OP_CLASS in node.meta else None
+        if name not in _CARRY:
             continue
         constants = value_constants(node)
-        if _carry_name(node) in _BOUNDS:  # (a bound puts in no value; both inside the range stop
+        if name in _BOUNDS:  # (a bound puts in no value; both inside the range stop
             if len(constants) == 2 and all(abs(c) <= top for c in constants):  # a fill)
                 continue
         elif any(abs(c) > top for c in constants):
@@ -248,9 +246,10 @@ def sentinel_source(value: torch.fx.Node, dtype: torch.dtype) -> Optional[torch.
     return None
 
 
-def _carry_name(node: torch.fx.Node) -> str:
-    """The op's name for ``_CARRY``: the op table's (an nn.MaxPool1d module is max_pool1d,
-    ``x / y`` div), else its own without an in-place underscore (torch.export's detach_)."""
+def _plain_name(node: torch.fx.Node) -> str:
+    """The op's name for ``_CARRY`` and ``VALUE_ARGS``: the op table's (an nn.MaxPool1d module
+    is max_pool1d, ``x / y`` div, ``100000 + h`` add), else its own without an in-place
+    underscore (torch.export's detach_, ``h.masked_fill_``)."""
     name = table_op_name(node) or op_name(node)
     return name[:-1] if name.endswith("_") and not name.startswith("__") else name
 

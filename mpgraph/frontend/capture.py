@@ -31,7 +31,7 @@ from mpgraph.numerics import leaves, relative_l2
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, owned,
                               named_arguments, python_rng_kept, mutated_nodes, run_kept,
-                              run_recording, seeded, source_line, state_kept)
+                              run_recording, seeded, short_repr, source_line, state_kept)
 from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
                              EVAL_SWITCH, FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING,
                              STATIC_SHAPES)
@@ -164,10 +164,10 @@ def _refuse_unexportable(model: torch.nn.Module, args: tuple, kwargs: dict) -> N
                    "or pass its tensors as arguments")
         else:
             way = (f"convert a wrapper that passes it as a constant (class Wrapped(nn.Module): "
-                   f"forward(self, x) returns model(x, {name}={repr(leaf)[:40]})), or make it a "
+                   f"forward(self, x) returns model(x, {name}={short_repr(leaf)})), or make it a "
                    "module attribute set before converting")
         shown = f"an instance of the dataclass {kind}" if dataclasses.is_dataclass(leaf) else \
-            f"{repr(leaf)[:40]} (a {kind})"
+            f"{short_repr(leaf)} (a {kind})"
         raise TypeError(f"argument {name!r} is {shown}: torch.export takes tensors, "
                         f"Python numbers, strings and None (in lists, tuples and dicts); {way}")
 
@@ -1381,9 +1381,7 @@ def _rebound_buffers(model: torch.nn.Module, args: tuple, kwargs: dict, state: d
     finally:
         after = {(id(m), name): (m._buffers.get(name), b.data_ptr())
                  for _, m, name, b, *_ in before}
-        for _, m, name, b, data, _ in before:
-            b.data = data
-            m._buffers[name] = b
+        _rebind([(m, name, b, data) for _, m, name, b, data, _ in before])
         _changed_state(model, state)
     for path, m, name, b, data, shape in before:
         (now, ptr), attr = after[(id(m), name)], f"self.{name}"
@@ -1423,12 +1421,11 @@ def _grows_again(model, args, kwargs, state, module, name) -> bool:
     """Whether a second call gives the buffer a new shape again (``torch.cat`` onto it every
     call), not only the first (a table built at the first call's length)."""
     bindings = _buffer_bindings(model)
-    try:
-        with torch.no_grad(), seeded():
-            model(*fresh(args), **fresh(kwargs))  # (the first call: grows it)
-            shape = tuple(module._buffers[name].shape)
-            model(*fresh(args), **fresh(kwargs))
-            return tuple(module._buffers[name].shape) != shape
+    try:  # (run_kept puts values back, not a rebound buffer: the second run starts grown)
+        run_kept(model, args, kwargs)
+        shape = tuple(module._buffers[name].shape)
+        run_kept(model, args, kwargs)
+        return tuple(module._buffers[name].shape) != shape
     except Exception:  # noqa: BLE001 - the first run said it grows: as before
         return True
     finally:

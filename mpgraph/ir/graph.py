@@ -45,7 +45,7 @@ def as_call(batch: Any, kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
     ``kwargs`` are added."""
     if kwargs is not None and not isinstance(kwargs, collections.abc.Mapping):
         raise TypeError(f"example_kwargs must be a dict of keyword arguments (name: value), "
-                        f"got {type(kwargs).__name__} {_short_repr(kwargs)}: positional "
+                        f"got {type(kwargs).__name__} {short_repr(kwargs)}: positional "
                         "arguments go in example_inputs, as a tuple")
     extra = dict(kwargs or {})
     if batch is None:
@@ -59,9 +59,10 @@ def as_call(batch: Any, kwargs: Optional[dict] = None) -> tuple[tuple, dict]:
     return (batch,), extra
 
 
-def _short_repr(value, most: int = 40) -> str:
+def short_repr(value, most: int = 60) -> str:
+    """``repr(value)``, cut to fewer than ``most`` characters for a message."""
     text = repr(value)
-    return text if len(text) <= most else text[:most - 3] + "..."
+    return text if len(text) < most else text[:most - 3] + "..."
 
 
 def named_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:

@@ -445,10 +445,10 @@ def _same(a, b) -> bool:
 
 
 def _shown(value) -> str:
+    from mpgraph.ir.graph import short_repr
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    return text if len(text) < 60 else text[:57] + "..."
+    return short_repr(value)
 
 
 def overflow_absmax(value, dtype: torch.dtype) -> Optional[float]:

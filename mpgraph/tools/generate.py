@@ -50,7 +50,7 @@ from mpgraph.api import convert
 from mpgraph.errors import DECODER_FIX, GENERAL_FIX, CaptureError
 from mpgraph.frontend.capture import in_inference_mode, outside_inference_mode
 from mpgraph.ir.fake import has_meta_tensors, module_tensors
-from mpgraph.ir.graph import fetch_attr, is_inplace, set_attr
+from mpgraph.ir.graph import fetch_attr, is_inplace, seeded, set_attr
 from mpgraph.tools.cuda_graph import GraphedModule
 from mpgraph.ir.meta import dtype_name
 from mpgraph.ir.modules import autocasting, caller_outside
@@ -165,12 +165,11 @@ class StaticCacheStep(torch.nn.Module):
         and head size are the model's, not the config's guess (multi-query Falcon writes one
         key/value head where its config counts all of them). Then zeroed."""
         device = next(model.parameters()).device
-        devices = [device] if device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):  # (a model in training
-            ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)
+        with torch.no_grad(), seeded():  # (a model in training mode draws dropout: not from
+            ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)  # the caller's
             model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=self.cache,
-                  use_cache=True)  # mode draws dropout: not the caller's RNG; a mask: token 0
-            # may be the pad id, and transformers warned that the ids "may be padded")
+                  use_cache=True)  # RNG; a mask: token 0 may be the pad id, and transformers
+            # warned that the ids "may be padded")
         unwritten = [i for i, layer in enumerate(self.cache.layers) if not layer.is_initialized]
         if unwritten:
             raise ValueError(f"{type(model).__name__} did not write its cache layers {unwritten}: "
@@ -582,17 +581,16 @@ def _cache_holding_prompt(step: StaticCacheStep, prefill_args: tuple):
     cache saw only the current token's key and value, so its ranges and its value check missed
     what attending to the prompt brings (a prompt token with a large value vector: every
     decode step NaN in fp16, "checked: error 0.00036")."""
-    buffers = dict(step.named_buffers(recurse=False))
-    saved = {name: t.clone() for name, t in buffers.items()}
-    devices = [t.device for t in saved.values() if t.device.type == "cuda"][:1]
+    cache = list(step.buffers(recurse=False))  # (its own: state_kept's copy_ of every buffer
+    saved = [t.clone() for t in cache]  # fails on a model built under inference_mode)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), seeded():
             step(*prefill_args)
         yield
     finally:
         with torch.no_grad():
-            for name, t in buffers.items():
-                t.copy_(saved[name])
+            for t, was in zip(cache, saved):
+                t.copy_(was)
 
 
 def _decode_calibration(model, first: tuple, ids, max_cache_len: int) -> Optional[list]:
@@ -704,10 +702,10 @@ def convert_decoder(model: torch.nn.Module, example_ids: torch.Tensor, *, max_ca
         fell_back = [gm for gm in (prefill, decode)
                      if (gm.plan.dtype_choice or {}).get("fallback")]
         if dtype is None and fell_back and prefill.plan.dtype != decode.plan.dtype:
-            # one graph's automatic fp16 failed its value check and fell back to bf16: the other in
-            # bf16 too (the graphs share the cache, so they share its dtype)
-            log.info("convert_decoder: the %s graph fell back to bfloat16 (%s): the other graph too",
-                     "prefill" if fell_back[0] is prefill else "decode",
+            # one graph's automatic fp16 failed its value check and fell back to bf16: the other
+            # in bf16 too (the graphs share the cache, so they share its dtype)
+            log.info("convert_decoder: the %s graph fell back to bfloat16 (%s): the other graph "
+                     "too", "prefill" if fell_back[0] is prefill else "decode",
                      fell_back[0].plan.dtype_choice["fallback"])
             options = dict(options, dtype=torch.bfloat16)  # (and for any reconversion below)
             if fell_back[0] is prefill:
