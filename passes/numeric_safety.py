@@ -261,8 +261,11 @@ def _scalar_beyond(node: torch.fx.Node, top: float) -> bool:
         t = fetch_attr(owner, node.target) if owner is not None else None
     except AttributeError:
         return False
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == 1 \
-        and not is_abstract(t) and math.isfinite(float(t)) and abs(float(t)) > top
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == 1
+            and not is_abstract(t)):
+        return False
+    value = float(t.detach())  # (a parameter: float() of one with requires_grad warns)
+    return math.isfinite(value) and abs(value) > top
 
 
 def carries_sentinel(value: torch.fx.Node, dtype: torch.dtype) -> bool:

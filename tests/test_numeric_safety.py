@@ -3,6 +3,7 @@ tolerance search."""
 import copy
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -945,3 +946,26 @@ def test_cosh_and_sinh_keep_the_margin_on_their_input(op):
     assert fast.plan.node(op).dtype == "float32"
     with torch.no_grad():
         assert torch.isfinite(fast(2 * x)).all()
+
+
+def test_a_one_element_parameter_read_as_a_constant_gives_no_torch_warning():
+    """SigLIP's logit_bias: a one-element nn.Parameter added to a matmul. The fill check read
+    it with float(), which on a tensor that requires grad makes torch warn "Converting a tensor
+    with requires_grad=True to a scalar" about code the user's model never runs."""
+    class Scores(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+            self.bias = nn.Parameter(torch.tensor([-10.0]))
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h @ h.t() + self.bias
+
+    torch.manual_seed(0)
+    model, x = Scores().eval(), torch.randn(8, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = mpgraph.convert(model, x, target="a100", strategy="rules")
+    assert not [str(w.message) for w in caught if "requires_grad" in str(w.message)]
+    assert rel_err(fast(x), model(x)) < 1e-2
