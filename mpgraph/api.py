@@ -148,6 +148,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
         if real:  # buffers built for real beside meta parameters: cast as the plan stored them
             load_weights(gm, real, device=abstract.device, strict=False)
     _keep_unread_tensors(gm, model)
+    _in_models_order(gm, model)
     record = Plan.from_graph(gm, low, opts.keep_io_types, target=opts.spec.name,
                              strategy=opts.strategy, kept_fp32=keep_fp32,
                              mode="train" if opts.train else "inference", tolerance=report,
@@ -209,6 +210,24 @@ def _keep_unread_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module) -> No
             owner.register_parameter(leaf, torch.nn.Parameter(value, t.requires_grad))
         else:
             owner.register_buffer(leaf, value)
+
+
+def _in_models_order(gm: torch.nn.Module, model: torch.nn.Module) -> None:
+    """The converted module's submodules, parameters and buffers in the model's order (what
+    the graph holds that the model does not, after): torch.fx registers them in the order the
+    forward first uses them, so ``zip(model.parameters(), fast.parameters())`` (a weight sync,
+    ``vector_to_parameters``, an EMA) paired each tensor with another layer's of its shape."""
+    for path, sub in gm.named_modules():
+        try:
+            theirs = model.get_submodule(path)
+        except AttributeError:
+            continue
+        for attribute in ("_modules", "_parameters", "_buffers"):
+            ours = getattr(sub, attribute)
+            rank = {name: i for i, name in enumerate(getattr(theirs, attribute))}
+            items = sorted(ours.items(), key=lambda kv: rank.get(kv[0], len(rank)))
+            ours.clear()  # (in place: the dict is the module's own)
+            ours.update(items)
 
 
 def _check_gradients(gm, args, kwargs) -> None:

@@ -740,3 +740,33 @@ def test_a_model_planned_on_meta_loads_a_checkpoint_without_its_unread_tensors()
     mpgraph.load_weights(fast, checkpoint)
     with torch.no_grad():
         assert relative_l2(fast(x), trained(x)) < 1e-2
+
+
+def test_parameters_and_state_dict_come_in_the_models_order():
+    """torch.fx registered submodules in the order the forward first uses them: a layer
+    declared before the one it follows came second, and a positional weight sync
+    (zip(model.parameters(), fast.parameters())) wrote each tensor into the other layer."""
+    class Block(nn.Module):
+        def __init__(self, d=64):
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.out_proj = nn.Linear(d, d)  # declared before in_proj, used after it
+            self.in_proj = nn.Linear(d, d)
+
+        def forward(self, x):
+            return x + self.out_proj(torch.relu(self.in_proj(self.norm(x))))
+
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    block, x = Block().eval(), torch.randn(16, 64)
+    bert = BertModel(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=64)).eval()
+    for model, args in ((block, (x,)), (bert, (torch.randint(0, 128, (2, 8)),))):
+        fast = mpgraph.convert(model, args, target="a100", strategy="rules")
+        assert [n for n, _ in fast.named_parameters()] == [n for n, _ in model.named_parameters()]
+        assert list(fast.state_dict()) == list(model.state_dict())
+    fast = mpgraph.convert(Block().eval(), x, target="a100", strategy="rules")  # other weights
+    with torch.no_grad():
+        for mine, theirs in zip(fast.parameters(), block.parameters()):
+            mine.copy_(theirs)
+        assert relative_l2(fast(x), block(x)) < 1e-2
