@@ -1666,11 +1666,18 @@ class ConvertedModule(torch.fx.GraphModule):
         readers, captured = meta.get(READS_TRAINING, ((), mode))
         signature = self.__dict__.get("call_signature")
         name = signature.model if signature is not None else type(self).__name__
+        norms = [path for path, m in self.named_modules() if isinstance(
+            m, (torch.nn.modules.batchnorm._BatchNorm, TrainingBatchNorm))] if mode else []
         if mode and removed:
+            low = self._low_running_stats() if not self.training else []
+            switches = (f", except batch norm ({', '.join(norms[:3])}), which switches to the "
+                        "batch's statistics and updates its running statistics"
+                        + (f" (stored in low precision: {', '.join(low[:3])})" if low else "")
+                        + "; .eval() does not put them back") if norms else ""
             warnings.warn(f"{name}.train(): this module was converted for "
                           f"inference from a model in eval mode ({removed}, other reads of "
                           "self.training fixed at trace time): it keeps computing as in eval "
-                          "mode. To train, convert with mpgraph.convert(model, ..., "
+                          f"mode{switches}. To train, convert with mpgraph.convert(model, ..., "
                           "mode='train')", UserWarning, stacklevel=2)
         elif mode and not self.training and (low := self._low_running_stats()):
             warnings.warn(f"{name}.train(): this inference conversion stores batch norm's "
