@@ -785,3 +785,15 @@ def test_parameters_and_state_dict_come_in_the_models_order():
         for mine, theirs in zip(fast.parameters(), block.parameters()):
             mine.copy_(theirs)
         assert relative_l2(fast(x), block(x)) < 1e-2
+
+
+def test_torch_jit_script_is_refused_by_name_with_the_ways_that_work():
+    """torch.jit.script compiled ConvertedModule's own methods and failed inside TorchScript's
+    frontend on mpgraph's source ("import statements aren't supported")."""
+    model, fast = _mlp()
+    x = _x(4, 16, seed=1)
+    with pytest.raises(TypeError, match=r"torch.jit.script cannot compile a module mpgraph "
+                                        r"converted .* torch.export.export\(fast, args\)"):
+        torch.jit.script(fast)
+    exported = torch.export.export(fast, (x,))
+    assert relative_l2(exported.module()(x), fast(x)) < 1e-6

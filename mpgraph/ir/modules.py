@@ -1715,6 +1715,15 @@ class ConvertedModule(torch.fx.GraphModule):
     def half(self):
         raise self._refuse(".half()")
 
+    def __prepare_scriptable__(self):
+        """torch.jit.script compiles every method of the class, mpgraph's own included, and
+        failed on their source ("import statements aren't supported"): refused by name."""
+        raise TypeError("torch.jit.script cannot compile a module mpgraph converted (its class "
+                        "holds mpgraph's own Python, which TorchScript does not take): use "
+                        "torch.compile(fast), torch.export.export(fast, args), "
+                        "mpgraph.export_onnx(model, args, path), or torch.jit.trace(fast, args) "
+                        "(shapes fixed at the example's)")
+
     def _holds_only(self, dtype: torch.dtype) -> bool:
         """Whether every floating parameter and buffer already has ``dtype`` (a training
         conversion's float32 masters and ``.float()``): then a dtype change changes nothing."""
