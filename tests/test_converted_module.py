@@ -797,3 +797,35 @@ def test_torch_jit_script_is_refused_by_name_with_the_ways_that_work():
         torch.jit.script(fast)
     exported = torch.export.export(fast, (x,))
     assert relative_l2(exported.module()(x), fast(x)) < 1e-6
+
+
+def test_a_head_of_another_structure_runs_where_called_whole_and_is_refused_where_inlined():
+    """fx calls a Linear whole: a Sequential in its place got the fp16 input with float32
+    weights (torch's "mat1 and mat2 must have the same dtype"); it now takes the dtype that call
+    computes in. torch.export inlines the classifier and reads classifier.weight by path: an
+    nn.Identity there was a bare KeyError: 'weight' from generated code."""
+    model, fast = _mlp()
+    x = _x(4, 16, seed=1)
+    head = nn.Sequential(nn.Linear(fast.fc2.in_features, 8), nn.ReLU(), nn.Linear(8, 3))
+    fast.fc2 = head
+    model.fc2 = copy.deepcopy(head)
+    assert {p.dtype for p in fast.fc2.parameters()} == {torch.float16}
+    assert {p.dtype for p in head.parameters()} == {torch.float32}  # (the caller's, unchanged)
+    assert relative_l2(fast(x), model(x)) < 1e-2
+
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    bert = BertForSequenceClassification(BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, num_labels=3)).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    fast = mpgraph.convert(bert, ids, target=GPU, strategy="rules")
+    planned = fast.classifier.weight.dtype
+    for new in (nn.Identity(), nn.Sequential(nn.Linear(32, 3))):
+        with pytest.raises(TypeError, match=r"setting classifier to (Identity|Sequential)\(\.\.\.\), "
+                           r"of another structure: .*it lacks classifier.bias, classifier.weight, "
+                           r"which the graph reads.*Convert the model with the new classifier"):
+            fast.classifier = new
+    assert relative_l2(fast(ids).logits, bert(ids).logits) < 1e-2  # (nothing was set)
+    fast.classifier = nn.Linear(32, 3)  # (the same structure: taken, in the plan's dtypes)
+    assert fast.classifier.weight.dtype == planned

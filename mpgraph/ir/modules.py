@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import InputMismatchError, MissingWeightsError, WeightOverflowError
 from mpgraph.ir.fake import TRACED_ON, module_tensors
-from mpgraph.ir.meta import (EVAL_ONLY, GRAD_MODES, PACKED, READS_TRAINING, STATIC_SHAPES, TENSOR,
+from mpgraph.ir.meta import (EVAL_ONLY, GRAD_MODES, PACKED, PRECISION, READS_TRAINING, STATIC_SHAPES, TENSOR,
                              TensorInfo, dtype_name, is_inserted_cast)
 
 
@@ -962,7 +962,8 @@ class _Registry:
 
 
 # Each submodule of a converted module with a plan: (its planned_tensors, its path there, its
-# WeightCopies or None). Weak: a module dropped by its converted module leaves here too.
+# WeightCopies or None, the paths of the modules the graph calls whole and the dtype each call
+# computes in). Weak: a module dropped by its converted module leaves here too.
 _PLANNED = _Registry()
 _REGISTRATION_HOOKS: list = []  # (the handles of the three, once installed)
 
@@ -978,8 +979,11 @@ def keep_planned(root: torch.nn.Module) -> None:
     if not planned:
         return
     copies = root.__dict__.get("weight_copies")
+    graph = getattr(root, "graph", None)
+    called = {str(n.target): getattr(n.meta.get(PRECISION), "dtype", None)
+              for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"}
     for path, module in root.named_modules(remove_duplicate=False):
-        _PLANNED[module] = (planned, path, copies)
+        _PLANNED[module] = (planned, path, copies, called)
         if path:  # (the converted module's own load_state_dict checks its loads)
             _checks_loads(module)
     if not _REGISTRATION_HOOKS:
@@ -1036,7 +1040,7 @@ def _check_load(module: torch.nn.Module, state_dict, prefix: str, *_) -> None:
     entry = _PLANNED.get(module)
     if prefix or entry is None:
         return
-    planned, path, copies = entry
+    planned, path, copies, _ = entry
     check_fits(planned_slots(planned, path, state_dict, copies),
                f"{path}.load_state_dict" if path else "load_state_dict", "nothing was loaded")
 
@@ -1052,7 +1056,7 @@ def _on_tensor_set(module: torch.nn.Module, name: str, tensor):
     entry = _PLANNED.get(module)
     if entry is None or not isinstance(tensor, torch.Tensor):
         return None
-    planned, path, copies = entry
+    planned, path, copies, _ = entry
     full = _joined(path, name)
     want = planned.get(full)
     if want is not None and _off_plan(tensor, *want):
@@ -1073,7 +1077,7 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
     entry = _PLANNED.get(container)
     if entry is None or not isinstance(module, torch.nn.Module):
         return None
-    planned, path, copies = entry
+    planned, path, copies, called = entry
     prefix = _joined(path, name)
     # the caller's module is left as it was (the user's own layer put back, `fast.head =
     # model.head`, was cast to fp16 in place and broke the model): a copy of its modules, its
@@ -1082,12 +1086,20 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
         module.named_parameters(remove_duplicate=False),
         module.named_buffers(remove_duplicate=False))})
     own_parametrizations(module)
+    whole = next((c for c in called if prefix == c or prefix.startswith(c + ".")), None)
+    if whole is None:
+        _refuse_other_tensors(planned, prefix, module)
     todo, seen = [], set()
     for sub, owner in module.named_modules(remove_duplicate=False):
         for store in (owner._parameters, owner._buffers):
             for leaf, t in store.items():
                 full = _joined(prefix, sub, leaf)
                 want = planned.get(full)
+                if want is None and whole is not None and called[whole] is not None \
+                        and t is not None and t.is_floating_point():
+                    # (a layer the graph calls whole, another structure: its tensors in the
+                    # dtype that call computes in, as its input comes)
+                    want = (called[whole], torch.strided)
                 if want is not None and _off_plan(t, *want) and (id(owner), leaf) not in seen:
                     seen.add((id(owner), leaf))
                     todo.append((full, owner, leaf, t, want))
@@ -1096,7 +1108,7 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
     for full, owner, leaf, t, want in todo:
         _put(owner, leaf, t, in_layout(t, *want))
     for sub, owner in module.named_modules(remove_duplicate=False):
-        _PLANNED[owner] = (planned, _joined(prefix, sub), copies)
+        _PLANNED[owner] = (planned, _joined(prefix, sub), copies, called)
         _checks_loads(owner)
     if copies is not None:
         for full, *_ in todo:
@@ -1105,6 +1117,30 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
             if source.startswith(prefix + ".") or copy_path.startswith(prefix + "."):
                 copies.invalidate(source)
     return module  # (registered in place of the caller's)
+
+
+def _refuse_other_tensors(planned: dict, prefix: str, module: torch.nn.Module) -> None:
+    """A module swapped in where the graph inlined the one it replaces (torch.export, or a
+    traced-through submodule) is read tensor by tensor: one without every tensor the graph
+    reads failed inside the generated code (a bare ``KeyError: 'weight'``), and one holding
+    more (a LoRA wrapper) would have been silently ignored beyond them."""
+    old = {p for p in planned if p.startswith(prefix + ".")}
+    new = {_joined(prefix, sub, leaf)
+           for sub, owner in module.named_modules(remove_duplicate=False)
+           for leaf, t in (*owner._parameters.items(), *owner._buffers.items()) if t is not None}
+    if not old or old == new:
+        return
+    missing, extra = sorted(old - new), sorted(new - old)
+    said = "; ".join(
+        ([f"it lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, which the "
+          "graph reads"] if missing else [])
+        + ([f"it holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which the graph "
+            "would never read"] if extra else []))
+    raise TypeError(
+        f"setting {prefix} to {type(module).__name__}(...), of another structure: the converted "
+        f"graph computes the module it was converted with, inlined, reading its tensors by "
+        f"path ({said}). Convert the model with the new {prefix.rpartition('.')[2]} in place, "
+        "or call the new module on the converted module's outputs, outside it")
 
 
 def own_parametrizations(root: torch.nn.Module) -> None:
