@@ -29,6 +29,7 @@ from mpgraph.numerics import float_leaves, output_errors
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, named_arguments, run_recording,
                               seeded, state_kept, target_name, weight_copy_paths)
 from mpgraph.ir.modules import (ConvertedModule, DropoutRate, FusedWeights, TrainingBatchNorm,
+                                part_of_converted,
                                 TrainingFlag, WeightCopies, planned_layout, refuse_hooks)
 from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, EVAL_SWITCH, FUSED, OP_CLASS,
                              PRECISION, READS_TRAINING, REFERENCE, TENSOR,
@@ -304,6 +305,16 @@ def _refuse_converted(model) -> None:
             "assigned), which this conversion's plan cannot change. Build the model with the "
             f"original (float32) module at {path!r} and convert the whole; or convert only the "
             f"rest and keep {path!r} as converted")
+    part = next(((path, inside) for path, m in model.named_modules()
+                 if (inside := part_of_converted(m))), None)
+    if part is not None:  # (capture failed on it with the tracers' errors, or a dtype mismatch)
+        path, inside = part
+        here = f"{type(model).__name__}'s {path!r}" if path else "this module"
+        raise TypeError(
+            f"{here} is part of a module mpgraph.convert returned (its {inside!r}): it holds "
+            f"that conversion's tensors in its plan's dtypes and is run by its graph. Convert "
+            f"the original model's {inside.rpartition('.')[2]} instead (model.{inside}), or "
+            "convert the whole model with overrides= for this part")
 
 
 def _computes_low(model: torch.nn.Module) -> tuple[str, str]:

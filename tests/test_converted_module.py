@@ -829,3 +829,24 @@ def test_a_head_of_another_structure_runs_where_called_whole_and_is_refused_wher
     assert relative_l2(fast(ids).logits, bert(ids).logits) < 1e-2  # (nothing was set)
     fast.classifier = nn.Linear(32, 3)  # (the same structure: taken, in the plan's dtypes)
     assert fast.classifier.weight.dtype == planned
+
+
+def test_converting_a_part_of_a_converted_module_is_refused_naming_the_models_part():
+    """convert(fast.encoder) failed in every tracer (a CaptureError blaming the inputs and a
+    hook the user never set); convert(fast.fc1) with torch's Half/Float mismatch."""
+    model, fast = _mlp()
+    with pytest.raises(TypeError, match=r"this module is part of a module mpgraph.convert "
+                                        r"returned \(its 'fc1'\).*\(model\.fc1\)"):
+        mpgraph.convert(fast.fc1, torch.randn(4, 16))
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1,
+                                num_attention_heads=4, intermediate_size=64)).eval()
+    fast = mpgraph.convert(bert, torch.randint(0, 128, (2, 8)), target=GPU, strategy="rules")
+    with pytest.raises(TypeError, match=r"this module is part of a module mpgraph.convert "
+                                        r"returned \(its 'encoder'\).*\(model\.encoder\)"):
+        mpgraph.convert(fast.encoder, torch.randn(2, 8, 32))
+    outer = nn.Sequential(fast.embeddings)
+    with pytest.raises(TypeError, match=r"Sequential's '0' is part of a module mpgraph.convert "
+                                        r"returned \(its 'embeddings'\)"):
+        mpgraph.convert(outer, torch.randint(0, 128, (2, 8)))

@@ -968,6 +968,13 @@ _PLANNED = _Registry()
 _REGISTRATION_HOOKS: list = []  # (the handles of the three, once installed)
 
 
+def part_of_converted(module: torch.nn.Module) -> Optional[str]:
+    """The path of ``module`` inside a module mpgraph converted (a submodule of one with a
+    plan, which holds the plan's tensors), else None."""
+    entry = _PLANNED.get(module)
+    return entry[1] if entry is not None and entry[1] else None
+
+
 def keep_planned(root: torch.nn.Module) -> None:
     """Assignments into ``root``'s submodules take the plan's dtypes from now on: a parameter or
     buffer set in another dtype (``fast.out.weight = nn.Parameter(w)``,
