@@ -850,3 +850,22 @@ def test_converting_a_part_of_a_converted_module_is_refused_naming_the_models_pa
     with pytest.raises(TypeError, match=r"Sequential's '0' is part of a module mpgraph.convert "
                                         r"returned \(its 'embeddings'\)"):
         mpgraph.convert(outer, torch.randint(0, 128, (2, 8)))
+
+
+def test_torch_vmap_runs_a_dynamic_shape_export_graph_as_it_runs_the_model():
+    """A dynamic export graph read sizes through aten.sym_size.int, which functorch cannot
+    batch ("Batching rule not implemented for aten::sym_size.int"); it reads x.size(d)."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1,
+                                num_attention_heads=4, intermediate_size=64)).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    fast = mpgraph.convert(bert, ids, target=GPU, strategy="rules")
+    assert "aten.sym_size" not in fast.code and "input_ids.size(0)" in fast.code
+    groups = torch.stack([ids, ids.flip(0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (functorch's: no batching rule for CPU attention)
+        out = torch.vmap(lambda i: fast(i).last_hidden_state)(groups)
+    for group, got in zip(groups, out):
+        assert torch.equal(got, fast(group).last_hidden_state)
+        assert relative_l2(got, bert(group).last_hidden_state) < 1e-2

@@ -2062,9 +2062,11 @@ def _recurrent(module: torch.nn.Module) -> bool:
 
 
 def computes_sizes(graph: torch.fx.Graph) -> bool:
-    """Whether a graph computes sizes as Python numbers (torch.export's ``sym_size`` nodes),
-    which a tracer (torch.jit.trace, the TorchScript ONNX exporter) records as the example's."""
-    return any(n.op == "call_function" and "sym_size" in str(n.target) for n in graph.nodes)
+    """Whether a graph computes sizes as Python numbers (torch.export's ``sym_size`` nodes, as
+    ``x.size(d)`` once converted), which a tracer (torch.jit.trace, the TorchScript ONNX
+    exporter) records as the example's."""
+    return any((n.op == "call_function" and "sym_size" in str(n.target))
+               or (n.op == "call_method" and n.target == "size") for n in graph.nodes)
 
 
 def caller_outside(*folders: str) -> int:
