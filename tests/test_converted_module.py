@@ -869,3 +869,30 @@ def test_torch_vmap_runs_a_dynamic_shape_export_graph_as_it_runs_the_model():
     for group, got in zip(groups, out):
         assert torch.equal(got, fast(group).last_hidden_state)
         assert relative_l2(got, bert(group).last_hidden_state) < 1e-2
+
+
+def test_a_fx_graph_refuses_another_kind_of_dtype_where_only_the_plans_cast_reads_the_input():
+    """The model's conv refuses uint8 pixels; the fx graph's first reader was the plan's cast,
+    which took them, and the output came out 100x off with no error."""
+    class CNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(F.relu(self.c1(x)).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model, x = CNN().eval(), torch.rand(2, 3, 8, 8)
+    fast = mpgraph.convert(model, x, target=GPU, strategy="rules")
+    assert fast.c1.weight.dtype == torch.float16
+    with pytest.raises(RuntimeError):
+        model((x * 255).to(torch.uint8))
+    for other in ((x * 255).to(torch.uint8), x > 0.5, x.long()):
+        with pytest.raises(TypeError, match=rf"input x is {dtype_name(other.dtype)}, it was "
+                                            r"float32 when the model was converted.*x.float\(\) "
+                                            r"/ 255"):
+            fast(other)
+    assert relative_l2(fast(x.half()), model(x)) < 1e-2  # (a float of another width: the cast)
+    compiled = torch.compile(fast, backend="eager", fullgraph=True)
+    assert relative_l2(compiled(x), model(x)) < 1e-2

@@ -1893,9 +1893,10 @@ def _off_dtype_error(off: list, detail: str, kind: bool = False) -> TypeError:
     ``kind``: another kind of dtype, which a cast does not make the same input (uint8 pixels)."""
     was = dtype_name(off[0][2])
     way = (f"it holds what the model's code did with {'an' if was.startswith('int') else 'a'} "
-           f"{was} input (a branch "
-           "on its dtype, if x.dtype == torch.uint8: ..., took the example's way): convert with "
-           "an example of this kind of dtype (one converted module per kind)" if kind else
+           f"{was} input (a branch on its dtype, if x.dtype == torch.uint8: ..., took the "
+           "example's way; a cast the plan put first reads any kind): pass it as the example "
+           "was (uint8 pixels as x.float() / 255), or convert with an example of this kind of "
+           "dtype (one converted module per kind)" if kind else
            "pass it in that dtype (x.float()), or convert with an example in this one")
     return TypeError(
         "; ".join(f"input {name} is {dtype_name(got)}, it was {dtype_name(want)} when the model "
@@ -1961,14 +1962,17 @@ def _input_kinds(gm: torch.fx.GraphModule) -> tuple[dict, dict]:
     index: (name, dtype converted with)} for the tensors inside container arguments. Nothing
     for symbolic_trace's graph, which holds no such branch (fx cannot trace one: the model
     went to torch.export) and computes any dtype or rank the model's code does (uint8 pixels
-    into ``img.float() / 255``)."""
+    into ``img.float() / 255``), except for its float inputs the plan's casts alone read: the
+    cast computes on any kind (uint8 pixels the model's conv refused came out 100x off)."""
     import inspect
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [n for n, p in inspect.signature(gm.forward).parameters.items()
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "in_spec", None)
     if spec is None:
-        return {}, {}
+        return {n.target: (names.index(n.target), info.dtype, None) for n in placeholders
+                if n.target in names and _cast_only(n) and isinstance(
+                    info := n.meta.get(TENSOR), TensorInfo) and info.dtype.is_floating_point}, {}
 
     def info(node):  # (torch.export's own record, where no pass has rewritten the graph since)
         found = node.meta.get(TENSOR, node.meta.get("val"))
