@@ -413,19 +413,36 @@ def without_cache(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
         signature = inspect.signature(model.forward)
         names = list(signature.parameters)
         takes = "use_cache" in names and names.index("use_cache") >= len(args)
-        if "use_cache" not in names and callable(getattr(model, "get_base_model", None)) and any(
-                p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+        keywords = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+        if "use_cache" not in names and callable(getattr(model, "get_base_model", None)) \
+                and keywords:
             # a peft wrapper: its **kwargs reach the causal LM's forward (it was refused as a
             # model returning a KV cache, where the bare LM converted)
             takes = "use_cache" in inspect.signature(model.get_base_model().forward).parameters
+        elif "use_cache" not in names and keywords:
+            # a HuggingFace model whose **kwargs reach its language model's forward (LLaVA's
+            # LlavaForConditionalGeneration: refused for the DynamicCache its Llama returned)
+            takes = hasattr(getattr(model, "config", None), "get_text_config")
     except (TypeError, ValueError):
         return kwargs
-    config = getattr(model, "config", None)
-    if not takes or "use_cache" in kwargs or not getattr(config, "use_cache", False):
+    if not takes or "use_cache" in kwargs or not _uses_cache(getattr(model, "config", None)):
         return kwargs
     log.info("%s: converted with use_cache=False (the forward without its KV cache output); "
              "for generation with a KV cache, mpgraph.convert_decoder", type(model).__name__)
     return {**kwargs, "use_cache": False}
+
+
+def _uses_cache(config) -> bool:
+    """Whether a HuggingFace config turns the KV cache on: its own ``use_cache``, or for a
+    composite model without one (EncoderDecoderModel, VisionEncoderDecoderModel, LLaVA) its
+    decoder's, which the forward falls back to when given ``use_cache=None``."""
+    if getattr(config, "use_cache", False):
+        return True
+    try:
+        text = config.get_text_config(decoder=True)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return text is not config and bool(getattr(text, "use_cache", False))
 
 
 LITTLE = 0.5  # below this share of the matmul/conv FLOPs in the low dtype, convert says why

@@ -12,7 +12,9 @@ class MpgraphError(Exception):
 KV_CACHE_FIX = ("the model returns a KV cache object (a HuggingFace model with use_cache=True): "
                 "for generation with a KV cache use mpgraph.convert_decoder(model, prompt_ids, "
                 "max_cache_len=...); to convert the forward alone, pass use_cache=False (in "
-                "example_kwargs, or model.config.use_cache = False)")
+                "example_kwargs, or on the config its decoder reads: model.config.use_cache = "
+                "False, a composite model's model.config.get_text_config(decoder=True).use_cache"
+                " = False)")
 # the same, where use_cache=False was given (it repeated "pass use_cache=False")
 BUILT_CACHE_FIX = ("the model returns a cache object though use_cache=False was given (in the "
                    "call or its config): it builds "
@@ -52,7 +54,8 @@ CAPTURE_FIXES = (
     (("torch.export takes tensors, Python numbers, strings and None",),
      "the report names the argument and how to pass it: torch.export traces the model with "
      "tensors and plain Python values only"),
-    (("in output, which is not a known type",),
+    # (a cache class's is the KV cache's fix below, not this one)
+    (re.compile(r"(?<!Cache'>) in output, which is not a known type"),
      "register the output's class before converting, torch.export.register_dataclass(Out) for a "
      "dataclass (torch.utils._pytree.register_pytree_node for another class), or return a "
      "tuple or dict"),
@@ -92,7 +95,7 @@ CAPTURE_FIXES = (
     (("cannot be used as inputs to control flow", "data-dependent", "DataDependent"),
      VALUE_BRANCH_FIX),
     (re.compile(r"Unsupported input type <class '[\w.]*Cache'>"), INPUT_CACHE_FIX),
-    (("DynamicCache", "Cache in output", "past_key_values"), KV_CACHE_FIX),
+    (("DynamicCache", "Cache in output", "Cache'> in output", "past_key_values"), KV_CACHE_FIX),
     (("not of the copy mpgraph converts",),
      "reach them through the module the forward runs on: a method, a lambda over self stored on "
      "the module (directly or in a list, dict, functools.partial or object it holds), or the "

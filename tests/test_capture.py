@@ -467,6 +467,62 @@ def test_a_vmap_ensemble_is_a_capture_error_naming_vmap_not_a_model_planned_on_m
     nn.Linear(2, 2)
 
 
+def _bert2bert():
+    from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                 vocab_size=100, max_position_embeddings=64)
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(
+        BertConfig(**small), BertConfig(**small, is_decoder=True, add_cross_attention=True))
+    ids = torch.randint(3, 100, (2, 12))
+    return EncoderDecoderModel(config).eval(), (ids,), {"decoder_input_ids": ids[:, :6]}, "logits"
+
+
+def _llava():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32,
+                                       num_hidden_layers=1, num_attention_heads=4,
+                                       intermediate_size=64),
+        text_config=LlamaConfig(vocab_size=120, hidden_size=32, num_hidden_layers=1,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=64, max_position_embeddings=64),
+        image_token_id=110, vision_feature_layer=-1, vision_feature_select_strategy="default")
+    ids = torch.randint(3, 100, (2, 24))
+    ids[:, 2:18] = 110  # (16 patches)
+    return (LlavaForConditionalGeneration(config).eval(), (ids,),
+            {"pixel_values": torch.randn(2, 3, 32, 32)}, "logits")
+
+
+@pytest.mark.parametrize("build", [_bert2bert, _llava], ids=["bert2bert", "llava"])
+def test_a_composite_hf_model_whose_decoder_caches_is_converted_without_its_cache(build):
+    """EncoderDecoderModel's and LLaVA's configs have no use_cache of their own (their
+    decoder's, True, is what the forward falls back to; LLaVA passes it on through **kwargs):
+    convert did not add use_cache=False, and the capture failed on the returned cache with the
+    fix "register the output's class" (EncoderDecoderCache's text escaped the cache's fix)."""
+    torch.manual_seed(0)
+    model, args, kwargs, key = build()
+    assert getattr(model.config, "use_cache", None) is None
+    fast = mpgraph.convert(model, args, example_kwargs=kwargs, target=GPU, strategy="rules")
+    with torch.no_grad():
+        assert relative_l2(fast(*args, **kwargs)[key], model(*args, **kwargs)[key]) < 1e-2
+
+
+def test_an_encoder_decoder_cache_in_the_output_is_told_the_kv_cache_fix_alone():
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    class ReturnsCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x), EncoderDecoderCache(DynamicCache(), DynamicCache())
+    with pytest.raises(mpgraph.CaptureError) as caught:
+        mpgraph.convert(ReturnsCache(), (torch.randn(2, 8),))
+    assert "fix: the model returns a KV cache object" in str(caught.value)
+    assert "register the output's class" not in str(caught.value)
+
+
 def test_a_cache_the_model_builds_with_use_cache_false_is_not_told_to_pass_use_cache_false():
     """peft's prefix tuning hands its virtual tokens to the model as past_key_values, so a
     cache comes back whatever use_cache says: the fix repeated "pass use_cache=False" to a
