@@ -896,3 +896,14 @@ def test_a_fx_graph_refuses_another_kind_of_dtype_where_only_the_plans_cast_read
     assert relative_l2(fast(x.half()), model(x)) < 1e-2  # (a float of another width: the cast)
     compiled = torch.compile(fast, backend="eager", fullgraph=True)
     assert relative_l2(compiled(x), model(x)) < 1e-2
+
+
+def test_an_argument_given_positionally_and_by_keyword_is_python_s_error():
+    """fast(ids, input_ids=other) ran on other, silently, where the model raises."""
+    model, fast = _mlp()
+    x = _x(4, 16, seed=1)
+    with pytest.raises(TypeError, match="multiple values for argument 'x'"):
+        model(x, x=x + 1)
+    with pytest.raises(TypeError, match=r"the converted MLP got multiple values for argument "
+                                        r"'x' \(positional and keyword\)"):
+        fast(x, x=x + 1)

@@ -253,6 +253,11 @@ class CallSignature:
             self._one(name, value)
         for name, value in kwargs.items():
             self._one(name, value)
+        if kwargs and len(args):
+            twice = [n for n in names[:len(args)] if n in kwargs]
+            if twice:  # (Python's own error for the model's forward; the keyword's value won)
+                raise TypeError(f"the converted {self.model} got multiple values for argument "
+                                f"{twice[0]!r} (positional and keyword), as its forward would")
         if len(args) < len(self.tensors) or kwargs:
             given = set(names[:len(args)]) | set(kwargs)
             missing = sorted(self.tensors - given)
