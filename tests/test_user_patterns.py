@@ -557,6 +557,9 @@ def test_a_dtype_change_that_changes_nothing_is_no_error():
     inference = convert_rules(model.eval(), (x,))
     with pytest.raises(TypeError, match="on a converted module would change the dtypes"):
         inference.float()
+    with pytest.warns(UserWarning, match="computes in float16"):  # (returned as it computes)
+        half = mpgraph.convert(copy.deepcopy(model).half(), (x.half(),), target="a100")
+    assert half.half() is half and half.to(torch.float16) is half  # (.half() was refused)
 
 
 class Aux(nn.Module):

@@ -1761,6 +1761,8 @@ class ConvertedModule(torch.fx.GraphModule):
         return super().requires_grad_(requires_grad)
 
     def half(self):
+        if self._holds_only(torch.float16):  # (as .float() and .bfloat16(): nothing to change)
+            return self
         raise self._refuse(".half()")
 
     def __prepare_scriptable__(self):
