@@ -484,6 +484,27 @@ def test_the_torchscript_fallback_names_inputs_by_argument_and_keeps_them_dynami
         assert relative_l2(torch.from_numpy(g).float(), w) < 5e-3
 
 
+def test_the_torchscript_fallback_s_casts_are_counted_with_the_types_onnx_infers(tmp_path,
+                                                                                 monkeypatch):
+    """The TorchScript exporter's file carries no value types: the Cast count read them and
+    saw 1 of a file's 6, with 5 false differences and a warning (a model whose buffer named
+    'index' breaks torch's dynamo exporter went this way)."""
+    real = torch.onnx.export
+
+    def dynamo_fails(*args, **kwargs):
+        if kwargs.get("dynamo"):
+            raise RuntimeError("dynamo export failed (forced by the test)")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch.onnx, "export", dynamo_fails)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32),
+                          nn.Linear(32, 4)).eval()
+    result = _export(model, (torch.randn(8, 16),), str(tmp_path / "ts.onnx"), dtype="fp16")
+    assert result.exporter.startswith("torch.onnx.export(dynamo=False)")
+    assert len(result.plan.cast_sequence()) == 2 and result.cast_differences == []
+    assert result.casts_in_file == result.casts_expected == len(result.plan.cast_sequence())
+
+
 class _PaddedMHA(nn.Module):
     def __init__(self):
         super().__init__()
@@ -514,6 +535,30 @@ def test_a_file_onnxruntime_crashes_on_names_the_static_export_that_it_runs(tmp_
     assert max(static.validation.err_vs_fp32) < tolerance_of(static.plan)
 
 
+class _TwoTables(nn.Module):
+    """Two values computed from weights alone, equal (Swin's relative position biases at init),
+    each cast to fp16 for a low matmul: the exporter folds both into one shared initializer."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.a, self.b = nn.Parameter(torch.zeros(16, 16)), nn.Parameter(torch.zeros(16, 16))
+
+    def forward(self, x):
+        return (self.fc(x) @ self.a.softmax(-1)) @ self.b.softmax(-1)
+
+
+def test_plan_casts_folded_into_one_shared_constant_are_no_difference(tmp_path):
+    """The second folded cast kept no name of its own in the file: it was reported as "has no
+    Cast in the file", with a warning, where the file carries the plan out (probe pH F3)."""
+    torch.manual_seed(0)
+    result = _export(_TwoTables().eval(), (torch.randn(4, 16),), str(tmp_path / "t.onnx"),
+                     dtype="fp16")
+    folded = [c.name for c in result.plan.cast_sequence() if c.value.startswith("softmax")]
+    assert len(folded) == 2 and result.cast_differences == []
+    assert result.casts_folded == 2 and result.casts_in_file == result.casts_expected - 2
+
+
 def test_a_plan_cast_the_exporter_folds_into_a_low_initializer_is_no_difference(tmp_path):
     """weight_norm's weight, computed from weights alone and cast to fp16 by the plan, becomes
     an fp16 initializer in the file: the export warned "Cast nodes in the file differ from the
@@ -524,4 +569,7 @@ def test_a_plan_cast_the_exporter_folds_into_a_low_initializer_is_no_difference(
                           nn.Linear(64, 8)).eval()
     result = _export(model, (torch.randn(16, 64),), str(tmp_path / "wn.onnx"), dtype="fp16")
     assert result.plan.casts and result.cast_differences == []
+    # (counted apart: the summary said "2 (plan: 3)" with no difference to explain it)
+    assert result.casts_folded == 1 and result.casts_in_file == result.casts_expected - 1
+    assert f"(plan: {result.casts_expected}, 1 of them folded into constants)" in result.summary()
     assert max(result.validation.err_vs_fp32) < tolerance_of(result.plan)

@@ -256,7 +256,7 @@ class AnnotatePlanCasts(ir.passes.InPlacePass):
         super().__init__()
         self.plan = plan
         self.origins = origins or {}
-        self.in_file, self.expected, self.differences = 0, 0, []
+        self.in_file, self.expected, self.differences, self.folded = 0, 0, [], 0
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         import difflib
@@ -296,13 +296,50 @@ class AnnotatePlanCasts(ir.passes.InPlacePass):
         # a cast of a value computed from weights alone the exporter folded into an initializer
         # of the cast's dtype (weight_norm's weight cast to fp16): the plan, carried out before
         # the file runs, not a missing Cast (probe pB F5)
+        # (under its own name, or another the exporter gave it, a constant it shares: then
+        # the plan's readers of the cast read a constant of the cast's dtype)
         folded = {self.origins.get(name, name): v.dtype.name
                   for name, v in model.graph.initializers.items() if v.dtype is not None}
+        readers: dict = {}
+        for node in model.graph:
+            fx = _fx_name(node)
+            readers.setdefault(self.origins.get(fx, fx), []).append(node)
+
+        def folded_away(rec) -> bool:
+            dtype = _plan_types(rec)[1]
+            if folded.get(rec.name) == dtype:
+                return True
+            if not self._from_weights_alone(rec.value):  # (an input's: its Cast is missing)
+                return False
+            return any(
+                v is not None and v.const_value is not None and v.dtype is not None
+                and v.dtype.name == dtype
+                for reader in rec.consumers for node in readers.get(reader, ())
+                for v in node.inputs)
+
+        missing = [rec for j, rec in enumerate(expected) if j not in paired]
+        gone = [rec for rec in missing if folded_away(rec)]
         differences += [f"plan cast {rec.name} ({rec.src}->{rec.dst} of {rec.value}) has no Cast "
-                        "in the file" for j, rec in enumerate(expected) if j not in paired
-                        and folded.get(rec.name) != _plan_types(rec)[1]]
+                        "in the file" for rec in missing if rec not in gone]
         self.in_file, self.expected, self.differences = len(ours), len(expected), differences
+        self.folded = len(gone)
         return ir.passes.PassResult(model, modified=bool(ours))
+
+
+    def _from_weights_alone(self, name: str, seen: Optional[set] = None) -> bool:
+        """Whether the plan's value ``name`` reads no input of the graph, however far back:
+        what an exporter may fold into a constant (Swin's relative position bias, a
+        weight_norm weight)."""
+        seen = set() if seen is None else seen
+        if name in seen:
+            return True
+        seen.add(name)
+        try:
+            record = self.plan.node(name)
+        except KeyError:
+            return False
+        return record.op != "placeholder" and all(
+            self._from_weights_alone(i, seen) for i in record.inputs)
 
 
 def _fx_name(node) -> Optional[str]:
