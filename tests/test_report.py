@@ -861,3 +861,24 @@ def test_html_sections_count_the_nodes_the_text_report_counts():
     assert sum(n for _, n, _ in counts) == len(blocks.compute_nodes) == \
         sum(int(n) for n in re.findall(r"^== .*: (\d+) nodes", mpgraph.report(blocks), re.M))
     assert sum(low for _, _, low in counts) == len(blocks.low_nodes)
+
+
+def test_the_summary_counts_one_node_in_the_singular():
+    """"1 nodes of unknown ops kept in float32 (bucketize)", "1 float32 nodes with ..."."""
+    class Buckets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+            self.register_buffer("edges", torch.linspace(-1, 1, 10))
+            self.register_buffer("bias", torch.randn(4, 8, 8))
+
+        def forward(self, x):
+            h = self.fc(x)
+            scores = torch.baddbmm(self.bias, h, h.transpose(1, 2), alpha=0.1).softmax(-1)
+            return torch.bucketize(h, self.edges), scores
+
+    torch.manual_seed(0)
+    summary = mpgraph.convert(Buckets().eval(), torch.randn(4, 8, 32), target=GPU,
+                              strategy="rules").plan.summary()
+    assert "; 1 node of unknown op kept in float32 (" in summary
+    assert "; 1 float32 node with numeric-safety findings (calibrated on 1 batch)" in summary

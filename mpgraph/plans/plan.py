@@ -316,7 +316,8 @@ class Plan:
                 text += (f"; {len(self.range_nodes) - len(by_range)} nodes in "
                          f"{self.range_nodes[0].dtype} by overrides or edits")
         if self.safety_nodes:
-            text += (f"; {len(self.safety_nodes)} float32 nodes with numeric-safety findings "
+            text += (f"; {len(self.safety_nodes)} float32 node{'s' if len(self.safety_nodes) > 1 else ''}"
+                     " with numeric-safety findings "
                      + (f"(calibrated on {self.calibration_batches} batch"
                         f"{'es' if self.calibration_batches != 1 else ''})"
                         if self.calibration_batches else
@@ -374,7 +375,9 @@ class Plan:
                      "for Tensor Cores")
         if self.unknown_nodes:
             names = ", ".join(sorted({r.target for r in self.unknown_nodes}))
-            text += f"; {len(self.unknown_nodes)} nodes of unknown ops kept in float32 ({names})"
+            many = len(self.unknown_nodes) > 1
+            text += (f"; {len(self.unknown_nodes)} node{'s' if many else ''} of unknown "
+                     f"op{'s' if many else ''} kept in float32 ({names})")
         return text
 
     def format_casts(self) -> str:
