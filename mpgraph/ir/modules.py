@@ -967,8 +967,8 @@ class _Registry:
 
 
 # Each submodule of a converted module with a plan: (its planned_tensors, its path there, its
-# WeightCopies or None, the paths of the modules the graph calls whole and the dtype each call
-# computes in). Weak: a module dropped by its converted module leaves here too.
+# WeightCopies or None, a weak reference to the converted module). Weak: a module dropped by its
+# converted module leaves here too.
 _PLANNED = _Registry()
 _REGISTRATION_HOOKS: list = []  # (the handles of the three, once installed)
 
@@ -991,11 +991,8 @@ def keep_planned(root: torch.nn.Module) -> None:
     if not planned:
         return
     copies = root.__dict__.get("weight_copies")
-    graph = getattr(root, "graph", None)
-    called = {str(n.target): getattr(n.meta.get(PRECISION), "dtype", None)
-              for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"}
     for path, module in root.named_modules(remove_duplicate=False):
-        _PLANNED[module] = (planned, path, copies, called)
+        _PLANNED[module] = (planned, path, copies, weakref.ref(root))
         if path:  # (the converted module's own load_state_dict checks its loads)
             _checks_loads(module)
     if not _REGISTRATION_HOOKS:
@@ -1089,7 +1086,7 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
     entry = _PLANNED.get(container)
     if entry is None or not isinstance(module, torch.nn.Module):
         return None
-    planned, path, copies, called = entry
+    planned, path, copies, converted = entry
     prefix = _joined(path, name)
     # the caller's module is left as it was (the user's own layer put back, `fast.head =
     # model.head`, was cast to fp16 in place and broke the model): a copy of its modules, its
@@ -1098,9 +1095,14 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
         module.named_parameters(remove_duplicate=False),
         module.named_buffers(remove_duplicate=False))})
     own_parametrizations(module)
+    root = converted()
+    graph = getattr(root, "graph", None)
+    called = {str(n.target): getattr(n.meta.get(PRECISION), "dtype", None)  # (called whole)
+              for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"}
     whole = next((c for c in called if prefix == c or prefix.startswith(c + ".")), None)
     if whole is None:
-        _refuse_other_tensors(planned, prefix, module)
+        fused = root.__dict__.get("fused_weights") if root is not None else None
+        _refuse_other_tensors(planned, prefix, module, fused.stacks if fused else set())
     todo, seen = [], set()
     for sub, owner in module.named_modules(remove_duplicate=False):
         for store in (owner._parameters, owner._buffers):
@@ -1120,7 +1122,7 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
     for full, owner, leaf, t, want in todo:
         _put(owner, leaf, t, in_layout(t, *want))
     for sub, owner in module.named_modules(remove_duplicate=False):
-        _PLANNED[owner] = (planned, _joined(prefix, sub), copies, called)
+        _PLANNED[owner] = (planned, _joined(prefix, sub), copies, converted)
         _checks_loads(owner)
     if copies is not None:
         for full, *_ in todo:
@@ -1131,12 +1133,14 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
     return module  # (registered in place of the caller's)
 
 
-def _refuse_other_tensors(planned: dict, prefix: str, module: torch.nn.Module) -> None:
+def _refuse_other_tensors(planned: dict, prefix: str, module: torch.nn.Module,
+                          stacks: set) -> None:
     """A module swapped in where the graph inlined the one it replaces (torch.export, or a
     traced-through submodule) is read tensor by tensor: one without every tensor the graph
     reads failed inside the generated code (a bare ``KeyError: 'weight'``), and one holding
     more (a LoRA wrapper) would have been silently ignored beyond them."""
-    old = {p for p in planned if p.startswith(prefix + ".")}
+    # (FuseSiblingGemv's stacks are mpgraph's, built again from their members on the next call)
+    old = {p for p in planned if p.startswith(prefix + ".") and p not in stacks}
     new = {_joined(prefix, sub, leaf)
            for sub, owner in module.named_modules(remove_duplicate=False)
            for leaf, t in (*owner._parameters.items(), *owner._buffers.items()) if t is not None}
