@@ -24,11 +24,10 @@ from mpgraph.passes.pack_cpu_linears import PackCpuLinears
 from mpgraph.passes.propagate_tensor_info import PropagateTensorInfo
 from mpgraph.passes.prune_for_inference import PruneForInference
 from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
-from mpgraph.passes.sizes_as_methods import SizesAsMethods
 from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
            "CheckConversion", "ClassifyOps", "EstimateCost", "FoldDtypeReads", "FollowTrainingFlag", "Functionalize",
            "FuseSiblingGemv", "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "MatVecLinear", "NumericSafety", "PackCpuLinears", "PropagateTensorInfo", "PruneForInference",
-           "RetargetDtypeAsserts", "SizesAsMethods", "StoreWeights"]
+           "RetargetDtypeAsserts", "StoreWeights"]

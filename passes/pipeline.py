@@ -12,8 +12,7 @@ from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
                             FoldDtypeReads, FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
-                            FuseSiblingGemv, LintTensorCores, MatVecLinear, NumericSafety, PackCpuLinears, RetargetDtypeAsserts, SizesAsMethods,
-                            StoreWeights)
+                            FuseSiblingGemv, LintTensorCores, MatVecLinear, NumericSafety, PackCpuLinears, RetargetDtypeAsserts, StoreWeights)
 from mpgraph.ir.graph import Call
 from mpgraph.ir.meta import Kind
 
@@ -94,7 +93,6 @@ def default_pipeline(low_dtype: torch.dtype, example_args: tuple, example_kwargs
         InsertCasts(keep_io_types),           # rewrite: shared casts
         ChannelsLast(),                       # rewrite: NHWC layout for low-precision 2-D convs
         RetargetDtypeAsserts(),               # rewrite: export's dtype asserts
-        SizesAsMethods(),                     # rewrite: export's size reads as x.size(d)
         *([PackCpuLinears(costs)] if spec.kind == Kind.CPU and not train else []),  # packed bf16 weights
     ]
     if check:

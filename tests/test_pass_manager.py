@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 DEFAULT = {"Functionalize", "FuseTanhGelu", "FollowTrainingFlag", "PruneForInference",
            "Calibrate", "ClassifyOps", "NumericSafety", "EstimateCost", "AssignPrecisionOptimal",
            "LintTensorCores", "StoreWeights", "InsertCasts", "ChannelsLast",
-           "RetargetDtypeAsserts", "SizesAsMethods", "CheckConversion"}
+           "RetargetDtypeAsserts", "CheckConversion"}
 
 
 def _bert():

@@ -1395,6 +1395,8 @@ class ConvertedModule(torch.fx.GraphModule):
             raise
         except RuntimeError as e:  # a tensor put in place of a planned one, in another dtype?
             # (any RuntimeError: a conv's says "Input type (c10::BFloat16) and bias type ...")
+            if "Batching rule not implemented for aten::sym_size" in str(e):
+                raise _vmap_error(self) from None
             changed = self.unplanned_tensors()
             if not changed:
                 off = self._inputs_off_dtype(args, kwargs)
@@ -1915,6 +1917,19 @@ def _off_dtype_error(off: list, detail: str, kind: bool = False) -> TypeError:
         + f": the converted graph computes with the dtypes it was converted with; {way}{detail}")
 
 
+def _vmap_error(gm: torch.nn.Module) -> TypeError:
+    """torch.vmap over a dynamic-shape export graph: it reads sizes through
+    ``aten.sym_size.int``, which functorch has no batching rule for (as ``x.size(d)`` instead,
+    torch.jit.trace failed: a traced size is a tensor there, which ``arange`` refuses)."""
+    signature = gm.__dict__.get("call_signature")
+    name = signature.model if signature is not None else type(gm).__name__
+    return TypeError(
+        f"torch.vmap over {name} converted with dynamic shapes: its graph reads sizes through "
+        "torch.ops.aten.sym_size.int, which torch.vmap cannot batch. Convert with "
+        "dynamic=False and the per-example shape (what vmap passes each call), or call the "
+        "converted module on the whole batch")
+
+
 def _rank_error(off: list) -> InputMismatchError:
     """The error for inputs ``(name, rank given, rank converted with)``."""
     return InputMismatchError(
@@ -2077,11 +2092,9 @@ def _recurrent(module: torch.nn.Module) -> bool:
 
 
 def computes_sizes(graph: torch.fx.Graph) -> bool:
-    """Whether a graph computes sizes as Python numbers (torch.export's ``sym_size`` nodes, as
-    ``x.size(d)`` once converted), which a tracer (torch.jit.trace, the TorchScript ONNX
-    exporter) records as the example's."""
-    return any((n.op == "call_function" and "sym_size" in str(n.target))
-               or (n.op == "call_method" and n.target == "size") for n in graph.nodes)
+    """Whether a graph computes sizes as Python numbers (torch.export's ``sym_size`` nodes),
+    which a tracer (torch.jit.trace, the TorchScript ONNX exporter) records as the example's."""
+    return any(n.op == "call_function" and "sym_size" in str(n.target) for n in graph.nodes)
 
 
 def caller_outside(*folders: str) -> int:
