@@ -29,8 +29,8 @@ from mpgraph.numerics import float_leaves, output_errors
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, named_arguments, run_recording,
                               seeded, state_kept, target_name, weight_copy_paths)
 from mpgraph.ir.modules import (ConvertedModule, DropoutRate, FusedWeights, TrainingBatchNorm,
-                                part_of_converted,
-                                TrainingFlag, WeightCopies, planned_layout, refuse_hooks)
+                                TrainingFlag, WeightCopies, part_of_converted, planned_layout,
+                                refuse_hooks)
 from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, EVAL_SWITCH, FUSED, OP_CLASS,
                              PRECISION, READS_TRAINING, REFERENCE, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
