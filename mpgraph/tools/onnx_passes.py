@@ -295,9 +295,9 @@ class AnnotatePlanCasts(ir.passes.InPlacePass):
         paired = set(pairs.values())
         # a cast of a value computed from weights alone the exporter folded into an initializer
         # of the cast's dtype (weight_norm's weight cast to fp16): the plan, carried out before
-        # the file runs, not a missing Cast (probe pB F5)
-        # (under its own name, or another the exporter gave it, a constant it shares: then
-        # the plan's readers of the cast read a constant of the cast's dtype)
+        # the file runs, not a missing Cast (probe pB F5); under its own name, or another the
+        # exporter gave a constant it shares (Swin's two biases): then the cast's readers read
+        # a constant of the cast's dtype
         folded = {self.origins.get(name, name): v.dtype.name
                   for name, v in model.graph.initializers.items() if v.dtype is not None}
         readers: dict = {}
@@ -326,20 +326,22 @@ class AnnotatePlanCasts(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(ours))
 
 
-    def _from_weights_alone(self, name: str, seen: Optional[set] = None) -> bool:
+    def _from_weights_alone(self, name: str) -> bool:
         """Whether the plan's value ``name`` reads no input of the graph, however far back:
         what an exporter may fold into a constant (Swin's relative position bias, a
-        weight_norm weight)."""
-        seen = set() if seen is None else seen
-        if name in seen:
-            return True
-        seen.add(name)
-        try:
-            record = self.plan.node(name)
-        except KeyError:
-            return False
-        return record.op != "placeholder" and all(
-            self._from_weights_alone(i, seen) for i in record.inputs)
+        weight_norm weight). A walk, not a recursion: an 80-layer model is deeper than
+        Python's stack."""
+        todo, seen = [name], {name}
+        while todo:
+            try:
+                record = self.plan.node(todo.pop())
+            except KeyError:
+                return False
+            if record.op == "placeholder":
+                return False
+            todo += [i for i in record.inputs if i not in seen]
+            seen.update(record.inputs)
+        return True
 
 
 def _fx_name(node) -> Optional[str]:
