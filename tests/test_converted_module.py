@@ -799,19 +799,27 @@ def test_torch_jit_script_is_refused_by_name_with_the_ways_that_work():
     assert relative_l2(exported.module()(x), fast(x)) < 1e-6
 
 
-def test_a_head_of_another_structure_runs_where_called_whole_and_is_refused_where_inlined():
-    """fx calls a Linear whole: a Sequential in its place got the fp16 input with float32
-    weights (torch's "mat1 and mat2 must have the same dtype"); it now takes the dtype that call
-    computes in. torch.export inlines the classifier and reads classifier.weight by path: an
-    nn.Identity there was a bare KeyError: 'weight' from generated code."""
+def test_a_head_of_another_structure_is_refused_where_called_low_or_inlined():
+    """fx calls a Linear whole in fp16: a Sequential in its place got the fp16 input with
+    float32 weights (torch's "mat1 and mat2 must have the same dtype"), and cast to fp16 its
+    own code ran there unchecked (a hand-written RMSNorm overflowed: 0.996 off, no error).
+    torch.export inlines the classifier and reads classifier.weight by path: an nn.Identity
+    there was a bare KeyError: 'weight' from generated code. A float32 call takes any module."""
     model, fast = _mlp()
     x = _x(4, 16, seed=1)
     head = nn.Sequential(nn.Linear(fast.fc2.in_features, 8), nn.ReLU(), nn.Linear(8, 3))
-    fast.fc2 = head
+    with pytest.raises(TypeError, match=r"setting fc2 to Sequential\(\.\.\.\), of another "
+                       r"structure: the converted graph calls the module it replaces in float16, "
+                       r"and this one's code was never checked in float16 \(its tensors "
+                       r"fc2\.0\.bias, fc2\.0\.weight, fc2\.2\.bias \.\.\. are not the plan's "
+                       r"fc2\.bias, fc2\.weight\)"):
+        fast.fc2 = head
+    assert fast.fc2.weight.dtype == torch.float16  # (nothing was set)
+    fp32 = mpgraph.convert(model, _x(4, 16), target=GPU, overrides={"fc2": "fp32"})
+    fp32.fc2 = head
     model.fc2 = copy.deepcopy(head)
-    assert {p.dtype for p in fast.fc2.parameters()} == {torch.float16}
-    assert {p.dtype for p in head.parameters()} == {torch.float32}  # (the caller's, unchanged)
-    assert relative_l2(fast(x), model(x)) < 1e-2
+    assert {p.dtype for p in fp32.fc2.parameters()} == {torch.float32}
+    assert relative_l2(fp32(x), model(x)) < 1e-2
 
     from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)

@@ -1100,20 +1100,17 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
     called = {str(n.target): getattr(n.meta.get(PRECISION), "dtype", None)  # (called whole)
               for n in (graph.nodes if graph is not None else ()) if n.op == "call_module"}
     whole = next((c for c in called if prefix == c or prefix.startswith(c + ".")), None)
-    if whole is None:
+    low = called[whole] if whole is not None and called[whole] not in (None, torch.float32) \
+        else None
+    if whole is None or low is not None:  # (a float32 call runs any module as the model does)
         fused = root.__dict__.get("fused_weights") if root is not None else None
-        _refuse_other_tensors(planned, prefix, module, fused.stacks if fused else set())
+        _refuse_other_tensors(planned, prefix, module, fused.stacks if fused else set(), low)
     todo, seen = [], set()
     for sub, owner in module.named_modules(remove_duplicate=False):
         for store in (owner._parameters, owner._buffers):
             for leaf, t in store.items():
                 full = _joined(prefix, sub, leaf)
                 want = planned.get(full)
-                if want is None and whole is not None and called[whole] is not None \
-                        and t is not None and t.is_floating_point():
-                    # (a layer the graph calls whole, another structure: its tensors in the
-                    # dtype that call computes in, as its input comes)
-                    want = (called[whole], torch.strided)
                 if want is not None and _off_plan(t, *want) and (id(owner), leaf) not in seen:
                     seen.add((id(owner), leaf))
                     todo.append((full, owner, leaf, t, want))
@@ -1134,11 +1131,13 @@ def _on_module_set(container: torch.nn.Module, name: str, module):
 
 
 def _refuse_other_tensors(planned: dict, prefix: str, module: torch.nn.Module,
-                          stacks: set) -> None:
+                          stacks: set, low: Optional[torch.dtype]) -> None:
     """A module swapped in where the graph inlined the one it replaces (torch.export, or a
     traced-through submodule) is read tensor by tensor: one without every tensor the graph
     reads failed inside the generated code (a bare ``KeyError: 'weight'``), and one holding
-    more (a LoRA wrapper) would have been silently ignored beyond them."""
+    more (a LoRA wrapper) would have been silently ignored beyond them. Where the graph calls
+    it whole in ``low`` (fx), its own code would run in that dtype, never checked there (a
+    hand-written RMSNorm overflowed fp16: 0.996 off, no error)."""
     # (FuseSiblingGemv's stacks are mpgraph's, built again from their members on the next call)
     old = {p for p in planned if p.startswith(prefix + ".") and p not in stacks}
     new = {_joined(prefix, sub, leaf)
@@ -1152,10 +1151,16 @@ def _refuse_other_tensors(planned: dict, prefix: str, module: torch.nn.Module,
           "graph reads"] if missing else [])
         + ([f"it holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which the graph "
             "would never read"] if extra else []))
+    def listed(paths):
+        return ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
+    how = (f"calls the module it replaces in {dtype_name(low)}, and this one's code was never "
+           f"checked in {dtype_name(low)} (its tensors {listed(sorted(new))} are not the plan's "
+           f"{listed(sorted(old))})" if low is not None else
+           f"computes the module it was converted with, inlined, reading its tensors by path "
+           f"({said})")
     raise TypeError(
         f"setting {prefix} to {type(module).__name__}(...), of another structure: the converted "
-        f"graph computes the module it was converted with, inlined, reading its tensors by "
-        f"path ({said}). Convert the model with the new {prefix.rpartition('.')[2]} in place, "
+        f"graph {how}. Convert the model with the new {prefix.rpartition('.')[2]} in place, "
         "or call the new module on the converted module's outputs, outside it")
 
 
