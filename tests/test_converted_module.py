@@ -922,3 +922,31 @@ def test_an_argument_given_positionally_and_by_keyword_is_python_s_error():
     with pytest.raises(TypeError, match=r"the converted MLP got multiple values for argument "
                                         r"'x' \(positional and keyword\)"):
         fast(x, x=x + 1)
+
+
+def test_a_star_args_forward_checks_its_keyword_arguments_as_others_do():
+    """forward(self, *xs, mask=None, scale=1.0): the keyword check stopped at *args, so the
+    default scale=1.0 given again, or mask left out, was Python's bare "unexpected keyword
+    argument" / "missing 1 required positional argument" from the graph's forward (probe pJ 2)."""
+    class VarArgs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, *xs, mask=None, scale=1.0):
+            y = self.fc(xs[0]) * scale
+            return y if mask is None else y.masked_fill(mask, 0.0)
+
+    torch.manual_seed(0)
+    model, x = VarArgs().eval(), torch.randn(4, 16)
+    fast = mpgraph.convert(model, (x,), target=GPU, strategy="rules")
+    assert relative_l2(fast(x, scale=1.0, mask=None), model(x)) < 1e-2
+    with pytest.raises(TypeError, match=r"argument 'scale' was not given \(1\.0\) when VarArgs "
+                                        r"was converted.*2\.0 would be ignored"):
+        fast(x, scale=2.0)
+    mask = torch.rand(4, 16) > 0.5
+    masked = mpgraph.convert(model, (x,), example_kwargs={"mask": mask}, target=GPU,
+                             strategy="rules")
+    assert relative_l2(masked(x, mask=~mask), model(x, mask=~mask)) < 1e-2
+    with pytest.raises(TypeError, match=r"argument 'mask' was a tensor when VarArgs was converted"):
+        masked(x)

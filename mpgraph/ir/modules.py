@@ -245,7 +245,16 @@ class CallSignature:
                     f"it was converted with (its forward takes *args; the graph one input per "
                     f"argument given then); {len(args)} were given. Convert with an example of "
                     f"{len(args)} (one converted module per count)")
-            return args, kwargs
+            for name, value in kwargs.items():  # (a keyword-only scale=None was Python's bare
+                self._one(name, value)          # "unexpected keyword argument", 2.0 too)
+            missing = sorted(self.tensors - set(kwargs) - set(self.names[:len(args)]))
+            if missing:
+                raise TypeError(f"argument {missing[0]!r} was a tensor when {self.model} was "
+                                "converted and the converted graph computes with it: pass it "
+                                "(or convert without it: one converted module per set of "
+                                "arguments)")
+            return args, {n: v for n, v in kwargs.items()
+                          if n in self.tensors or n in self.graph_args}
         if len(args) > len(names):
             raise TypeError(f"the converted {self.model} takes {len(names)} positional "
                             f"arguments ({', '.join(names)}), {len(args)} were given")
