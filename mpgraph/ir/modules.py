@@ -247,12 +247,7 @@ class CallSignature:
                     f"{len(args)} (one converted module per count)")
             for name, value in kwargs.items():  # (a keyword-only scale=None was Python's bare
                 self._one(name, value)          # "unexpected keyword argument", 2.0 too)
-            missing = sorted(self.tensors - set(kwargs) - set(self.names[:len(args)]))
-            if missing:
-                raise TypeError(f"argument {missing[0]!r} was a tensor when {self.model} was "
-                                "converted and the converted graph computes with it: pass it "
-                                "(or convert without it: one converted module per set of "
-                                "arguments)")
+            self._refuse_missing_tensors(args, kwargs)
             return args, {n: v for n, v in kwargs.items()
                           if n in self.tensors or n in self.graph_args}
         if len(args) > len(names):
@@ -268,13 +263,7 @@ class CallSignature:
                 raise TypeError(f"the converted {self.model} got multiple values for argument "
                                 f"{twice[0]!r} (positional and keyword), as its forward would")
         if len(args) < len(self.tensors) or kwargs:
-            given = set(names[:len(args)]) | set(kwargs)
-            missing = sorted(self.tensors - given)
-            if missing:
-                raise TypeError(f"argument {missing[0]!r} was a tensor when {self.model} was "
-                                "converted and the converted graph computes with it: pass it "
-                                f"(or convert without it: one converted module per set of "
-                                "arguments)")
+            self._refuse_missing_tensors(args, kwargs)
         for name, instead in getattr(self, "required", {}).items():  # (older pickles: none)
             if name not in kwargs and name not in names[:len(args)]:
                 raise TypeError(
@@ -288,6 +277,16 @@ class CallSignature:
         given = dict(zip(names, args), **kwargs)
         return (), {n: given[n] if n in given else self.fixed[n] for n in self.graph_args
                     if n in given or n in self.fixed}
+
+    def _refuse_missing_tensors(self, args: tuple, kwargs: dict) -> None:
+        """A TypeError for the first argument that was a tensor at conversion and that this
+        call leaves out (the graph computes with it)."""
+        missing = sorted(self.tensors - set(self.names[:len(args)]) - set(kwargs))
+        if missing:
+            raise TypeError(f"argument {missing[0]!r} was a tensor when {self.model} was "
+                            "converted and the converted graph computes with it: pass it "
+                            "(or convert without it: one converted module per set of "
+                            "arguments)")
 
     def complete(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """(args, kwargs) with the values fixed at capture that the graph takes as inputs and
@@ -1154,19 +1153,19 @@ def _refuse_other_tensors(planned: dict, prefix: str, module: torch.nn.Module,
            for leaf, t in (*owner._parameters.items(), *owner._buffers.items()) if t is not None}
     if not old or old == new:
         return
-    missing, extra = sorted(old - new), sorted(new - old)
-    said = "; ".join(
-        ([f"it lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, which the "
-          "graph reads"] if missing else [])
-        + ([f"it holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which the graph "
-            "would never read"] if extra else []))
     def listed(paths):
         return ", ".join(paths[:3]) + (" ..." if len(paths) > 3 else "")
-    how = (f"calls the module it replaces in {dtype_name(low)}, and this one's code was never "
-           f"checked in {dtype_name(low)} (its tensors {listed(sorted(new))} are not the plan's "
-           f"{listed(sorted(old))})" if low is not None else
-           f"computes the module it was converted with, inlined, reading its tensors by path "
-           f"({said})")
+    if low is not None:
+        how = (f"calls the module it replaces in {dtype_name(low)}, and this one's code was "
+               f"never checked in {dtype_name(low)} (its tensors {listed(sorted(new))} are not "
+               f"the plan's {listed(sorted(old))})")
+    else:
+        missing, extra = sorted(old - new), sorted(new - old)
+        said = "; ".join(
+            ([f"it lacks {listed(missing)}, which the graph reads"] if missing else [])
+            + ([f"it holds {listed(extra)}, which the graph would never read"] if extra else []))
+        how = ("computes the module it was converted with, inlined, reading its tensors by "
+               f"path ({said})")
     raise TypeError(
         f"setting {prefix} to {type(module).__name__}(...), of another structure: the converted "
         f"graph {how}. Convert the model with the new {prefix.rpartition('.')[2]} in place, "
@@ -1410,7 +1409,7 @@ class ConvertedModule(torch.fx.GraphModule):
         except RuntimeError as e:  # a tensor put in place of a planned one, in another dtype?
             # (any RuntimeError: a conv's says "Input type (c10::BFloat16) and bias type ...")
             if "Batching rule not implemented for aten::sym_size" in str(e):
-                raise _vmap_error(self) from None
+                raise _vmap_error(self._model_name()) from None
             changed = self.unplanned_tensors()
             if not changed:
                 off = self._inputs_off_dtype(args, kwargs)
@@ -1428,8 +1427,7 @@ class ConvertedModule(torch.fx.GraphModule):
         self.__dict__["_said_jit_trace"] = True
         if not computes_sizes(self.graph):
             return
-        signature = self.__dict__.get("call_signature")
-        name = signature.model if signature is not None else type(self).__name__
+        name = self._model_name()
         warnings.warn(
             f"torch.jit.trace of the converted {name} records the example's sizes as constants "
             "(its graph computes sizes such as batch and sequence length as Python numbers): "
@@ -1453,8 +1451,7 @@ class ConvertedModule(torch.fx.GraphModule):
         on = [d for d in autocasting() if d in used or not used]
         if on and not self.__dict__.get("_said_autocast"):
             self.__dict__["_said_autocast"] = True
-            signature = self.__dict__.get("call_signature")
-            name = signature.model if signature is not None else type(self).__name__
+            name = self._model_name()
             dtypes = ", ".join(f"torch.autocast({d!r}, dtype={torch.get_autocast_dtype(d)})"
                                for d in on)
             warnings.warn(
@@ -1471,8 +1468,7 @@ class ConvertedModule(torch.fx.GraphModule):
         now = grad_mode()
         if now not in differ:
             return
-        signature = self.__dict__.get("call_signature")
-        name = signature.model if signature is not None else type(self).__name__
+        name = self._model_name()
         called = {"grad": "with grad enabled", "no_grad": "under torch.no_grad()",
                   "inference_mode": "under torch.inference_mode()"}
         way = ("convert it under torch.no_grad() and call it under torch.no_grad() (conversion "
@@ -1732,8 +1728,7 @@ class ConvertedModule(torch.fx.GraphModule):
         meta = self.__dict__.get("meta", {})
         removed = meta.get(EVAL_ONLY)
         readers, captured = meta.get(READS_TRAINING, ((), mode))
-        signature = self.__dict__.get("call_signature")
-        name = signature.model if signature is not None else type(self).__name__
+        name = self._model_name()
         norms = [path for path, m in self.named_modules() if isinstance(
             m, (torch.nn.modules.batchnorm._BatchNorm, TrainingBatchNorm))] if mode else []
         if mode and removed:
@@ -1779,6 +1774,11 @@ class ConvertedModule(torch.fx.GraphModule):
                 "train, convert with mpgraph.convert(model, ..., mode='train') (float32 masters)",
                 UserWarning, stacklevel=2)
         return super().requires_grad_(requires_grad)
+
+    def _model_name(self) -> str:
+        """The converted model's class name, for messages (this class's where none was kept)."""
+        signature = self.__dict__.get("call_signature")
+        return signature.model if signature is not None else type(self).__name__
 
     def half(self):
         if self._holds_only(torch.float16):  # (as .float() and .bfloat16(): nothing to change)
@@ -1931,12 +1931,10 @@ def _off_dtype_error(off: list, detail: str, kind: bool = False) -> TypeError:
         + f": the converted graph computes with the dtypes it was converted with; {way}{detail}")
 
 
-def _vmap_error(gm: torch.nn.Module) -> TypeError:
+def _vmap_error(name: str) -> TypeError:
     """torch.vmap over a dynamic-shape export graph: it reads sizes through
     ``aten.sym_size.int``, which functorch has no batching rule for (as ``x.size(d)`` instead,
     torch.jit.trace failed: a traced size is a tensor there, which ``arange`` refuses)."""
-    signature = gm.__dict__.get("call_signature")
-    name = signature.model if signature is not None else type(gm).__name__
     return TypeError(
         f"torch.vmap over {name} converted with dynamic shapes: its graph reads sizes through "
         "torch.ops.aten.sym_size.int, which torch.vmap cannot batch. Convert with "

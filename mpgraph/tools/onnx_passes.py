@@ -293,11 +293,21 @@ class AnnotatePlanCasts(ir.passes.InPlacePass):
             node.metadata_props["mpgraph.value"] = rec.value
             node.metadata_props["mpgraph.inserted_by"] = rec.inserted_by
         paired = set(pairs.values())
-        # a cast of a value computed from weights alone the exporter folded into an initializer
-        # of the cast's dtype (weight_norm's weight cast to fp16): the plan, carried out before
-        # the file runs, not a missing Cast (probe pB F5); under its own name, or another the
-        # exporter gave a constant it shares (Swin's two biases): then the cast's readers read
-        # a constant of the cast's dtype
+        missing = [rec for j, rec in enumerate(expected) if j not in paired]
+        gone = self._folded(model, missing) if missing else []
+        differences += [f"plan cast {rec.name} ({rec.src}->{rec.dst} of {rec.value}) has no Cast "
+                        "in the file" for rec in missing if rec not in gone]
+        self.in_file, self.expected, self.differences = len(ours), len(expected), differences
+        self.folded = len(gone)
+        return ir.passes.PassResult(model, modified=bool(ours))
+
+
+    def _folded(self, model, missing: list) -> list:
+        """The plan casts of ``missing`` the exporter folded into a constant of the cast's
+        dtype: a value computed from weights alone (weight_norm's weight cast to fp16), the
+        plan carried out before the file runs, not a missing Cast (probe pB F5). Under its own
+        name, or another the exporter gave a constant it shares (Swin's two biases): then the
+        cast's readers read a constant of the cast's dtype."""
         folded = {self.origins.get(name, name): v.dtype.name
                   for name, v in model.graph.initializers.items() if v.dtype is not None}
         readers: dict = {}
@@ -316,15 +326,7 @@ class AnnotatePlanCasts(ir.passes.InPlacePass):
                 and v.dtype.name == dtype
                 for reader in rec.consumers for node in readers.get(reader, ())
                 for v in node.inputs)
-
-        missing = [rec for j, rec in enumerate(expected) if j not in paired]
-        gone = [rec for rec in missing if folded_away(rec)]
-        differences += [f"plan cast {rec.name} ({rec.src}->{rec.dst} of {rec.value}) has no Cast "
-                        "in the file" for rec in missing if rec not in gone]
-        self.in_file, self.expected, self.differences = len(ours), len(expected), differences
-        self.folded = len(gone)
-        return ir.passes.PassResult(model, modified=bool(ours))
-
+        return [rec for rec in missing if folded_away(rec)]
 
     def _from_weights_alone(self, name: str) -> bool:
         """Whether the plan's value ``name`` reads no input of the graph, however far back:
