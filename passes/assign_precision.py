@@ -35,8 +35,8 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, module_path, mutated_nodes,
-                              stored_into_only, target_name)
+from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, is_view, may_alias, module_path,
+                              mutated_nodes, stored_into_only, target_name)
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
                              TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
                              is_float32_tensor)
@@ -53,6 +53,20 @@ PINNED_BY_SEARCH = "pinned to float32 by the tolerance search"
 _METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                   "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
                   "bool": torch.bool}
+
+
+def _read_as_itself(node: torch.fx.Node, gm, mutated) -> Optional[str]:
+    """Why a float32 value written in place keeps float32: read through a call that may return
+    it (``a = h.float(); h.add_(1)``: a conversion with nothing to convert; a module that returns
+    its input), the reader is ``h`` itself in the model and sees the write; from a low ``h``, or
+    through a cast, it would be a copy made before it. (Views follow their input's dtype.)"""
+    if node not in mutated:
+        return None
+    for user in node.users:
+        if user.args and user.args[0] is node and may_alias(user, gm) and not is_view(user):
+            return (f"written in place and read through {user.name}, which may be the same "
+                    "tensor in the model: keeps float32 so that the write shows there")
+    return None
 
 
 def _hooked_leaf(node: torch.fx.Node, gm: torch.fx.GraphModule, low: torch.dtype
@@ -246,7 +260,7 @@ class AssignPrecision(Pass):
                             "module %r): applied to the module's nodes; 'node:%s' is the node",
                             key, key, names[key] or "the top level", key)
         order = list(gm.graph.nodes)
-        mutated = mutated_nodes(gm.graph, gm)
+        mutated = self._mutated = mutated_nodes(gm.graph, gm)
         # Layer/group norms reading low values first try low I/O; one whose readers then want
         # float32 anyway is pinned to float32 and the sweep rerun (at most once per norm).
         self._norms_fp32: set[torch.fx.Node] = set()
@@ -373,6 +387,12 @@ class AssignPrecision(Pass):
                             dtype_name(forced), inputs[0].name, dtype_name(made), inputs[0].name)
             return Decision(made, f"an item of {inputs[0].name}, in its dtype ({why} to "
                                   f"{dtype_name(forced)} not applied)", pinned=True)
+        kept = _read_as_itself(node, gm, self._mutated) if is_float32_tensor(node.meta[TENSOR]) \
+            else None
+        if kept:
+            if forced == self.low:
+                log.warning("%s: %s to %s refused: %s", node.name, why, dtype_name(self.low), kept)
+            return Decision(FP32, kept, pinned=True)
         safety = self._safety_reason(node) if forced == self.low else None
         if safety:
             log.warning("%s: %s to %s refused: %s", node.name, why, dtype_name(self.low), safety)

@@ -9,10 +9,11 @@ of the in-place op's result, which is ``h``) reads ``h1``; chains (``masked_fill
 follow in graph order. The dtype rules then treat it like any op.
 
 Only where nothing else can see the write: the value is produced by an op (not a graph input,
-parameter or buffer, whose mutation the caller or the next call must see), is not a view of
-another tensor, has no view of it read anywhere, and is not the output of an in-place op or
-module. Those in-place ops stay, and compute in the dtype of the value they write into (the
-AssignPrecision rule).
+parameter or buffer, whose mutation the caller or the next call must see), may not be another
+tensor's storage (a view; ``h.float()`` of a float32 ``h``; ``nn.Identity``), has no such alias
+of it taken before the write, is not the output of an in-place op or module, and the twin
+computes in the dtype the op writes into (``h.mul_(float64 s)`` stays float32). Those in-place
+ops stay, and compute in the dtype of the value they write into (the AssignPrecision rule).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from typing import Optional
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import CALLS, is_inplace, is_view
-from mpgraph.ir.meta import INSERTED_BY, LAYOUT, OBSERVED, TENSOR
+from mpgraph.ir.graph import CALLS, is_inplace, may_alias
+from mpgraph.ir.meta import INSERTED_BY, LAYOUT, OBSERVED, TENSOR, TensorInfo
 from mpgraph.passes.infra import Pass, PassResult
 
 _OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub,
@@ -35,8 +36,8 @@ def out_of_place(node: torch.fx.Node) -> Optional[tuple[object, dict]]:
     """(target, kwargs) of the out-of-place twin of an in-place call node, or None."""
     target, kwargs = node.target, dict(node.kwargs)
     if node.op == "call_method":
-        twin = target[:-1]
-        return (twin, kwargs) if hasattr(torch.Tensor, twin) else None
+        twin = target[:-1]  # (requires_grad_'s "twin" is a property, not a method)
+        return (twin, kwargs) if callable(getattr(torch.Tensor, twin, None)) else None
     if node.op != "call_function":
         return None
     if target in _OPERATORS:
@@ -64,9 +65,25 @@ def _private_value(value: torch.fx.Node, gm: torch.fx.GraphModule, write: torch.
     it is rewired to the new value like any reader)."""
     if value.op not in CALLS:
         return False  # a graph input, parameter or buffer: its mutation is part of the contract
-    if is_view(value) or is_inplace(value, gm):
+    if may_alias(value, gm) or is_inplace(value, gm):
         return False
-    return not any(is_view(user) and order.get(user, 0) < order[write] for user in value.users)
+    return not any(may_alias(user, gm) and order.get(user, 0) < order[write]
+                   for user in value.users)
+
+
+def _keeps_dtype(node: torch.fx.Node) -> bool:
+    """Whether the out-of-place twin computes in the dtype the in-place op writes into:
+    ``h.mul_(s)`` with a float64 ``s`` leaves a float32 ``h`` float32, ``h.mul(s)`` is float64."""
+    info = node.args[0].meta.get(TENSOR)
+    if not isinstance(info, TensorInfo):
+        return True
+    into = torch.empty(info.shape, dtype=info.dtype, device="meta")
+    for arg in node.args[1:]:
+        other = arg.meta.get(TENSOR) if isinstance(arg, torch.fx.Node) else None
+        if isinstance(other, TensorInfo) and torch.result_type(
+                into, torch.empty(other.shape, dtype=other.dtype, device="meta")) != info.dtype:
+            return False
+    return True
 
 
 class Functionalize(Pass):
@@ -85,7 +102,8 @@ class Functionalize(Pass):
                 continue
             value = node.args[0]
             twin = out_of_place(node)
-            if twin is None or not _private_value(value, gm, node, order):
+            if twin is None or not _private_value(value, gm, node, order) \
+                    or not _keeps_dtype(node):
                 continue
             target, kwargs = twin
             with graph.inserting_after(node):

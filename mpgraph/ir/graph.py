@@ -124,6 +124,37 @@ def _writes_first_argument(op: torch._ops.OpOverload) -> bool:
         and arguments[0].alias_info.is_write
 
 
+# Calls that return their input itself when it already is what they ask for (a dtype, a device;
+# ``h.float()`` of a float32 ``h`` is ``h``), and dropout, which returns it in eval mode: writing
+# into their result writes their input, as into a view's
+_MAY_RETURN_INPUT = frozenset("""to type type_as float double half bfloat16 cpu cuda dropout
+    alpha_dropout feature_alpha_dropout feature_dropout dropout1d dropout2d dropout3d""".split())
+# modules that return their input, or a view of it
+_ALIASING_MODULES = (torch.nn.Identity, torch.nn.modules.dropout._DropoutNd, torch.nn.Flatten,
+                     torch.nn.Unflatten)
+
+
+def may_alias(node: torch.fx.Node, root: torch.nn.Module) -> bool:
+    """True when ``node``'s output may be its first input's storage: a view, a conversion
+    that had nothing to convert, or a module that may return its input or a view of it
+    (``nn.Identity``, a dropout, ``nn.Flatten``, a leaf module of the user's own)."""
+    if is_view(node):
+        return True
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        return isinstance(module, _ALIASING_MODULES) \
+            or not type(module).__module__.startswith(("torch.", "mpgraph."))
+    if node.op == "call_method":
+        return node.target in _MAY_RETURN_INPUT
+    if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload):  # aten.to.dtype: "-> Tensor(a)"
+            returns = node.target._schema.returns
+            return bool(returns) and returns[0].alias_info is not None \
+                or node.target._schema.name.split("::")[-1] in _MAY_RETURN_INPUT
+        return getattr(node.target, "__name__", "") in _MAY_RETURN_INPUT
+    return False
+
+
 def is_view(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
@@ -221,7 +252,8 @@ def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.
         for target in written:
             while True:
                 out.add(target)
-                if is_view(target) and target.args and isinstance(target.args[0], torch.fx.Node):
+                if may_alias(target, root) and target.args \
+                        and isinstance(target.args[0], torch.fx.Node):
                     target = target.args[0]
                 else:
                     break

@@ -27,20 +27,20 @@ MOVES: dict[str, Move] = {
     # aliasing a possible view counts as one)
     **_moves("""view _unsafe_view view_as reshape reshape_as permute transpose t unsqueeze squeeze
              flatten unflatten movedim contiguous detach alias numpy_T mT mH matrix_H adjoint
-             swapaxes swapdims moveaxis ravel""",
+             swapaxes swapdims moveaxis ravel atleast_1d atleast_2d atleast_3d""",
              view=True, same_elements=True, passes_zero=True),
     # views onto some of the elements, or onto elements repeated
-    **_moves("""expand expand_as narrow select slice diagonal split split_with_sizes chunk unbind
-             getitem""", view=True, passes_zero=True),
+    **_moves("""expand expand_as broadcast_to narrow select slice diagonal split split_with_sizes
+             chunk unbind getitem as_strided unfold tensor_split hsplit vsplit dsplit real imag
+             view_as_real view_as_complex""", view=True, passes_zero=True),
     # copies of every element, or of chosen elements
     **_moves("clone lift_fresh_copy", same_elements=True, passes_zero=True),
     **_moves("index_select gather flip roll repeat", passes_zero=True),
     # moves that also bring in elements from elsewhere (another tensor, a fill value), or return
     # sizes, not elements
     **_moves("""index take_along_dim masked_select masked_scatter index_put index_fill index_copy
-             scatter slice_scatter select_scatter tile repeat_interleave tril triu broadcast_to
-             as_strided unfold pixel_shuffle pixel_unshuffle channel_shuffle embedding pad
-             constant_pad_nd reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d
+             scatter slice_scatter select_scatter tile repeat_interleave tril triu pixel_shuffle
+             pixel_unshuffle channel_shuffle embedding pad constant_pad_nd reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d
              replication_pad2d replication_pad3d copy fill zero type_as size dim numel sym_size
              sym_numel sym_stride _assert_tensor_metadata getattr identity"""),
 }
