@@ -23,12 +23,12 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 
-from mpgraph.errors import CalibrationError, ToleranceError
+from mpgraph.errors import CalibrationError, ToleranceError, ValueCheckError
 from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, input_nodes, is_inplace,
                               is_view, mutated_nodes, run_recording, seeded, state_kept)
 from mpgraph.ir.simulate import SimulatingInterpreter, run_simulated
 from mpgraph.numerics import float_leaves, relative_l2, worst_error
-from mpgraph.ir.meta import (ESTIMATE, PRECISION, TENSOR, cast_source, dtype_name,
+from mpgraph.ir.meta import (CHECK, ESTIMATE, PRECISION, TENSOR, cast_source, dtype_name,
                              is_inserted_cast)
 
 log = logging.getLogger(__name__)
@@ -297,6 +297,15 @@ def meet_tolerance(base: torch.fx.GraphModule, build: Callable[[dict], torch.fx.
                 hi, gm, error, pins = mid, g, e, trial
             else:
                 lo = mid
+    checked = (gm.meta.get(CHECK) or {}).get("error")
+    if checked is not None and checked > max(tolerance, error) * 1.01 + 1e-6:
+        # (the search measures against the rewritten graph in float32, the check against the
+        # model: they differ where a rewrite changed what the model computes)
+        raise ValueCheckError(
+            f"tolerance {tolerance:g} met against the converted graph computed in float32 (error "
+            f"{error:.3g}), but the converted module differs from the model by {checked:.3g}: "
+            "no precision accounts for that: mpgraph rewrote the graph wrongly (please report it "
+            "with the model)", checked, tolerance, low)
     end_s = gm.meta.get(ESTIMATE, {}).get("plan_s")
     report = {"tolerance": tolerance, "error": error, "rounds": rounds,
               "pinned": sorted(pins.items(), key=lambda kv: -kv[1]),

@@ -47,6 +47,10 @@ from mpgraph.passes.op_table import FOLLOW
 log = logging.getLogger(__name__)
 
 VALUE_BOUND_ULPS = 32  # see the module docstring
+# a plan's graph computed in float32 (every node float32, or the plan's casts left out) against
+# the model: rewrites only reorder float32 sums (~1e-7); a rewrite that changes what the model
+# computes (an in-place write lost) errs by ~1 (see ``_rewrite_error``)
+FLOAT32_BOUND = 1e-3
 SIMULATED_VALUES_MAX_FLOPS = 20e9  # fp32 FLOPs per batch (~0.2 s on a 2-core CPU); see above
 
 
@@ -225,12 +229,23 @@ class CheckConversion(Pass):
         gm.meta[CHECK] = {"error": error, "bound": bound, "outputs": errors,
                           "output_leaves": float_leaf_positions(reference.outputs)}
         if low is None:
+            if error > FLOAT32_BOUND:
+                self._rewrite_error(gm, outputs, reference, errors, error)
             return
         differ = discrete_mismatches(outputs, reference.outputs)
         if differ:  # (not bounded: an argmax may move where two logits tie to rounding)
             gm.meta[CHECK]["discrete"] = differ
         if error <= bound or self.tolerance is not None:
             return
+        try:  # (the graph in float32 differs too: not rounding, whatever the shares say)
+            unrounded = run_simulated(gm, reference.args, reference.kwargs, lambda n, v: None,
+                                      rounding=False)
+        except Exception as e:  # noqa: BLE001 (a packed CPU Linear: the rounding check below)
+            log.info("CheckConversion: no float32 run of the graph (%s: %s)", type(e).__name__, e)
+        else:
+            exact = output_errors(unrounded, reference.outputs)
+            if max(exact, default=0.0) > FLOAT32_BOUND:
+                self._rewrite_error(gm, unrounded, reference, exact, max(exact), low)
         # (errors count the float outputs; the message, as the other checks, counts every leaf)
         worst = float_leaf_positions(outputs)[errors.index(error)]
         where, names = _first_parting(gm, self._parting(gm, reference.args, reference.kwargs),
@@ -252,6 +267,20 @@ class CheckConversion(Pass):
             + ("; or convert in bfloat16, float32's range: dtype='bf16'" if low == torch.float16
                else "") + "), or the conversion is wrong (please report it with the model)",
             error, bound, low)
+
+    def _rewrite_error(self, gm, outputs, reference, errors, error, low=None) -> None:
+        """A ValueCheckError for a graph whose float32 arithmetic already differs from the
+        model's: no dtype explains it (an override to float32 would not help), a rewrite does."""
+        worst = float_leaf_positions(outputs)[errors.index(error)]
+        plan = "with every node in float32" if low is None else \
+            f"computed in float32 (the {dtype_name(low)} plan's casts left out)"
+        where = "" if low is not None else ": " + _first_parting(  # (a low run parts anywhere)
+            gm, self._parting(gm, reference.args, reference.kwargs), FLOAT32_BOUND, worst)[0]
+        raise ValueCheckError(
+            f"the converted module's output {worst} differs from the model's by {error:.3g} "
+            f"(relative L2) {plan}, where float32 sums in another order differ by ~1e-7 (bound "
+            f"{FLOAT32_BOUND:g}){where}. No precision accounts for that: mpgraph rewrote the "
+            "graph wrongly (please report it with the model)", error, FLOAT32_BOUND, low or torch.float32)
 
     @staticmethod
     def _same_lengths(gm, outputs, references, low) -> None:
