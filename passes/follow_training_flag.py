@@ -8,7 +8,9 @@ attention with ``dropout_p``, a DropoutRate module gives the rate at run time), 
 converted module trains with dropout and batch statistics, and evaluates without, whichever mode
 it was captured in. Graphs from symbolic_trace call nn modules that read the flag, but
 functional dropout there, ``F.dropout(h, p, self.training)``, was traced with the flag as a
-constant: captured in training mode (``training=True``), it becomes the module as well.
+constant: captured in training mode (``training=True``), it becomes the module as well; torch's
+other functions that take the flag (``torch.dropout``, ``F.rrelu``, ``F.batch_norm``) read it
+from a TrainingFlag, as the exported ops do.
 """
 from __future__ import annotations
 
@@ -50,6 +52,35 @@ _TRAIN_ARGUMENT = {aten.feature_dropout.default: 2, aten.alpha_dropout.default: 
                    aten.feature_alpha_dropout.default: 2, aten.rrelu.default: 3,
                    aten.gru.input: 6, aten.lstm.input: 6, aten.rnn_tanh.input: 6,
                    aten.rnn_relu.input: 6, aten.instance_norm.default: 5}
+
+
+# the same in graphs from symbolic_trace, which call torch's functions: (position, keyword) of
+# the flag, followed where the call passes it (``torch.dropout(h, p, self.training)``,
+# ``F.batch_norm(..., self.training, ...)``: timm's BatchNormAct2d), not where it is left to
+# its default
+_FX_TRAIN_ARGUMENT = {torch.dropout: (2, "train"), torch.feature_dropout: (2, "train"),
+                      torch.alpha_dropout: (2, "train"), torch.feature_alpha_dropout: (2, "train"),
+                      F.rrelu: (3, "training"), torch.rrelu: (3, "training"),
+                      F.batch_norm: (5, "training"), torch.batch_norm: (5, "training")}
+# batch norm's running mean (position, keyword): without running statistics it always
+# normalises by the batch's, whatever the flag
+_RUNNING_MEAN = {F.batch_norm: (1, "running_mean"), torch.batch_norm: (3, "running_mean")}
+
+
+def _fx_train_argument(node, captured: bool):
+    """(position, keyword) of the training flag of a torch function traced with the flag the
+    model had, else None."""
+    if node.target not in _FX_TRAIN_ARGUMENT:
+        return None
+    position, keyword = _FX_TRAIN_ARGUMENT[node.target]
+
+    def given(at, name, missing=None):
+        return node.kwargs[name] if name in node.kwargs else \
+            node.args[at] if len(node.args) > at else missing
+
+    if node.target in _RUNNING_MEAN and given(*_RUNNING_MEAN[node.target]) is None:
+        return None
+    return (position, keyword) if given(position, keyword) is captured else None
 
 
 def _dropout_p(node):
@@ -138,6 +169,12 @@ class FollowTrainingFlag(Pass):
                 self._argument(gm, node, DropoutRate(float(_dropout_p(node))), "dropout_p", 4,
                                "dropout_p")
                 stale |= not gm.training
+                changed += 1
+                continue
+            elif _fx_train_argument(node, captured) is not None:
+                position, keyword = _fx_train_argument(node, captured)
+                stale |= captured != gm.training
+                self._argument(gm, node, TrainingFlag(), "training", position, keyword)
                 changed += 1
                 continue
             elif captured and _functional_dropout(node) is not None:

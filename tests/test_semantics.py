@@ -55,6 +55,50 @@ def test_functional_dropout_follows_train_and_eval_after_conversion():
         assert torch.equal(gm(x), gm(x))
 
 
+class TorchFunctionsTakingTheFlag(nn.Module):
+    """torch's functions given self.training (symbolic_trace bakes it in as a constant), and
+    timm's BatchNormAct2d idiom: F.batch_norm over the module's own running statistics."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.fc = how, nn.Linear(D, D)
+        self.weight, self.bias = nn.Parameter(torch.ones(D)), nn.Parameter(torch.zeros(D))
+        self.register_buffer("running_mean", torch.zeros(D))
+        self.register_buffer("running_var", torch.ones(D))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.how == "batch_norm":
+            return torch.nn.functional.batch_norm(h, self.running_mean, self.running_var,
+                                                  self.weight, self.bias, self.training, 0.1)
+        if self.how == "rrelu":
+            return torch.nn.functional.rrelu(h, training=self.training)
+        return getattr(torch, self.how)(h, 0.5, self.training)
+
+
+@pytest.mark.parametrize("how", ["dropout", "feature_dropout", "alpha_dropout", "rrelu",
+                                 "batch_norm"])
+def test_torch_functions_given_the_training_flag_follow_eval_after_conversion(how):
+    # was: captured in training mode, they kept training's behaviour after .eval() (rel L2
+    # 0.75 for torch.dropout, 0.77 for F.batch_norm, whose eval calls went on updating the
+    # running statistics), while F.dropout followed
+    torch.manual_seed(0)
+    model = TorchFunctionsTakingTheFlag(how).train()
+    with pytest.warns(UserWarning, match="is in training mode and is converted for inference"):
+        gm = mpgraph.convert(model, torch.randn(8, D), target="a100")
+    assert gm.plan.capture == "torch.fx.symbolic_trace"  # (export's aten ops followed already)
+    with pytest.warns(UserWarning, match="reads self.training"):
+        gm.eval()
+    model.eval()
+    x = torch.randn(8, D)
+    with torch.no_grad():
+        first, second, want = gm(x), gm(x), model(x)
+    assert torch.equal(first, second)
+    assert rel_err(first, want) < TOL[torch.float16]
+    if how == "batch_norm":  # eval calls leave the statistics alone
+        assert torch.equal(gm.running_mean, model.running_mean)
+
+
 def test_value_check_names_the_node_where_values_part_from_float32():
     """CheckConversion on its own: a graph whose dtypes are all right but that computes something
     else than the float32 graph Calibrate ran (a relu turned into its negation) is an error."""
