@@ -184,6 +184,12 @@ class StoreWeights(Pass):
             shared = len(low) < len(nodes) or any(id(t) in elsewhere for _, t in tensors)
             source = target
             if shared:  # float32 readers elsewhere: a converted copy serves the low calls
+                # (tensors _get_attrs already stored low in place, all their get_attr readers
+                # being low, are copied too: a deep copy's own parameter was a state-dict key
+                # the model lacks, and no write of the original reached it)
+                tensors += [(n, t) for n, t in [*module.named_parameters(),
+                                                *module.named_buffers()]
+                            if t.dtype == self.low and f"{target}.{n}" not in copied]
                 new_target = _free_name(gm, target, self.low)
                 module = copy.deepcopy(module)
                 for name, _ in list(module.named_buffers()):  # not _get_attrs' low copies
