@@ -63,7 +63,8 @@ def _read_as_itself(node: torch.fx.Node, gm, mutated) -> Optional[str]:
     if node not in mutated:
         return None
     for user in node.users:
-        if user.args and user.args[0] is node and may_alias(user, gm) and not is_view(user):
+        if user.args and user.args[0] is node and may_alias(user, gm) and not is_view(user) \
+                and not is_inplace(user, gm):  # (the writer itself: aten.mul_ returns its self)
             return (f"written in place and read through {user.name}, which may be the same "
                     "tensor in the model: keeps float32 so that the write shows there")
     return None
