@@ -666,3 +666,25 @@ def test_a_first_conversion_on_a_machine_keeps_the_callers_random_stream(tmp_pat
     measure_calibration(GPU_SPECS["a100-80gb"], "cpu", size=64)
     mpgraph.convert(model, (x,))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("flags, caps, want", [
+    ({"avx2"}, "", {FP16: True, BF16: True}),                      # AVX2 only: both emulated
+    ({"avx2", "avx512f", "avx512_bf16"}, "", {FP16: True, BF16: False}),
+    ({"avx2", "amx_bf16", "avx512_fp16"}, "", {FP16: False, BF16: False}),
+    ({"avx2"}, "ONEDNN_MAX_CPU_ISA=AVX2", {FP16: False, BF16: False}),  # capped: the rates say
+    (set(), "", {FP16: False, BF16: False}),                       # no x86 flags: the rates say
+])
+def test_a_dtype_the_cpu_has_no_instructions_for_is_emulated_whatever_the_rates(
+        flags, caps, want, monkeypatch):
+    # on a busy 2-core AVX2 machine float32's measured rate fell near bf16's emulated one: bf16
+    # passed as native, was timed, and a plan put a gelu in bf16 ("estimated 116x float32":
+    # float32's gelu, a parallel kernel, had waited 15 ms a call for a core)
+    from mpgraph.cost import measured
+    from mpgraph.cost.specs import DeviceSpec
+    from mpgraph.ir.meta import Kind
+    monkeypatch.setattr(measured, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(measured, "isa_caps", lambda: caps)
+    busy = DeviceSpec("CPU", Kind.CPU, {"fp32": 1.5e9, "fp16": 1.3e9, "bf16": 1.4e9}, 4e10, 2,
+                      4e-6)  # rates alike: the ratio alone calls both native
+    assert {d: emulated(d, busy) for d in (FP16, BF16)} == want

@@ -570,8 +570,19 @@ def _packs(n: torch.fx.Node, gm) -> bool:
     return packing_available() and fits_at(n, gm)
 
 
+# the x86 instructions that run a low dtype's matmuls natively: without any, torch emulates it
+# (~1% of float32's rate). Said by the flags, not only by the measured rates: on a busy machine
+# float32's own rate falls (from 112 to ~1.5 GFLOP/s under two other processes on 2 cores), the
+# ratio passed the bar, and a plan put a gelu in bf16, "116x float32" (float32's gelu, a parallel
+# kernel, waited 15 ms a call for a core)
+_NATIVE = {torch.bfloat16: {"avx512_bf16", "amx_bf16"}, torch.float16: {"avx512_fp16", "amx_fp16"}}
+
+
 def emulated(dtype: torch.dtype, spec) -> bool:
     """Whether this machine runs ``dtype``'s matmuls at a fraction of float32's (emulated)."""
+    flags = cpu_flags()
+    if "avx2" in flags and not isa_caps() and not flags & _NATIVE.get(dtype, set()):
+        return True
     rate = spec.matmul_peak(dtype)
     return rate is None or rate < EMULATED * spec.peak["fp32"]
 
