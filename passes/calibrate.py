@@ -304,9 +304,24 @@ class Calibrate(Pass):
         self.progress = progress
         self.example = example  # (args, kwargs) of capture, to explain a batch that does not fit
 
-    def _check_fits(self, gm, i: int, args: tuple, kwargs: dict) -> None:
+    def _check_fits(self, gm, i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The batch as the graph's forward takes it (as a call's: the converted module's
+        check), or a CalibrationError saying why it does not fit."""
+        signature, checked = gm.__dict__.get("call_signature"), None
+        if signature is not None:  # what a call may give, a batch may (a None where the
+            try:                   # example had a tensor, another fixed value: the graph's not)
+                checked = signature.check(tuple(args), dict(kwargs))
+            except TypeError as e:
+                raise CalibrationError(f"calibration batch {i}: {e}") from None
         try:
-            got = flat_inputs(gm, args, kwargs)
+            try:
+                got = flat_inputs(gm, args, kwargs)
+            except (TypeError, ValueError):
+                if checked is None:
+                    raise
+                # (as the call passes it on: an fx graph named a forward's mask=None "mask_1")
+                got = flat_inputs(gm, *checked)
+                args, kwargs = checked
         except (TypeError, ValueError) as e:
             # (torch.export's structures as text are two pytree dumps: what each side is instead)
             why = "" if "TreeSpec" in str(e) else f" ({e})"
@@ -318,7 +333,7 @@ class Calibrate(Pass):
                 f"dict of keyword arguments, a tuple of positional arguments or one tensor"
                 f"{_pair_hint(args, kwargs)}") from None
         if self.example is None:
-            return
+            return args, kwargs
         want = flat_inputs(gm, *self.example)
         for j, (g, w) in enumerate(zip(got, want)):
             if isinstance(w, torch.Tensor) and not isinstance(g, torch.Tensor):
@@ -329,6 +344,7 @@ class Calibrate(Pass):
                 raise CalibrationError(
                     f"calibration batch {i}, input {j}: shape {tuple(g.shape)} {g.dtype} does not "
                     f"fit the example input's {tuple(w.shape)} {w.dtype} (same rank and dtype needed)")
+        return args, kwargs
 
     def call(self, gm):
         # capture's run on the example inputs (PropagateTensorInfo(observe=True)): a batch that
@@ -347,7 +363,7 @@ class Calibrate(Pass):
             if _seen_before(earlier, (args, kwargs)):
                 log.info("calibration batch %d repeats an earlier one: not counted again", i)
                 continue
-            self._check_fits(gm, i, args, kwargs)
+            args, kwargs = self._check_fits(gm, i, args, kwargs)
             nan_in = _nan_inputs(names, flat_inputs(gm, args, kwargs))
             computed_bad: list = []  # computed nodes with inf/NaN in this batch
             # one value, the same in every batch (a decode step's positions hold one value

@@ -26,8 +26,8 @@ from torch.utils import _pytree as pytree
 
 from mpgraph.errors import InputMismatchError, MissingWeightsError, WeightOverflowError
 from mpgraph.ir.fake import TRACED_ON, module_tensors
-from mpgraph.ir.meta import (EVAL_ONLY, GRAD_MODES, PACKED, PRECISION, READS_TRAINING, STATIC_SHAPES, TENSOR,
-                             TensorInfo, dtype_name, is_inserted_cast)
+from mpgraph.ir.meta import (CAPTURE, EVAL_ONLY, GRAD_MODES, PACKED, PRECISION, READS_TRAINING,
+                             STATIC_SHAPES, TENSOR, TensorInfo, dtype_name, is_inserted_cast)
 
 
 class TrainingBatchNorm(torch.nn.Module):
@@ -209,6 +209,13 @@ class CallSignature:
             if p.name not in given and p.default is not kinds.empty \
                     and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD):
                 self.fixed[p.name] = p.default
+        # a number the graph takes as an input and computes with (``h * scale`` traced by
+        # torch.fx; torch.export specialises numbers): a call's other value of its type flows
+        # through the graph, as a calibration batch's does
+        traced = str(graph.meta.get(CAPTURE, "")).startswith("torch.fx")
+        self.live = frozenset(n.target for n in graph.graph.nodes if traced
+                              and n.op == "placeholder" and n.users
+                              and type(self.fixed.get(n.target)) in (int, float))
         self.absent = frozenset(p.name for p in params if p.name not in given)
         # values given at capture that a call must give again: left out, the model would take
         # its default (or have none), while the graph computes with the value given then
@@ -327,7 +334,8 @@ class CallSignature:
             raise TypeError(f"the converted {self.model} has no argument {name!r}: it was not "
                             "given when the model was converted, so the graph has no input for "
                             f"it. {way[0].upper()}{way[1:]}")
-        if not _same(value, want):
+        if not _same(value, want) and not (name in getattr(self, "live", ()) \
+                                            and type(value) is type(want)):
             was = "not given" if name in self.absent else "given"
             way = ("for generation with a KV cache, convert with mpgraph.convert_decoder"
                    if name == "use_cache" else _KV_CACHE_WAY if cache else
@@ -414,7 +422,13 @@ def _structure(value) -> tuple[str, str]:
         words = f"a {kind} with keys {list(spec.context)}"
     else:
         words = f"a {kind} of {spec.num_children}"
-    return str(spec), words
+    # (a None item is a leaf as a tensor is: the graph holds the branch its None took, so
+    # where the items are None is the structure too)
+    nones = [pytree.keystr(path) for path, leaf in pytree.tree_flatten_with_path(value)[0]
+             if leaf is None]
+    if nones:
+        words += f", None at {', '.join(nones)}"
+    return f"{spec} None at {nones}", words
 
 
 def _fixed(value) -> bool:
