@@ -345,6 +345,35 @@ def test_misaligned_linear_is_flagged_with_its_padding():
     assert aligned.plan.node("_0").tensor_core.startswith("aligned")
 
 
+def test_matmul_dims_take_k_from_the_product_not_a_bias_nor_a_last_dim():
+    """K was the first tensor argument's last dim: baddbmm/addbmm's bias (K=12 linted 'aligned',
+    FLOPs from K=16) and an einsum operand whose contracted dim is not last ('pad K 12->16' for a
+    K of 16)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(4, 16, 16))
+            self.bias2 = nn.Parameter(torch.zeros(16, 16))
+
+        def forward(self, q):                                    # q [4, 16, 12]
+            sc = torch.baddbmm(self.bias, q, q.transpose(1, 2))  # M=16 N=16 K=12, 4 GEMMs
+            acc = torch.addbmm(self.bias2, q, q.transpose(1, 2))  # the same 4, summed
+            g = torch.einsum("bki,bkj->bij", q, q)                # M=12 N=12 K=16
+            e = torch.einsum("...ki,...kj->...ij", q, q)          # the same, by an ellipsis
+            return sc.sum() + acc.sum() + g.sum() + e.sum()
+
+    plan = mpgraph.convert(M().eval(), (torch.randn(4, 16, 12),), dtype="fp16", target="a100",
+                           strategy="rules", check=False).plan
+    for name in ("baddbmm", "addbmm"):
+        r = plan.node(name)
+        assert r.tensor_core.startswith("eligible but misaligned: pad K 12->16 ("), name
+        assert r.flops == 2 * 4 * 16 * 16 * 12, name
+    for name in ("einsum", "einsum_1"):
+        r = plan.node(name)
+        assert r.tensor_core.startswith("eligible but misaligned: pad M 12->16, N 12->16 ("), name
+        assert r.flops == 2 * 4 * 12 * 12 * 16, name
+
+
 def test_roofline_numbers_for_a_linear_and_a_cast():
     gm = mpgraph.convert(_sandwich(1024), torch.randn(512, 1024), dtype="fp16", target=H100,
                          check=False)

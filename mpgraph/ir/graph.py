@@ -18,7 +18,8 @@ import torch.fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.meta import FUSED, INSERTED_BY, PACKED, TENSOR, TensorInfo, tensor_infos
+from mpgraph.ir.meta import (FUSED, INSERTED_BY, OP_CLASS, PACKED, TENSOR, TensorInfo, shape_of,
+                             tensor_infos)
 from mpgraph.ir.ops import move_names
 
 log = logging.getLogger(__name__)
@@ -591,29 +592,94 @@ def is_conv2d(node: torch.fx.Node, gm) -> bool:
     return False
 
 
+# ops whose first argument is a bias added to the product: the product's left operand is next
+_BIAS_FIRST = {"addmm", "_addmm_activation", "baddbmm", "addbmm", "addmv"}
+
+
+def _arg_shape(value) -> Optional[tuple[int, ...]]:
+    return shape_of(value.meta.get(TENSOR)) if isinstance(value, torch.fx.Node) else None
+
+
 def matmul_dims(node: torch.fx.Node, gm) -> Optional[tuple[int, int, int, int]]:
-    """(batch, M, N, K) of a matmul-class node, from recorded shapes."""
+    """(batch, M, N, K) of a matmul-class node, from recorded shapes. K is the product's reduced
+    length: not a bias's last dim (baddbmm's first argument), nor an einsum operand's last dim."""
     out = tensor_infos(node.meta.get(TENSOR))
     ins = [i for a in input_nodes(node) for i in tensor_infos(a.meta.get(TENSOR))]
     if not out or not ins:
         return None
     o = out[0].shape
-    name = str(node.target)
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         if isinstance(mod, torch.nn.Linear):
             k = mod.in_features
             return 1, math.prod(o[:-1]), o[-1], k
         return None
-    if "addmm" in name:  # aten.addmm(bias, a, b) / torch.addmm
-        a = tensor_infos(node.args[1].meta.get(TENSOR))[0].shape if isinstance(node.args[1], torch.fx.Node) else None
-        return (1, o[0], o[1], a[-1]) if a else None
+    info = node.meta.get(OP_CLASS)  # "aten.baddbmm", "torch._VariableFunctionsClass.einsum"
+    op = (info.key if info is not None else getattr(node.target, "_opname", None)
+          or target_name(node)).rsplit(".", 1)[-1].rstrip("_")
+    if op == "einsum":
+        dims = _einsum_dims(node)
+        if dims is not None:
+            return dims
+    if op in _BIAS_FIRST:  # (bias, a, b): the product's left operand is args[1]
+        a = _arg_shape(node.args[1]) if len(node.args) > 1 else None
+        if not a or len(o) == 0:
+            return None
+        return math.prod(a[:-2]), o[-2] if len(o) >= 2 else 1, o[-1], a[-1]
     a = ins[0].shape
     if len(o) == 0 or len(a) == 0:
         return None
     k = a[-1]
     m = o[-2] if len(o) >= 2 else 1
     return math.prod(o[:-2]) if len(o) > 2 else 1, m, o[-1], k
+
+
+def _einsum_dims(node: torch.fx.Node) -> Optional[tuple[int, int, int, int]]:
+    """(batch, M, N, K) of a two-operand einsum from its equation: K the labels both operands
+    have and the output drops, batch those all three have, M (N) the first (second) operand's
+    own. None for another operand count or an equation this does not read."""
+    eq = node.args[0] if node.args else node.kwargs.get("equation")
+    operands = list(node.args[1:] or node.kwargs.get("tensors", ()))
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    shapes = [_arg_shape(a) for a in operands]
+    if not isinstance(eq, str) or len(shapes) != 2 or None in shapes:
+        return None
+    lhs, arrow, rhs = eq.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return None
+
+    def labels(term: str, rank: int) -> Optional[list]:
+        # an ellipsis stands for the dims left over, numbered from the right as they broadcast
+        head, dots, tail = term.partition("...")
+        extra = rank - len(head) - len(tail) if dots else 0
+        if extra < 0 or (not dots and len(term) != rank):
+            return None
+        return list(head) + list(range(-extra, 0)) + list(tail)
+
+    ops = [labels(t, len(s)) for t, s in zip(terms, shapes)]
+    if None in ops:
+        return None
+    size: dict = {}
+    for labs, shape in zip(ops, shapes):
+        for lab, n in zip(labs, shape):
+            size[lab] = max(size.get(lab, 1), n)
+    if arrow:
+        rank = max((-lab for labs in ops for lab in labs if isinstance(lab, int)), default=0)
+        output = labels(rhs, len(rhs.replace("...", "")) + (rank if "..." in rhs else 0))
+    else:  # implicit output: the broadcast dims, then the letters used once, sorted
+        letters = [lab for labs in ops for lab in labs if isinstance(lab, str)]
+        output = sorted({lab for labs in ops for lab in labs if isinstance(lab, int)}) + \
+            sorted(lab for lab in set(letters) if letters.count(lab) == 1)
+    if output is None:
+        return None
+    a, b, out = set(ops[0]), set(ops[1]), set(output)
+
+    def prod(labs) -> int:
+        return math.prod(size[lab] for lab in labs)
+
+    return prod(a & b & out), prod((a - b) & out), prod((b - a) & out), prod((a & b) - out)
 
 
 def to_device(value, device):
