@@ -374,6 +374,71 @@ def test_matmul_dims_take_k_from_the_product_not_a_bias_nor_a_last_dim():
         assert r.flops == 2 * 4 * 12 * 12 * 16, name
 
 
+class _Convs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up3 = nn.ConvTranspose2d(64, 3, 4, stride=2, padding=1)  # out_channels misaligned
+        self.dn3 = nn.ConvTranspose2d(3, 48, 3, padding=1)            # in_channels misaligned
+        self.g12 = nn.Conv2d(48, 48, 3, padding=1, groups=4)          # 12 channels per group
+        self.dw = nn.Conv2d(48, 48, 3, padding=1, groups=48)          # depthwise
+        self.gc = nn.Conv2d(48, 64, 3, padding=1, groups=16)          # 3 in, 4 out per group
+        self.w = nn.Parameter(torch.randn(64, 2, 3, 3) * 0.1)         # 2 per group, functional
+        self.g8 = nn.Conv2d(64, 64, 1, groups=8)                      # 8 per group: aligned
+
+    def forward(self, x):
+        h = self.dw(self.g12(self.dn3(self.up3(x))))
+        return self.g8(nn.functional.conv2d(self.gc(h), self.w, padding=1, groups=32))
+
+
+def test_conv_lint_reads_groups_and_transposed_channels_alike_under_fx_and_export():
+    """Grouped and depthwise module convs were 'aligned' (C counted all the input channels), the
+    same conv written as F.conv2d or captured by torch.export 'pad C 1->8' (per group, groups
+    dropped), and a ConvTranspose named its out channels C ('pad C 3->8' made a user pad
+    in_channels=64). A conv with under 8 channels per group runs on CUDA cores: no padding."""
+    texts = {}
+    for mode in ("inference", "train"):  # symbolic_trace (module calls) and torch.export (aten)
+        plan = mpgraph.convert(_Convs(), (torch.randn(2, 64, 4, 4),), dtype="fp16",
+                               target="a100", strategy="rules", mode=mode, check=False).plan
+        assert plan.capture.startswith("torch.export" if mode == "train" else "torch.fx")
+        convs = [r for r in plan.compute_nodes if r.op_class == "tensor_core"]
+        texts[mode] = [r.tensor_core.split("; no time saved")[0] for r in convs]
+        summary = plan.summary()
+        assert "; 3 matmuls misaligned for Tensor Cores; 3 matmuls not on Tensor Cores" in summary
+    assert texts["inference"] == texts["train"]
+    up3, dn3, g12, dw, gc, conv2d, g8 = texts["train"]
+    assert up3 == ("eligible but misaligned: pad out_channels 3->8 (float16 Tensor Cores want "
+                   "multiples of 8)")
+    assert dn3 == ("eligible but misaligned: pad in_channels 3->8 (float16 Tensor Cores want "
+                   "multiples of 8)")
+    assert g12.startswith("eligible but misaligned: pad in_channels 48->64, out_channels 48->64 "
+                          "(12->16, 12->16 channels per group, groups=4; float16 Tensor Cores")
+    assert dw == ("not on Tensor Cores: a depthwise conv (1 input and 1 output channel per group, "
+                  "groups=48) runs on CUDA cores, padded or not (float16 Tensor Cores want "
+                  "multiples of 8 channels per group)")
+    assert gc.startswith("not on Tensor Cores: a grouped conv (3 input and 4 output channels per "
+                         "group, groups=16) runs on CUDA cores") and "pad " not in gc
+    assert conv2d.startswith("not on Tensor Cores: a grouped conv (2 input and 2 output channels "
+                             "per group, groups=32) runs on CUDA cores (float16 Tensor Cores want "
+                             "multiples of 8 channels per group; padding each group to that "
+                             "would be 16x the work: no padding is suggested)")
+    assert g8 == ("aligned (8 in, 8 out channels per group, groups=8; float16 Tensor Cores want "
+                  "multiples of 8)")
+
+
+def test_a_conv_off_tensor_cores_is_reported_and_profiled_as_the_lint_says():
+    """A depthwise conv whose kernels ran off Tensor Cores got the advice for an aligned conv
+    (cuDNN's heuristics, NCHW layout, cudnn.benchmark), which cannot help; the text report
+    left its finding out."""
+    from mpgraph.tools.profiling import _finding
+    gm = mpgraph.convert(nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, groups=64)),
+                         (torch.randn(2, 64, 8, 8),), dtype="fp16", target="a100",
+                         strategy="rules", check=False)
+    record = gm.plan.node("_0")
+    assert record.tensor_core.startswith("not on Tensor Cores: a depthwise conv")
+    assert _finding(record, False, ("conv_depthwise2d_forward_kernel",)) == record.tensor_core
+    assert f"tensor cores: {record.tensor_core}" in mpgraph.report(gm)
+
+
 def test_roofline_numbers_for_a_linear_and_a_cast():
     gm = mpgraph.convert(_sandwich(1024), torch.randn(512, 1024), dtype="fp16", target=H100,
                          check=False)

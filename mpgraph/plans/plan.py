@@ -373,6 +373,9 @@ class Plan:
         if misaligned:
             text += (f"; {len(misaligned)} matmul{'s' if len(misaligned) > 1 else ''} misaligned "
                      "for Tensor Cores")
+        off = [r for r in self.nodes if r.tensor_core.startswith("not on Tensor Cores")]
+        if off:  # (a depthwise conv, a dtype the GPU has no Tensor Cores for): padding is no fix
+            text += f"; {len(off)} matmul{'s' if len(off) > 1 else ''} not on Tensor Cores"
         if self.unknown_nodes:
             names = ", ".join(sorted({r.target for r in self.unknown_nodes}))
             many = len(self.unknown_nodes) > 1

@@ -205,6 +205,8 @@ def _finding(record, tensor_core: Optional[bool], kernels: tuple[str, ...]) -> s
         return f"eligible but not on Tensor Cores: it runs in float32 ({record.reason})"
     if record.tensor_core.startswith("eligible but misaligned"):
         return f"eligible but not on Tensor Cores: {record.tensor_core}"
+    if record.tensor_core.startswith("not on Tensor Cores"):
+        return record.tensor_core  # the lint's reason (a depthwise conv): no setting moves it
     if "conv" in (record.kind or record.target).lower():
         return ("eligible but not on Tensor Cores: in low precision and aligned; cuDNN's heuristics "
                 "picked a non-Tensor-Core algorithm (NCHW layout? try torch.backends.cudnn.benchmark)")

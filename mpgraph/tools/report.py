@@ -147,7 +147,8 @@ def text_report(plan: Plan, measured: Optional[dict] = None) -> str:
                          f"{_us(r.t_fp32):>9} {_us(r.t_low):>9}"
                          + (f" {_measured(measured, r.name):>13}" if measured is not None else "")
                          + f"  {r.reason}")
-            for finding in (r.tensor_core,) if r.tensor_core.startswith("eligible but") else ():
+            for finding in (r.tensor_core,) if r.tensor_core.startswith(
+                    ("eligible but", "not on Tensor Cores")) else ():
                 lines.append(f"{'':<28} tensor cores: {finding}")
             for finding in r.safety:
                 lines.append(f"{'':<28} safety: {finding}")
