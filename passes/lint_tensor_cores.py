@@ -13,9 +13,10 @@ bounds, misaligned or padded, gains nothing, and the hint says so. A CPU plan ge
 
 Some nodes are "not on Tensor Cores", where no padding would help: a depthwise conv, or a grouped
 one with fewer channels per group than the multiple (cuDNN runs them on CUDA cores; padding a
-group of 2 to 8 is 16x the work). A conv reads the same whether captured as a module call (fx)
-or an aten call (export), and names its channels as the layer does (a ConvTranspose's weight is
-[in, out/groups, ...]).
+group of 2 to 8 is 16x the work), and a dtype the GPU has no Tensor Cores for (bf16 on a T4 or
+V100; nor is float32 held to TF32's multiple there). A conv reads the same whether captured as a
+module call (fx) or an aten call (export), and names its channels as the layer does (a
+ConvTranspose's weight is [in, out/groups, ...]).
 """
 from __future__ import annotations
 
@@ -130,8 +131,15 @@ class LintTensorCores(Pass):
         decision = node.meta.get(PRECISION)
         dtype = decision.dtype if decision is not None else None
         if dtype in (torch.float16, torch.bfloat16):
+            if self.spec.matmul_peak(dtype) is None:  # (a T4 or V100 and bf16): no verdict to align
+                other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+                out = (f"; dtype='{'fp16' if other == torch.float16 else 'bf16'}' runs on them"
+                       if self.spec.matmul_peak(other) else "")
+                return TensorCoreFinding({}, 0, {}, None, (
+                    f"not on Tensor Cores: {self.spec.name} has no {dtype_name(dtype)} Tensor "
+                    f"Cores, its CUDA cores run it{out}"))
             multiple, how = 8, f"{dtype_name(dtype)} Tensor Cores want multiples of 8"
-        elif dtype == torch.float32 and self.tf32:
+        elif dtype == torch.float32 and self.tf32 and self.spec.peak.get("tf32"):
             multiple, how = 4, "TF32 Tensor Cores want multiples of 4"
         else:
             return None

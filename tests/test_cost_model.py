@@ -439,6 +439,37 @@ def test_a_conv_off_tensor_cores_is_reported_and_profiled_as_the_lint_says():
     assert f"tensor cores: {record.tensor_core}" in mpgraph.report(gm)
 
 
+def test_no_tensor_core_verdict_for_a_dtype_the_gpu_has_no_tensor_cores_for():
+    """bf16 on a T4 or V100 was 'aligned (bfloat16 Tensor Cores want multiples of 8)'; float32
+    with TF32 allowed was held to 'TF32 Tensor Cores want multiples of 4' there too."""
+    from mpgraph.passes import LintTensorCores
+    from mpgraph.ir.meta import TC_FINDING
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)).eval()
+    for target, name in (("t4", "NVIDIA T4"), ("v100", "NVIDIA V100 SXM2")):
+        plan = mpgraph.convert(model, (torch.randn(64, 256),), dtype="bf16", target=target,
+                               strategy="rules", check=False).plan
+        for r in plan.compute_nodes:
+            if r.op_class == "tensor_core":
+                assert r.dtype == "bfloat16" and r.tensor_core == (
+                    f"not on Tensor Cores: {name} has no bfloat16 Tensor Cores, its CUDA cores "
+                    "run it; dtype='fp16' runs on them")
+        assert "; 2 matmuls not on Tensor Cores" in plan.summary()
+        fp16 = mpgraph.convert(model, (torch.randn(64, 256),), dtype="fp16", target=target,
+                               strategy="rules", check=False).plan
+        assert fp16.node("_0").tensor_core.startswith("aligned (float16")
+        gm = mpgraph.convert(model, (torch.randn(64, 256),), target=target, check=False,
+                             overrides={"class:tensor_core": "fp32"})
+        assert gm.plan.node("_0").dtype == "float32"
+        node = next(n for n in gm.graph.nodes if n.name == "_0")
+        node.meta.pop(TC_FINDING, None)
+        LintTensorCores(resolve_target(target), tf32=True)(gm)
+        assert TC_FINDING not in node.meta  # no TF32 there: float32 runs on CUDA cores
+    gm = mpgraph.convert(model, (torch.randn(64, 256),), target="a100", check=False,
+                         overrides={"class:tensor_core": "fp32"})
+    LintTensorCores(resolve_target("a100"), tf32=True)(gm)
+    assert next(n for n in gm.graph.nodes if n.name == "_0").meta[TC_FINDING].multiple == 4
+
+
 def test_roofline_numbers_for_a_linear_and_a_cast():
     gm = mpgraph.convert(_sandwich(1024), torch.randn(512, 1024), dtype="fp16", target=H100,
                          check=False)
