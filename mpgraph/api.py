@@ -80,8 +80,8 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
             overrides: Optional[dict] = None, check: Union[bool, str] = True,
             calibration: Optional[Iterable] = None, tolerance: Optional[float] = None,
             progress: Optional[bool] = None, plan: Optional[Plan] = None,
-            mode: Optional[str] = None, dynamic: bool = True, costs: Optional[CostModel] = None,
-            runtime: str = "eager") -> torch.fx.GraphModule:
+            mode: Optional[str] = None, dynamic: Optional[bool] = None,
+            costs: Optional[CostModel] = None, runtime: str = "eager") -> torch.fx.GraphModule:
     """Convert ``model`` to mixed precision; return a GraphModule carrying ``.plan``.
 
     The example inputs (a tensor, or a tuple of the model's arguments, with ``example_kwargs``)
@@ -92,12 +92,13 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     ``strategy``, ``keep_io_types``, ``op_table``, ``overrides``, ``check``, ``calibration``,
     ``tolerance``, ``progress``, ``plan`` (a saved plan applied as it is), ``mode``
     ("inference", the default, or "train": float32 master weights; a saved plan's own where
-    not given) and ``dynamic``. The model is never
-    modified.
+    not given) and ``dynamic`` (True unless a saved plan was captured at the example's shapes).
+    The model is never modified.
     """
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(convert, locals())
     _refuse_converted(model)
+    dynamic = _dynamic_of(plan, dynamic)
     opts, args, kwargs, abstract = Options.resolve(
         model, example_inputs, example_kwargs, dtype=dtype, keep_io_types=keep_io_types,
         target=target, strategy=strategy, op_table=op_table, overrides=overrides, check=check,
@@ -928,6 +929,25 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
                          f"{'s are' if faster > 1 else ' is'} faster alone in {dtype_name(low)}; "
                          f"{costs.source})")
     return gm, report, low, keep_fp32, chosen
+
+
+_STATIC = " at the example's shapes"  # (how a plan's capture says dynamic=False)
+
+
+def _dynamic_of(plan: Optional[Plan], dynamic: Optional[bool]) -> bool:
+    """``dynamic`` as given, else the saved plan's (a static capture's nodes are not a dynamic
+    one's: the plan would not fit), else True; one that contradicts the plan, a ValueError."""
+    if not isinstance(plan, Plan) or not str(plan.capture).startswith("torch.export"):
+        return True if dynamic is None else dynamic
+    static = str(plan.capture).endswith(_STATIC)
+    if dynamic is None:
+        return not static
+    if dynamic == static:
+        raise ValueError(
+            f"the saved plan was made with dynamic={not static} (captured with {plan.capture}): "
+            f"its nodes are a {'static' if static else 'dynamic'} capture's. Apply it with "
+            f"dynamic={not static}, or leave dynamic out")
+    return dynamic
 
 
 def _check_override_keys(overrides) -> None:

@@ -882,3 +882,19 @@ def test_the_summary_counts_one_node_in_the_singular():
                               strategy="rules").plan.summary()
     assert "; 1 node of unknown op kept in float32 (" in summary
     assert "; 1 float32 node with numeric-safety findings (calibrated on 1 batch)" in summary
+
+
+def test_a_plan_saved_from_a_static_capture_applies_with_its_capture(bert, token_ids, tmp_path):
+    # was: a PlanMismatchError listing nodes ("node add_4: shape (16,), the plan has (2, 16,
+    # 32)") that never named dynamic; the plan says how it was captured, and that is applied
+    ids, _ = token_ids
+    fast = mpgraph.convert(bert, (ids,), dtype="fp16", target="a100", dynamic=False)
+    assert fast.plan.capture == "torch.export at the example's shapes"
+    fast.plan.save(tmp_path / "plan.json")
+    plan = mpgraph.Plan.load(tmp_path / "plan.json")
+    again = mpgraph.convert(bert, (ids,), plan=plan)
+    assert again.plan.capture == fast.plan.capture
+    assert [r.dtype for r in again.plan.nodes] == [r.dtype for r in fast.plan.nodes]
+    with pytest.raises(ValueError, match=r"the saved plan was made with dynamic=False .* Apply "
+                                         r"it with dynamic=False, or leave dynamic out"):
+        mpgraph.convert(bert, (ids,), plan=plan, dynamic=True)
