@@ -40,7 +40,8 @@ from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, is_view, may_alias
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
                              TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
                              is_float32_tensor)
-from mpgraph.passes.op_table import CAST, FOLLOW, TENSOR_CORE, mixed_params_ok, table_op_name
+from mpgraph.passes.op_table import (CAST, FOLLOW, OP_OF_SPELLING, TENSOR_CORE, mixed_params_ok,
+                                     table_op_name)
 from mpgraph.passes.infra import ALL_NODES, Pass, PassResult
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,22 @@ def _torch_module(node: torch.fx.Node) -> str:
     kind = list(stack.values())[-1][1]
     name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
     return f"nn.{name.rpartition('.')[2]}".lower() if name.startswith("torch.nn.") else ""
+
+
+# the ops the op table knows an ATen packet of by the same name ("gelu": aten.gelu)
+_HAS_ATEN = {op for spelling, op in OP_OF_SPELLING.items()
+             if isinstance(spelling, torch._ops.OpOverloadPacket) and str(spelling) == f"aten.{op}"}
+
+
+def _aten_name(node: torch.fx.Node) -> str:
+    """"aten.gelu" for a torch.fx node that calls F.gelu ("aten.linear" for an nn.Linear): the
+    ATen op torch.export records for the same call, so that an "op:aten.gelu*" key (README's
+    form) means the same op under either capture (it matched nothing under torch.fx, and the
+    warning said so: probe pM 2). "" for an ATen node, or an op with no ATen packet."""
+    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return ""
+    op = table_op_name(node)
+    return f"aten.{op}" if op in _HAS_ATEN else ""
 
 
 def explicit_dtype(node: torch.fx.Node):
@@ -194,7 +211,9 @@ class AssignPrecision(Pass):
         path, info = module_path(node), node.meta[OP_CLASS]
         # (and the op table's name of it, the same under either capture: nn.MaxPool2d under
         # torch.fx and aten.max_pool2d under torch.export are both 'max_pool2d')
-        ops = {info.key.lower(), target_name(node).lower(), table_op_name(node), _torch_module(node)}
+        # (and its ATen op's name under torch.fx, as torch.export would record it: aten.gelu)
+        ops = {info.key.lower(), target_name(node).lower(), table_op_name(node), _torch_module(node),
+               _aten_name(node)}
 
         def specificity(key: str) -> Optional[tuple[int, int]]:
             if key == f"node:{node.name}" or (key == node.name and key not in self._modules):
@@ -212,6 +231,7 @@ class AssignPrecision(Pass):
         hits = sorted((rank, i, key) for i, key in enumerate(self.overrides)
                       if (rank := specificity(key)) is not None)
         self._matched.update(k for _, _, k in hits)  # (a key a more specific one shadows matched)
+        self._ops.add(table_op_name(node))
         key = hits[0][2] if hits else None
         dtype = self._dtype_of(key, self.overrides[key]) if hits else None
         if node.name in self.pins:
@@ -247,6 +267,7 @@ class AssignPrecision(Pass):
     # -- the decision ----------------------------------------------------------------------
     def call(self, gm):
         self._matched: set[str] = set()
+        self._ops: set[str] = set()  # the table names of the ops that decide a precision
         # every module path the graph's nodes live in, and its parents: a key that names one is
         # a module key, also where a node has that name (torch.export names the first
         # aten.linear "linear", whichever module calls it; "node:linear" is that node)
@@ -283,9 +304,18 @@ class AssignPrecision(Pass):
                 warned.add(key)
                 log.warning("override %r matched no node that decides a precision (keys: node "
                             "names, 'node:<name>', module paths or globs, 'op:<glob>', "
-                            "'class:<op class>')", key)
+                            "'class:<op class>')%s", key, self._ops_named(key))
         self._estimate(gm)
         return PassResult(gm, False)
+
+    def _ops_named(self, key: str) -> str:
+        """For an unmatched "op:" key, the ops there are, by the names that match under either
+        capture (the user does not choose the capture, nor see it before the warning)."""
+        ops = sorted(self._ops - {""})
+        if not key.startswith("op:") or not ops:
+            return ""
+        return (f"; the graph's ops, by the names an 'op:' key takes under either capture: "
+                f"{', '.join(ops[:12])}{', ...' if len(ops) > 12 else ''}")
 
     def _estimate(self, gm) -> None:
         """The plan's time by the cost model: each node at its decided dtype, one cast for each

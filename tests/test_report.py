@@ -302,6 +302,41 @@ def test_an_op_override_by_the_op_table_s_name_matches_under_either_capture():
         assert len(linears) == 4 and all(r.dtype == "float32" for r in linears), gm.plan.capture
 
 
+class GeluMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.relu(F.gelu(self.fc(torch.matmul(x, self.w))))
+
+
+def test_an_aten_op_override_matches_the_op_under_torch_fx_too(caplog):
+    """README's 'op:aten.gelu*' matched nothing in a graph mpgraph captured with torch.fx (the
+    capture it picks, not the user), and the warning said no such node was there (probe pM 2):
+    an 'op:aten.<name>' key now means the op torch.export would record for the call."""
+    torch.manual_seed(0)
+    model, x = GeluMatmul().eval(), torch.randn(8, 64)
+    for key, node in [("op:aten.gelu*", "gelu"), ("op:aten.matmul", "matmul"),
+                      ("op:aten.linear", "fc"), ("op:aten.relu", "relu")]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mpgraph"):
+            gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules", target=GPU,
+                                 overrides={key: "fp32"})
+        assert gm.plan.capture == "torch.fx.symbolic_trace"
+        assert gm.plan.node(node).dtype == "float32", key
+        assert gm.plan.node(node).reason == f"user override ({key!r})"
+        assert "matched no node" not in caplog.text
+    # a key naming no op of the graph still warns, and lists the names that would match
+    with caplog.at_level(logging.WARNING, logger="mpgraph"):
+        mpgraph.convert(model, x, dtype="bf16", strategy="rules", target=GPU,
+                        overrides={"op:aten.mm": "fp32"})
+    assert "override 'op:aten.mm' matched no node" in caplog.text
+    assert "the graph's ops, by the names an 'op:' key takes under either capture: gelu, " \
+           "linear, matmul, relu" in caplog.text
+
+
 def test_override_that_matches_nothing_is_a_warning_naming_it(caplog):
     model, x = _blocks()
     with caplog.at_level(logging.WARNING, logger="mpgraph"):
