@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import operator
 import warnings
 from typing import Callable, Optional
@@ -35,11 +36,15 @@ log = logging.getLogger(__name__)
 
 
 def check_tolerance(tolerance) -> float:
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) \
-            or not math.isfinite(tolerance) or tolerance <= 0:
+    """The tolerance as a float: any real number, also numpy's (np.float32) and a 0-dim tensor
+    (an error measured with torch), which were refused as "not a positive number" (pM 5)."""
+    value = tolerance.item() if getattr(tolerance, "ndim", None) == 0 \
+        and callable(getattr(tolerance, "item", None)) else tolerance
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value <= 0:
         raise ValueError(f"tolerance must be a positive number (a relative L2 error such as 1e-2), "
                          f"got {tolerance!r}")
-    return float(tolerance)
+    return float(value)
 
 
 def _error(outputs: list, references: list) -> float:

@@ -150,7 +150,20 @@ def test_bad_calibration_is_a_clear_error(calibration, message):
         _convert16(_seeded(HugeBeforeLayerNorm), torch.randn(4, 16), calibration=calibration)
 
 
-@pytest.mark.parametrize("tolerance", [0, -1e-3, float("nan"), "1e-3", True])
+def test_tolerance_may_be_any_real_number():
+    """np.float32 and a 0-dim tensor (an error measured with torch) were refused as "not a
+    positive number", though np.float64 passed (a float subclass): probe pM 5."""
+    import fractions
+    import numpy as np
+    for tolerance in [np.float32(0.5), torch.tensor(0.5), np.array(0.5), fractions.Fraction(1, 2)]:
+        gm = mpgraph.convert(_seeded(HugeBeforeLayerNorm), torch.randn(4, 16), dtype=BF16,
+                             tolerance=tolerance, target=GPU, strategy="rules", check=False)
+        assert type(gm.plan.tolerance["tolerance"]) is float
+        assert gm.plan.tolerance["tolerance"] == 0.5, type(tolerance)
+
+
+@pytest.mark.parametrize("tolerance", [0, -1e-3, float("nan"), "1e-3", True, torch.tensor(True),
+                                       torch.tensor([1e-2]), torch.tensor(-1.0), 1e-2j])
 def test_tolerance_must_be_positive(tolerance):
     with pytest.raises(ValueError, match="tolerance must be a positive number"):
         mpgraph.convert(_seeded(HugeBeforeLayerNorm), torch.randn(4, 16), dtype=BF16,
