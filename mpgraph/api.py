@@ -98,6 +98,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
     if in_inference_mode(locals()):  # (see outside_inference_mode)
         return outside_inference_mode(convert, locals())
     _refuse_converted(model)
+    _check_flags(keep_io_types=keep_io_types, dynamic=dynamic, progress=progress)
     dynamic = _dynamic_of(plan, dynamic)
     opts, args, kwargs, abstract = Options.resolve(
         model, example_inputs, example_kwargs, dtype=dtype, keep_io_types=keep_io_types,
@@ -673,7 +674,7 @@ class Options:
             or isinstance(target, str) and target.lower() in ("cpu", "cuda")
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if check not in CHECKS:
+        if not isinstance(check, (bool, str)) or check not in CHECKS:  # (1 == True: pM 5)
             raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
         keep_fp32 = range_dtype = None
         if plan is not None:
@@ -948,6 +949,15 @@ def _dynamic_of(plan: Optional[Plan], dynamic: Optional[bool]) -> bool:
             f"its nodes are a {'static' if static else 'dynamic'} capture's. Apply it with "
             f"dynamic={not static}, or leave dynamic out")
     return dynamic
+
+
+def _check_flags(**flags) -> None:
+    """Each a bool (progress, dynamic: or None): keep_io_types="False" was taken as True,
+    silently, as any non-empty string is (pM 5)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool) and not (name in ("progress", "dynamic") and value is None):
+            raise TypeError(f"{name} must be True or False, got {type(value).__name__} "
+                            f"{value!r:.40}")
 
 
 def _check_override_keys(overrides) -> None:

@@ -354,3 +354,16 @@ def test_a_top_level_submodule_named_like_the_converted_module_s_own_attributes_
                                          r"\(a torch\.fx GraphModule\) uses that name for its own "
                                          r"attribute\. Rename it"):
         mpgraph.convert(model, torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("option, value, shown", [
+    ("keep_io_types", "False", "str 'False'"), ("dynamic", "false", "str 'false'"),
+    ("keep_io_types", 0, "int 0"), ("progress", "no", "str 'no'")])
+def test_a_flag_given_other_than_a_bool_is_named(option, value, shown):
+    """keep_io_types="False" was taken as True, silently (the outputs float32 where False gives
+    bfloat16), as any non-empty string is: probe pM 5."""
+    model = nn.Sequential(nn.Linear(8, 8)).eval()
+    with pytest.raises(TypeError, match=rf"^{option} must be True or False, got {shown}$"):
+        mpgraph.convert(model, torch.randn(2, 8), dtype="bf16", target=GPU, **{option: value})
+    with pytest.raises(ValueError, match="check must be one of"):  # (1 == True passed)
+        mpgraph.convert(model, torch.randn(2, 8), dtype="bf16", target=GPU, check=1)
