@@ -35,8 +35,8 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, is_view, may_alias, module_path,
-                              mutated_nodes, stored_into_only, target_name)
+from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, is_view, may_alias, module_names,
+                              module_path, mutated_nodes, stored_into_only, target_name)
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
                              TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
                              is_float32_tensor)
@@ -208,7 +208,8 @@ class AssignPrecision(Pass):
         if node.name in self.from_plan:
             name, reason = self.from_plan[node.name]
             return self._dtype_of(node.name, name), f"saved plan: {reason.removeprefix('saved plan: ')}"
-        path, info = module_path(node), node.meta[OP_CLASS]
+        # (its module's every name: an alias, self.shared = self.blocks[3], names it too)
+        paths, info = module_names(node) - {""}, node.meta[OP_CLASS]
         # (and the op table's name of it, the same under either capture: nn.MaxPool2d under
         # torch.fx and aten.max_pool2d under torch.export are both 'max_pool2d')
         # (and its ATen op's name under torch.fx, as torch.export would record it: aten.gelu)
@@ -220,7 +221,8 @@ class AssignPrecision(Pass):
                 return 0, 0
             # a module path covers the module's own nodes and its submodules' ("layers.0" pins
             # layers.0.fc1 too); of two that match, the deeper one wins ("layers.0.fc1" over it)
-            if path and (fnmatch.fnmatchcase(path, key) or fnmatch.fnmatchcase(path, key + ".*")):
+            if any(fnmatch.fnmatchcase(p, key) or fnmatch.fnmatchcase(p, key + ".*")
+                   for p in paths):
                 return 1, -key.count(".")
             if key.startswith("op:") and any(fnmatch.fnmatchcase(o, key[3:].lower()) for o in ops):
                 return 2, 0
@@ -271,8 +273,8 @@ class AssignPrecision(Pass):
         # every module path the graph's nodes live in, and its parents: a key that names one is
         # a module key, also where a node has that name (torch.export names the first
         # aten.linear "linear", whichever module calls it; "node:linear" is that node)
-        self._modules = {".".join(parts[:i]) for n in gm.graph.nodes
-                         for parts in [module_path(n).split(".")] if parts != [""]
+        self._modules = {".".join(parts[:i]) for n in gm.graph.nodes for path in module_names(n)
+                         for parts in [path.split(".")] if parts != [""]
                          for i in range(1, len(parts) + 1)}
         names = {n.name: module_path(n) for n in gm.graph.nodes}
         for key in self.overrides:

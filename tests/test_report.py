@@ -337,6 +337,51 @@ def test_an_aten_op_override_matches_the_op_under_torch_fx_too(caplog):
            "linear, matmul, relu" in caplog.text
 
 
+class SharedBlock(nn.Module):
+    """A block applied twice, the second time by an alias (self.shared = self.blocks[1]); the
+    forward reads x.shape[0] where ``export`` asks, which only torch.export traces."""
+
+    def __init__(self, export: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(2))
+        self.shared, self.head, self.export = self.blocks[1], nn.Linear(64, 8), export
+        self.act = self.blocks[0][1]  # (a parameterless one: torch.export's graph does not hold it)
+
+    def forward(self, x):
+        if self.export and x.shape[0] == 1:
+            x = x * 2
+        for b in self.blocks:
+            x = b(x)
+        return self.act(self.head(self.shared(x)))
+
+
+def test_an_override_by_a_submodule_s_alias_covers_the_module_as_its_path_does(caplog):
+    """overrides={"shared": "fp32"} for self.shared = self.blocks[1] matched no node under
+    torch.fx (the graph names the module blocks.1) and only the alias's call under torch.export,
+    where "blocks.1" missed that call (probe pM 6). Either name is the module: both calls."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    # the modules of the nodes each key pins: each module is called twice, and torch.export
+    # records the alias's call under the alias
+    block = {False: ["blocks.1.0", "blocks.1.0", "blocks.1.1", "blocks.1.1"],
+             True: ["blocks.1.0", "blocks.1.1", "shared.0", "shared.1"]}
+    fc = {False: ["blocks.1.0", "blocks.1.0"], True: ["blocks.1.0", "shared.0"]}
+    act = {False: ["blocks.0.1", "blocks.0.1"], True: ["act", "blocks.0.1"]}
+    for export, capture in [(False, "torch.fx.symbolic_trace"), (True, "torch.export")]:
+        model = SharedBlock(export).eval()
+        for key, modules in [("shared", block), ("blocks.1", block), ("shared.0", fc),
+                             ("blocks.1.0", fc), ("act", act), ("blocks.0.1", act)]:
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="mpgraph"):
+                gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules", target=GPU,
+                                     overrides={key: "fp32"})
+            assert gm.plan.capture == capture
+            named = [r for r in gm.plan.compute_nodes if r.reason == f"user override ({key!r})"]
+            assert sorted(r.module for r in named) == modules[export], (capture, key)
+            assert all(r.dtype == "float32" for r in named)
+            assert "matched no node" not in caplog.text
+
+
 def test_override_that_matches_nothing_is_a_warning_naming_it(caplog):
     model, x = _blocks()
     with caplog.at_level(logging.WARNING, logger="mpgraph"):

@@ -33,8 +33,8 @@ from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view
                               named_arguments, python_rng_kept, mutated_nodes, run_kept,
                               run_recording, seeded, short_repr, source_line, state_kept)
 from mpgraph.ir.meta import (BATCH_NORM_MOMENTA, CAPTURE, CAPTURED_TRAINING, EVAL_OUTPUTS,
-                             EVAL_SWITCH, FP32_REGION, GRAD_MODES, OBSERVED, READS_TRAINING,
-                             STATIC_SHAPES)
+                             EVAL_SWITCH, FP32_REGION, GRAD_MODES, MODULE_ALIASES, OBSERVED,
+                             READS_TRAINING, STATIC_SHAPES)
 from mpgraph.ir.modules import (CallSignature, ConvertedModule, InputGuard, autocasting,
                                 grad_mode, keep_backward_hooks, own_parametrizations)
 from mpgraph.ir.fake import fake_mode, is_abstract, module_tensors
@@ -2080,10 +2080,14 @@ def _keep_aliases(gm: torch.nn.Module, model: torch.nn.Module) -> None:
     """A submodule the model holds under two names (``self.alias = self.fc``,
     ``nn.ModuleList([block] * 3)``) is held under both in the graph module too: its state dict
     then has the model's keys (the tracers name each module once, and a load of the model's
-    state dict failed on the other name's keys)."""
+    state dict failed on the other name's keys). The names go in ``MODULE_ALIASES``: an override
+    by either covers the module's nodes, recorded under the first (pM 6)."""
     first = {id(m): path for path, m in model.named_modules()}
     have = dict(gm.named_modules(remove_duplicate=False))
+    aliases: list = []
     for path, m in model.named_modules(remove_duplicate=False):
+        if path and first[id(m)] != path and not any(path.startswith(a + ".") for a, _ in aliases):
+            aliases.append((path, first[id(m)]))  # (the topmost: its submodules follow from it)
         target = have.get(first[id(m)])
         if not path or path in have or target is None:
             continue
@@ -2095,6 +2099,8 @@ def _keep_aliases(gm: torch.nn.Module, model: torch.nn.Module) -> None:
             owner = owner._modules[name]
         owner._modules[leaf] = target
         have = dict(gm.named_modules(remove_duplicate=False))
+    if aliases:
+        gm.meta[MODULE_ALIASES] = tuple(aliases)
 
 
 def _holds_hf_model(model: torch.nn.Module) -> bool:

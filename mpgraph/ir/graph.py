@@ -18,8 +18,8 @@ import torch.fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.meta import (FUSED, INSERTED_BY, OP_CLASS, PACKED, TENSOR, TensorInfo, shape_of,
-                             tensor_infos)
+from mpgraph.ir.meta import (FUSED, INSERTED_BY, MODULE_ALIASES, OP_CLASS, PACKED, TENSOR,
+                             TensorInfo, shape_of, tensor_infos)
 from mpgraph.ir.ops import move_names
 
 log = logging.getLogger(__name__)
@@ -514,6 +514,23 @@ def module_path(node: torch.fx.Node) -> str:
             return path
         return str(node.target)
     return path
+
+
+def module_names(node: torch.fx.Node) -> set[str]:
+    """``module_path(node)`` and the module's other names (``self.shared = self.blocks[3]``:
+    "shared.fc" beside "blocks.3.fc"; ``MODULE_ALIASES``): an override by any of them names the
+    same module (the alias matched nothing under torch.fx, one call of two under torch.export)."""
+    gm = node.graph.owning_module
+    aliases = gm.meta.get(MODULE_ALIASES, ()) if gm is not None else ()
+    names = {module_path(node)}
+    while aliases:  # (until no new name: ModuleList([block] * 3) names layers.1 via layers.0)
+        more = {b + p[len(a):] for p in names for alias, first in aliases
+                for a, b in ((first, alias), (alias, first))
+                if p == a or p.startswith(a + ".")} - names
+        if not more:
+            break
+        names |= more
+    return names
 
 
 def target_name(node: torch.fx.Node) -> str:

@@ -27,6 +27,9 @@ TC_FINDING = "mpgraph.tensor_core"  # TensorCoreFinding written by LintTensorCor
 ESTIMATE = "mpgraph.estimate"        # on gm.meta: {"target", "fp32_s", "plan_s"} of the plan
 CAPTURE = "mpgraph.capture"          # on gm.meta: which tracer produced the graph
 STATIC_SHAPES = "mpgraph.static_shapes"  # on gm.meta: True when exported at the example's shapes
+# on gm.meta: ((alias, the path the graph records), ...) of each submodule the model holds under
+# a second name (self.shared = self.blocks[3]: ("shared", "blocks.3")), written at capture
+MODULE_ALIASES = "mpgraph.module_aliases"
 RANGE = "mpgraph.range"              # ValueRange written by Calibrate
 SAFETY = "mpgraph.safety"            # tuple of SafetyFinding written by NumericSafety
 # on gm.meta: Reference (the float32 graph's outputs on the first calibration batch), written by
