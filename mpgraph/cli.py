@@ -21,9 +21,14 @@ def _demo(args) -> int:
     dtype = resolve_dtype(args.dtype) if args.dtype != "auto" else None
     for name in names:
         r = demo.run(name, dtype=dtype, rounds=args.rounds)
-        print(f"== {name} on {r.device}, planned for {r.target}: "
-              f"{str(r.dtype).replace('torch.', '')} ({r.dtype_reason})")
-        print(r.summary)
+        asked = str(r.dtype).replace('torch.', '')
+        # (a plan that converted nothing heads as float32, as the report does; the warning it
+        # repeats atop its summary was printed when it warned)
+        held = r.plan.headline_dtype if r.plan is not None else asked
+        why = r.dtype_reason if held == asked else \
+            f"{asked} {r.dtype_reason}, where it converted nothing: the warning above"
+        print(f"== {name} on {r.device}, planned for {r.target}: {held} ({why})")
+        print(_without_plan_warnings(r.summary, r.plan) if r.plan is not None else r.summary)
         print(r.casts)
         print(f"relative L2 error vs float32: {r.rel_err:.2e}")
         estimate = f"{r.estimated:.2f}x estimated" if r.estimated else "no estimate"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mpgraph.api import convert
 from mpgraph.numerics import relative_l2
 from mpgraph.cost.specs import GPU_SPECS
+from mpgraph.plans.plan import Plan
 
 # planned for when this machine is not faster in low precision: the demo still converts for real
 STAND_IN_GPU = "a100-80gb"
@@ -109,6 +110,7 @@ class DemoResult:
     fp32_ms: Optional[float]           # None when the plan is for another device than this one
     mpgraph_ms: Optional[float]
     estimated: Optional[float] = None  # the plan's estimated speed-up over float32
+    plan: Optional[Plan] = None        # (the command line heads its output by what it holds)
 
     @property
     def speedup(self) -> Optional[float]:
@@ -175,4 +177,4 @@ def run(name: str, dtype: Optional[torch.dtype] = None, rounds: int = 10,
     return DemoResult(name, plan.dtype, reason, str(dev), plan.target, plan.summary(),
                       plan.format_casts(), rel,
                       statistics.median(t32) * 1e3 if t32 else None,
-                      statistics.median(tlow) * 1e3 if tlow else None, estimated)
+                      statistics.median(tlow) * 1e3 if tlow else None, estimated, plan)

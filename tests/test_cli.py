@@ -424,3 +424,18 @@ def test_cli_inspect_read_by_head_writes_its_files_and_exits_0(tmp_path):
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
     assert proc.returncode == 0 and "Broken pipe" not in proc.stderr, proc.stderr
     assert proc.stdout.count("\n") == 1 and out.stat().st_size > 100
+
+
+def test_demo_heads_a_plan_that_converted_nothing_as_float32_and_warns_once(capsys, monkeypatch):
+    # was "== cnn ...: bfloat16 (chosen on the command line)" over "kept all 15 nodes in
+    # float32", the dtype warning printed twice (stderr, then atop the summary)
+    from mpgraph.cost import measured
+    monkeypatch.setattr(measured, "cpu_flags", lambda: frozenset({"avx2"}))  # bf16 emulated
+    monkeypatch.setattr(measured, "isa_caps", lambda: "")
+    assert cli.main(["demo", "--model", "cnn", "--dtype", "bf16", "--rounds", "1"]) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"== cnn on cpu, planned for CPU .*: float32 \(bfloat16 chosen on the "
+                     r"command line, where it converted nothing: the warning above\)",
+                     captured.out), captured.out
+    assert "converted 0 of 4 matmul/conv nodes" not in captured.out
+    assert captured.err.count("converted 0 of 4 matmul/conv nodes") == 1
