@@ -221,6 +221,26 @@ def test_profile_leaves_the_inputs_and_the_module_s_state_as_they_were():
     assert torch.equal(x, before) and gm.n.item() == 0
 
 
+def test_profile_leaves_the_callers_random_streams_as_they_were():
+    # a model drawing random numbers (dropout in training, rand_like) advanced the caller's
+    # torch stream on every run (probe pK 7); convert, calibrate and report never did
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.d = torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.d(self.l(x)) + torch.rand_like(x) * 0.01
+
+    import random
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    gm = convert_rules(Noisy().train(), x, dtype="bf16", target="a100", mode="train")
+    before, python = torch.get_rng_state(), random.getstate()
+    mpgraph.profile(gm, x, iters=2, warmup=1)
+    assert torch.equal(torch.get_rng_state(), before) and random.getstate() == python
+
+
 def test_the_predicted_column_sums_to_the_plans_estimate_casts_included():
     """Cast rows had no prediction, though the plan's estimate charges each (7 us on an A100's
     eager roofline): the predicted column summed to 574 of its 644 us."""

@@ -22,8 +22,8 @@ import torch
 import torch.fx
 from torch.autograd import DeviceType
 
-from mpgraph.ir.graph import (RecordingInterpreter, as_call, flat_inputs, fresh, state_kept,
-                              to_device)
+from mpgraph.ir.graph import (RecordingInterpreter, as_call, flat_inputs, fresh, seeded,
+                              state_kept, to_device)
 from mpgraph.ir.meta import CAST_COST, dtype_name, is_inserted_cast
 from mpgraph.plans.plan import Plan
 
@@ -247,8 +247,9 @@ def profile(converted: torch.fx.GraphModule, example_inputs: Any = None, *,
     cuda = dev.type == "cuda"
     # each run on its own copy of the inputs, and the module's buffers put back afterwards: a
     # forward that writes its input (x.mul_(2)) or a counter left the caller's x 2**7 times
-    # itself and the counter 7 on (probe pC 1), as conversion's own runs never do
-    with state_kept(gm):
+    # itself and the counter 7 on (probe pC 1), as conversion's own runs never do; the random
+    # numbers it draws (dropout, rand_like) from conversion's own seed, not the caller's stream
+    with state_kept(gm), seeded():
         for _ in range(warmup):
             run_with_ranges(gm, *fresh((args, kwargs)))
         activities = [torch.profiler.ProfilerActivity.CPU]
