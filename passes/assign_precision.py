@@ -213,8 +213,8 @@ class AssignPrecision(Pass):
         # (and the op table's name of it, the same under either capture: nn.MaxPool2d under
         # torch.fx and aten.max_pool2d under torch.export are both 'max_pool2d')
         # (and its ATen op's name under torch.fx, as torch.export would record it: aten.gelu)
-        ops = {info.key.lower(), target_name(node).lower(), table_op_name(node), _torch_module(node),
-               _aten_name(node)}
+        ops = {info.key.lower(), target_name(node).lower(), table_op_name(node),
+               _torch_module(node), _aten_name(node)}
 
         def specificity(key: str) -> Optional[tuple[int, int]]:
             if key == f"node:{node.name}" or (key == node.name and key not in self._modules):

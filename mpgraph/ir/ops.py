@@ -40,8 +40,9 @@ MOVES: dict[str, Move] = {
     # sizes, not elements
     **_moves("""index take_along_dim masked_select masked_scatter index_put index_fill index_copy
              scatter slice_scatter select_scatter tile repeat_interleave tril triu pixel_shuffle
-             pixel_unshuffle channel_shuffle embedding pad constant_pad_nd reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d
-             replication_pad2d replication_pad3d copy fill zero type_as size dim numel sym_size
+             pixel_unshuffle channel_shuffle embedding pad constant_pad_nd reflection_pad1d
+             reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d
+             replication_pad3d copy fill zero type_as size dim numel sym_size
              sym_numel sym_stride _assert_tensor_metadata getattr identity"""),
 }
 # names under which a call of these ops reaches the passes besides its op name
