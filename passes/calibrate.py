@@ -307,12 +307,12 @@ class Calibrate(Pass):
     def _check_fits(self, gm, i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The batch as the graph's forward takes it (as a call's: the converted module's
         check), or a CalibrationError saying why it does not fit."""
-        signature, checked = gm.__dict__.get("call_signature"), None
+        signature, checked, refused = gm.__dict__.get("call_signature"), None, None
         if signature is not None:  # what a call may give, a batch may (a None where the
             try:                   # example had a tensor, another fixed value: the graph's not)
                 checked = signature.check(tuple(args), dict(kwargs))
-            except TypeError as e:
-                raise CalibrationError(f"calibration batch {i}: {e}") from None
+            except TypeError as e:  # (after the check of its form, which says more: an
+                refused = e         # (args, kwargs) pair given as two positional arguments)
         try:
             try:
                 got = flat_inputs(gm, args, kwargs)
@@ -333,6 +333,8 @@ class Calibrate(Pass):
                 f"dict of keyword arguments, a tuple of positional arguments or one tensor"
                 f"{_pair_hint(args, kwargs)}") from None
         if self.example is None:
+            if refused is not None:
+                raise CalibrationError(f"calibration batch {i}: {refused}") from None
             return args, kwargs
         want = flat_inputs(gm, *self.example)
         for j, (g, w) in enumerate(zip(got, want)):
@@ -344,6 +346,8 @@ class Calibrate(Pass):
                 raise CalibrationError(
                     f"calibration batch {i}, input {j}: shape {tuple(g.shape)} {g.dtype} does not "
                     f"fit the example input's {tuple(w.shape)} {w.dtype} (same rank and dtype needed)")
+        if refused is not None:
+            raise CalibrationError(f"calibration batch {i}: {refused}") from None
         return args, kwargs
 
     def call(self, gm):
