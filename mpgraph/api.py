@@ -32,7 +32,7 @@ from mpgraph.ir.modules import (ConvertedModule, DropoutRate, FusedWeights, Trai
                                 TrainingFlag, WeightCopies, part_of_converted, planned_layout,
                                 refuse_hooks)
 from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, EVAL_SWITCH, FUSED, OP_CLASS,
-                             PRECISION, READS_TRAINING, REFERENCE, TENSOR,
+                             PRECISION, READS_TRAINING, REFERENCE, STATIC_SHAPES, TENSOR,
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
@@ -936,19 +936,11 @@ _STATIC = " at the example's shapes"  # (how a plan's capture says dynamic=False
 
 
 def _dynamic_of(plan: Optional[Plan], dynamic: Optional[bool]) -> bool:
-    """``dynamic`` as given, else the saved plan's (a static capture's nodes are not a dynamic
-    one's: the plan would not fit), else True; one that contradicts the plan, a ValueError."""
-    if not isinstance(plan, Plan) or not str(plan.capture).startswith("torch.export"):
-        return True if dynamic is None else dynamic
-    static = str(plan.capture).endswith(_STATIC)
-    if dynamic is None:
-        return not static
-    if dynamic == static:
-        raise ValueError(
-            f"the saved plan was made with dynamic={not static} (captured with {plan.capture}): "
-            f"its nodes are a {'static' if static else 'dynamic'} capture's. Apply it with "
-            f"dynamic={not static}, or leave dynamic out")
-    return dynamic
+    """``dynamic`` as given, else the saved plan's (a static capture's nodes are not always a
+    dynamic one's: BERT's plan did not fit), else True."""
+    if dynamic is not None:
+        return dynamic
+    return not (isinstance(plan, Plan) and str(plan.capture).endswith(_STATIC))
 
 
 def _check_flags(**flags) -> None:
@@ -1202,6 +1194,12 @@ def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule,
         problems.insert(0, "the plan was made from the model in training mode (its dropout "
                            "nodes), and the model is in eval mode now: put it in the mode the "
                            "plan was made in (model.train()), or make a plan in this one")
+    static = str(plan.capture).endswith(_STATIC)
+    if problems and str(plan.capture).startswith("torch.export") \
+            and static != bool(gm.meta.get(STATIC_SHAPES)):
+        problems.insert(0, f"the plan was made with dynamic={not static} ({plan.capture}) and "
+                           f"this conversion captured with dynamic={static}: leave dynamic "
+                           f"out, or pass dynamic={not static}")
     if problems and all(": shape " in p for p in problems):
         problems.insert(0, "a plan is made for the shapes of the inputs it was made with, and "
                            "these inputs give other shapes: apply it with inputs of those "
