@@ -502,6 +502,12 @@ class AssignPrecision(Pass):
             return Decision(FP32, f"{op_info.reason}; {why}" if why else op_info.reason, pinned=True)
 
         # follow
+        if inputs and all(a in stored for a in inputs) and node in self._mutated:
+            # (stored, it took each reader's dtype: a low clone for F.linear, a float32 view
+            # of it for the write, which then landed in a cast copy)
+            return Decision(FP32, "computed from parameters only, then written in place (a "
+                                  "pruned w = weight.clone()): float32 at run time, as in the "
+                                  "model, each low reader's cast after the write", pinned=True)
         if inputs and all(a in stored for a in inputs):
             stored.add(node)
             return Decision(None, "computed from parameters only: takes its readers' dtype",

@@ -185,6 +185,41 @@ def test_a_slice_written_in_place_is_written_into_the_value_itself(how):
         assert rel_err(gm(x), model(x)) < 2e-3
 
 
+class PrunedWeight(nn.Module):
+    """The weight-masking idiom: a clone of a weight written in place, then read by F.linear."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.l, self.l2 = how, nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        w = self.l.weight.clone()
+        if self.how == "setitem":
+            w[:, :4] = 0
+        elif self.how == "row":
+            w[0] *= 0
+        elif self.how == "diagonal":
+            w.diagonal().zero_()
+        else:
+            w.fill_diagonal_(0.0)
+        return self.l2(torch.nn.functional.linear(x, w, self.l.bias))
+
+
+@pytest.mark.parametrize("how", ["setitem", "row", "diagonal", "fill_diagonal_"])
+def test_a_weight_clone_written_in_place_is_the_one_its_readers_read(how):
+    # was: the clone, computed from parameters only, took its readers' dtypes one by one (fp16
+    # for F.linear, float32 for the slice written), so the write landed in a float32 cast copy:
+    # rel L2 0.12-0.28 with a GPU plan reporting 4e-4; fill_diagonal_ a ConversionError
+    torch.manual_seed(0)
+    x = torch.randn(8, 32)
+    model = PrunedWeight(how).eval()
+    gm = convert(model, x, dtype=FP16)
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < 2e-3 and gm.plan.check["error"] < 2e-3
+    rec = gm.plan.node("clone")
+    assert rec.dtype == "float32" and "then written in place" in rec.reason, rec
+
+
 class InPlaceOddities(nn.Module):
     def __init__(self, how):
         super().__init__()
