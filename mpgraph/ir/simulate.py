@@ -17,8 +17,8 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, overlapping, owned,
-                             seeded, state_kept)
+from mpgraph.ir.graph import (RecordingInterpreter, _storage, flat_inputs, fresh, input_nodes,
+                             overlapping, owned, seeded, state_kept)
 from mpgraph.ir.meta import PRECISION, TENSOR, is_inserted_cast, planned_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -98,9 +98,26 @@ class SimulatingInterpreter(RecordingInterpreter):
             elif result is None:
                 result = getattr(self, n.op)(n.target, _up(args), _up(kwargs))
             result = _up(result)  # an explicit cast to a low dtype: a fresh float32 copy
+            result = self._apart(n, result)
             if self.rounding:
                 _round_(result, planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION)))
         self._on_node(n, result)
+        return result
+
+
+    def _apart(self, n: torch.fx.Node, result):
+        """``result`` copied where it is its input's storage here but not in the converted run:
+        values of two dtypes there (``h_to_f32 = h.to(float32)`` of an fp16 ``h``) are two
+        tensors, here both float32 and one (``.to`` returns its input); a write into one would
+        show in the other, and the check report a write the converted module loses."""
+        if not isinstance(result, torch.Tensor) or _storage(result) is None:
+            return result
+        mine = planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION))
+        for a in input_nodes(n):
+            value = self.env.get(a)
+            if isinstance(value, torch.Tensor) and _storage(value) == _storage(result) \
+                    and planned_dtype(a.meta.get(TENSOR), a.meta.get(PRECISION)) != mine:
+                return result.clone()
         return result
 
 

@@ -127,3 +127,27 @@ def test_a_wrong_rewrite_is_an_error_that_blames_the_rewrite_not_rounding(how, m
     with pytest.raises(mpgraph.ValueCheckError, match="mpgraph rewrote the graph wrongly") as e:
         convert_rules(WrittenThroughIdentity().eval(), x, dtype=torch.bfloat16, **kwargs)
     assert e.value.error > 0.1
+
+
+def test_the_simulation_copies_where_a_cast_copies():
+    # a GPU plan's check runs every value in float32: `h.to(float32)` of an fp16 h was h itself
+    # there, so a write into the cast showed in h (the converted run writes a copy): a plan
+    # losing a write was reported right (pL F1b: 0.28 off, reported 4e-4)
+    from mpgraph.ir.meta import TENSOR, Decision, TensorInfo
+    from mpgraph.ir.simulate import run_simulated
+
+    def f(x):
+        h = x.to(torch.float16) * 2
+        c = h.to(torch.float32)
+        c.mul_(0)  # writes the copy, not h
+        return h.to(torch.float32)
+
+    gm = torch.fx.symbolic_trace(f)
+    planned = {"to": torch.float16, "mul": torch.float16}
+    for n in gm.graph.nodes:
+        n.meta[TENSOR] = TensorInfo((4, 8), torch.float32)
+        n.meta[PRECISION] = Decision(planned.get(n.name, torch.float32), "test")
+    x = torch.randn(4, 8)
+    simulated = run_simulated(gm, (x,), {}, lambda node, value: None)
+    want = (x.half() * 2).float()
+    assert torch.equal(gm(x), want) and torch.equal(simulated, want)  # (was all zeros)
