@@ -9,13 +9,14 @@ which is free when the input already is (batch norm, ReLU, pooling and adds keep
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.fx
 
 from mpgraph.ir.graph import (fetch_attr, input_nodes, is_conv2d, is_inplace, is_view,
-                             set_attr, target_name, with_data)
+                             may_alias, mutated_nodes, set_attr, target_name, with_data)
 from mpgraph.ir.meta import (INSERTED_BY, LAYOUT, MEMORY_FORMATS, OP_CLASS, PRECISION, TENSOR,
                              Decision, OpInfo, TensorInfo, is_inserted_cast)
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
@@ -91,6 +92,15 @@ def _model_layout(node: torch.fx.Node):
     return node.meta[LAYOUT]
 
 
+def _alias_root(x: torch.fx.Node, reached: set, gm) -> torch.fx.Node:
+    """The value in NHWC that ``x`` may be (a view of it, an in-place op's result): what a
+    write through ``x`` writes into."""
+    while (may_alias(x, gm) or is_inplace(x, gm)) and x.args \
+            and isinstance(x.args[0], torch.fx.Node) and x.args[0] in reached:
+        x = x.args[0]
+    return x
+
+
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
     return with_data(value, value.detach().contiguous(memory_format=CL))
 
@@ -150,6 +160,7 @@ class ChannelsLast(Pass):
                     stack.append(user)
         copies = []
         seen: set = set()  # (each read once: a diamond of elementwise ops doubled the walk)
+        mutated, rerooted = mutated_nodes(gm.graph, gm), set()
 
         def restore(user: torch.fx.Node, x) -> None:
             """``user`` reads ``x`` with the strides the model gave it."""
@@ -157,7 +168,19 @@ class ChannelsLast(Pass):
                 return
             seen.add((user, x))
             layout = _model_layout(x)
-            if layout in MEMORY_FORMATS and not is_inplace(user, gm):
+            root = _alias_root(x, reached, gm) if x in mutated else None
+            if root is not None and _model_layout(root) in MEMORY_FORMATS \
+                    and not is_inplace(user, gm):
+                # x, or a view of it, is written in place (h.view(B, -1)[:, :k] = 0): a copy
+                # before the view would take the write and lose it. The value itself goes back
+                # to the model's layout where it is computed, every alias taken from that.
+                if root not in rerooted:
+                    rerooted.add(root)
+                    with gm.graph.inserting_after(root):
+                        copies.append(self._copy(gm, root, MEMORY_FORMATS[_model_layout(root)],
+                                                 None))
+                    root.replace_all_uses_with(copies[-1], lambda u: u is not copies[-1])
+            elif layout in MEMORY_FORMATS and not is_inplace(user, gm):
                 # (just before it: after whatever writes into x)
                 copies.append(self._copy(gm, x, MEMORY_FORMATS[layout], user))
                 user.replace_input_with(x, copies[-1])
@@ -179,9 +202,10 @@ class ChannelsLast(Pass):
         return len(copies)
 
     def _copy(self, gm, x: torch.fx.Node, memory_format, user) -> torch.fx.Node:
-        """``x.contiguous(memory_format)`` before ``user``: ``x`` in the model's layout."""
+        """``x.contiguous(memory_format)`` before ``user`` (None: where the graph inserts):
+        ``x`` in the model's layout."""
         nchw = memory_format == torch.contiguous_format
-        with gm.graph.inserting_before(user):
+        with gm.graph.inserting_before(user) if user is not None else contextlib.nullcontext():
             out = gm.graph.create_node("call_method", "contiguous", (x,),
                                        {} if nchw else {"memory_format": memory_format},
                                        name=f"{x.name}_{'nchw' if nchw else 'model_layout'}")
