@@ -71,6 +71,26 @@ def _read_as_itself(node: torch.fx.Node, gm, mutated) -> Optional[str]:
     return None
 
 
+def _written_unsafely(order, gm, safety) -> dict:
+    """{value: why it keeps float32} for the values an in-place op with a numeric-safety
+    finding writes into, itself or through views (``h.view(-1).masked_fill_(m, -1e9)``): the
+    op computes in the dtype of what it writes into, so only a float32 value takes that write
+    (torch refuses -1e9 into fp16: "value cannot be converted ... without overflow")."""
+    out = {}
+    for node in order:
+        if not (node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, gm)):
+            continue
+        why = safety(node)
+        value = node.args[0]
+        while (may_alias(value, gm) or is_inplace(value, gm)) and value.args \
+                and isinstance(value.args[0], torch.fx.Node):
+            value = value.args[0]
+        if why and value.op in CALLS:
+            out.setdefault(value, f"written in place by {node.name}, which needs float32 "
+                                  f"({why}): keeps float32 so that the write fits")
+    return out
+
+
 def _hooked_leaf(node: torch.fx.Node, gm: torch.fx.GraphModule, low: torch.dtype
                  ) -> Optional[str]:
     """Why a layer the graph calls whole stays float32, if its forward hooks or pre-hooks make it
@@ -285,6 +305,7 @@ class AssignPrecision(Pass):
                             key, key, names[key] or "the top level", key)
         order = list(gm.graph.nodes)
         mutated = self._mutated = mutated_nodes(gm.graph, gm)
+        self._written_unsafely = _written_unsafely(order, gm, self._safety_reason)
         # Layer/group norms reading low values first try low I/O; one whose readers then want
         # float32 anyway is pinned to float32 and the sweep rerun (at most once per norm).
         self._norms_fp32: set[torch.fx.Node] = set()
@@ -420,8 +441,8 @@ class AssignPrecision(Pass):
                             dtype_name(forced), inputs[0].name, dtype_name(made), inputs[0].name)
             return Decision(made, f"an item of {inputs[0].name}, in its dtype ({why} to "
                                   f"{dtype_name(forced)} not applied)", pinned=True)
-        kept = _read_as_itself(node, gm, self._mutated) if is_float32_tensor(node.meta[TENSOR]) \
-            else None
+        kept = (self._written_unsafely.get(node) or _read_as_itself(node, gm, self._mutated)) \
+            if is_float32_tensor(node.meta[TENSOR]) else None
         if kept:
             if forced == self.low:
                 log.warning("%s: %s to %s refused: %s", node.name, why, dtype_name(self.low), kept)

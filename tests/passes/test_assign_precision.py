@@ -220,6 +220,38 @@ def test_a_weight_clone_written_in_place_is_the_one_its_readers_read(how):
     assert rec.dtype == "float32" and "then written in place" in rec.reason, rec
 
 
+class FillThroughAView(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.l, self.l2 = how, nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x, m):
+        h = self.l(x)
+        if self.how == "masked_fill_":
+            h.view(-1).masked_fill_(m.view(-1), -1e9)
+        else:
+            h[:, :4] = 1e5
+        return self.l2(torch.tanh(h))
+
+
+@pytest.mark.parametrize("how", ["masked_fill_", "setitem"])
+def test_a_constant_beyond_fp16_written_through_a_view_keeps_the_value_float32(how):
+    # was: the write computed in the fp16 of what it writes into; the simulated check reported
+    # 3e-4 and the module's first call raised torch's "value cannot be converted to type
+    # c10::Half without overflow" (a 1e5 slice fill: inf where the model has 1e5)
+    torch.manual_seed(0)
+    x, m = torch.randn(8, 64), torch.rand(8, 64) > 0.5
+    model = FillThroughAView(how).eval()
+    gm = convert(model, (x, m), dtype=FP16)
+    with torch.no_grad():
+        assert rel_err(gm(x, m), model(x, m)) < 2e-3
+    kept = [r for r in gm.plan.nodes if "written in place by" in r.reason]
+    assert [(r.name, r.dtype) for r in kept] in ([("l", "float32")], [("linear", "float32")])
+    assert "fill_, which needs float32" in kept[0].reason and "float16" in kept[0].reason
+    low = [name for name, d in _dtypes(gm).items() if d == FP16 and name in ("l2", "linear_1")]
+    assert len(low) == 1  # (only the written value and its views)
+
+
 class InPlaceOddities(nn.Module):
     def __init__(self, how):
         super().__init__()
