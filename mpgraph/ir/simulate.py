@@ -11,6 +11,7 @@ dtype) come from a run on fake tensors instead (``fake_dtypes``), which costs no
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -80,6 +81,8 @@ class SimulatingInterpreter(RecordingInterpreter):
             low = planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION))
             low = next((d for d in pytree.tree_leaves(low) if d in _LOW), None) \
                 if self.rounding else None
+            if low is not None and n.op in ("call_function", "call_method"):
+                self._refused(n, low, args, kwargs)
             # a recurrent layer in its planned low dtype: by this machine's kernel (_recurrent)
             result = None
             if low is not None and n.op == "call_module":
@@ -104,6 +107,35 @@ class SimulatingInterpreter(RecordingInterpreter):
         self._on_node(n, result)
         return result
 
+
+    def _refused(self, n: torch.fx.Node, low: torch.dtype, args, kwargs) -> None:
+        """torch's error where the converted run raises it: a constant beyond ``low``'s range
+        written into a low value (``masked_fill_(m, -1e9)``, ``fill_``, ``clamp_(min=-1e9)`` in
+        fp16: "value cannot be converted to type c10::Half without overflow"), which float32
+        storage takes. The op runs once more, on copies in the dtypes the converted run has."""
+        top = torch.finfo(low).max
+
+        def beyond(v):
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+                v = v.item()
+            return isinstance(v, float) and top < abs(v) < math.inf
+
+        if not any(beyond(v) for v in pytree.tree_leaves((args, kwargs))):
+            return
+
+        def as_run(a: torch.fx.Node):
+            value, dtype = self.env[a], planned_dtype(a.meta.get(TENSOR), a.meta.get(PRECISION))
+            if not isinstance(value, torch.Tensor):
+                return value
+            return value.to(dtype, copy=True) if dtype in _LOW else value.clone()
+
+        try:
+            getattr(self, n.op)(n.target, *torch.fx.node.map_arg((n.args, n.kwargs), as_run))
+        except RuntimeError as e:
+            if "without overflow" in str(e):
+                raise
+        except Exception:  # (any other failure: this machine's, the simulation goes on)
+            pass
 
     def _apart(self, n: torch.fx.Node, result):
         """``result`` copied where it is its input's storage here but not in the converted run:

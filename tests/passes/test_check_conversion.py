@@ -151,3 +151,29 @@ def test_the_simulation_copies_where_a_cast_copies():
     simulated = run_simulated(gm, (x,), {}, lambda node, value: None)
     want = (x.half() * 2).float()
     assert torch.equal(gm(x), want) and torch.equal(simulated, want)  # (was all zeros)
+
+
+def test_the_simulation_refuses_what_torch_refuses_in_the_low_dtype():
+    # a GPU plan's check runs in float32 storage, which takes -1e9: a plan writing it into an
+    # fp16 value was reported at 3e-4 and the module's first call raised (pL F1c)
+    from mpgraph.ir.meta import TENSOR, Decision, TensorInfo
+    from mpgraph.ir.simulate import run_simulated
+
+    def f(x, m):
+        h = x.to(torch.float16) * 2
+        h.view(-1).masked_fill_(m.view(-1), -1e9)
+        return h.to(torch.float32)
+
+    gm = torch.fx.symbolic_trace(f)
+    planned = {"to": torch.float16, "mul": torch.float16, "view": torch.float16,
+               "masked_fill_": torch.float16}
+    for n in gm.graph.nodes:
+        mask = n.name in ("m", "view_1")
+        n.meta[TENSOR] = TensorInfo((4, 8) if n.name != "view" else (32,),
+                                    torch.bool if mask else torch.float32)
+        n.meta[PRECISION] = Decision(None if mask else planned.get(n.name, torch.float32), "test")
+    x, m = torch.randn(4, 8), torch.rand(4, 8) > 0.5
+    with pytest.raises(RuntimeError, match="c10::Half without overflow"):
+        gm(x, m)
+    with pytest.raises(RuntimeError, match="c10::Half without overflow"):
+        run_simulated(gm, (x, m), {}, lambda node, value: None)
