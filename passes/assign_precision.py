@@ -71,6 +71,14 @@ def _read_as_itself(node: torch.fx.Node, gm, mutated) -> Optional[str]:
     return None
 
 
+def aliases_written(node: torch.fx.Node, gm, mutated) -> bool:
+    """Whether ``node`` may be the storage of a value written in place, or is written through:
+    a view of it must keep its dtype, as a cast between them would be a copy (taken before a
+    later write, or taking the write through the view)."""
+    return bool(node.args) and isinstance(node.args[0], torch.fx.Node) and may_alias(node, gm) \
+        and (node in mutated or node.args[0] in mutated)
+
+
 def _written_unsafely(order, gm, safety) -> dict:
     """{value: why it keeps float32} for the values an in-place op with a numeric-safety
     finding writes into, itself or through views (``h.view(-1).masked_fill_(m, -1e9)``): the
@@ -575,7 +583,8 @@ class AssignPrecision(Pass):
             for node in reversed(order):
                 d = dec[node]
                 if node.op not in CALLS or d.pinned or d.stored or d.dtype != self.low \
-                        or node.meta[OP_CLASS].op_class != FOLLOW:
+                        or node.meta[OP_CLASS].op_class != FOLLOW \
+                        or aliases_written(node, gm, self._mutated):
                     continue
                 needs = [need(u, node) for u in node.users]
                 if FP32 not in needs or self.low in needs:
