@@ -18,8 +18,8 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.ir.graph import (RecordingInterpreter, _storage, flat_inputs, fresh, input_nodes,
-                             overlapping, owned, seeded, state_kept)
+from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, input_nodes, overlapping,
+                             owned, seeded, state_kept)
 from mpgraph.ir.meta import PRECISION, TENSOR, is_inserted_cast, planned_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -31,6 +31,14 @@ def _up(value):
     """Low-precision tensors as float32 (exact), anything else as it is."""
     return pytree.tree_map(
         lambda v: v.float() if isinstance(v, torch.Tensor) and v.dtype in _LOW else v, value)
+
+
+def _data(t: torch.Tensor) -> int:
+    """Where a tensor's values are (0: nowhere of its own, a sparse or empty one)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _round_(value, dtypes):
@@ -142,12 +150,12 @@ class SimulatingInterpreter(RecordingInterpreter):
         values of two dtypes there (``h_to_f32 = h.to(float32)`` of an fp16 ``h``) are two
         tensors, here both float32 and one (``.to`` returns its input); a write into one would
         show in the other, and the check report a write the converted module loses."""
-        if not isinstance(result, torch.Tensor) or _storage(result) is None:
+        if not isinstance(result, torch.Tensor) or not _data(result):
             return result
         mine = planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION))
         for a in input_nodes(n):
             value = self.env.get(a)
-            if isinstance(value, torch.Tensor) and _storage(value) == _storage(result) \
+            if isinstance(value, torch.Tensor) and _data(value) == _data(result) \
                     and planned_dtype(a.meta.get(TENSOR), a.meta.get(PRECISION)) != mine:
                 return result.clone()
         return result
