@@ -35,8 +35,9 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.graph import (CALLS, input_nodes, is_inplace, is_view, may_alias, module_names,
-                              module_path, mutated_nodes, stored_into_only, target_name)
+from mpgraph.ir.graph import (CALLS, input_nodes, is_conversion, is_inplace, is_view, may_alias,
+                              module_names, module_path, mutated_nodes, stored_into_only,
+                              target_name)
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
                              TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
                              is_float32_tensor)
@@ -61,9 +62,9 @@ def _read_as_itself(node: torch.fx.Node, gm, mutated) -> Optional[str]:
     it (``a = h.float(); h.add_(1)``: a conversion with nothing to convert; a module that returns
     its input), the reader is ``h`` itself in the model and sees the write; from a low ``h``, or
     through a cast, it would be a copy made before it. (Views follow their input's dtype.)"""
-    if node not in mutated:
-        return None
-    for user in node.users:
+    if node not in mutated or len(node.users) < 2:  # (read only through it: the write into
+        return None                                 # the copy is the only one, e.g. an
+    for user in node.users:                         # attention score's .float().masked_fill_)
         if user.args and user.args[0] is node and may_alias(user, gm) and not is_view(user) \
                 and not is_inplace(user, gm):  # (the writer itself: aten.mul_ returns its self)
             return (f"written in place and read through {user.name}, which may be the same "
@@ -76,7 +77,7 @@ def aliases_written(node: torch.fx.Node, gm, mutated) -> bool:
     a view of it must keep its dtype, as a cast between them would be a copy (taken before a
     later write, or taking the write through the view)."""
     return bool(node.args) and isinstance(node.args[0], torch.fx.Node) and may_alias(node, gm) \
-        and (node in mutated or node.args[0] in mutated)
+        and not is_conversion(node) and (node in mutated or node.args[0] in mutated)
 
 
 def _written_unsafely(order, gm, safety) -> dict:
@@ -90,8 +91,10 @@ def _written_unsafely(order, gm, safety) -> dict:
             continue
         why = safety(node)
         value = node.args[0]
-        while (may_alias(value, gm) or is_inplace(value, gm)) and value.args \
-                and isinstance(value.args[0], torch.fx.Node):
+        # (through views and modules that return their input, not a conversion: in a plan
+        # that reads a low value it is a copy in the dtype it names, which the write lands in)
+        while (may_alias(value, gm) and not is_conversion(value) or is_inplace(value, gm)) \
+                and value.args and isinstance(value.args[0], torch.fx.Node):
             value = value.args[0]
         if why and value.op in CALLS:
             out.setdefault(value, f"written in place by {node.name}, which needs float32 "

@@ -7,8 +7,8 @@ constants and weights, explicit casts in the model, graph inputs and outputs, an
 read a float32 value, which keeps transformers' residual stream in float32 as autocast does: the
 numeric policy). Among the nodes the rules allow in low precision, Tensor-Core ops included, the
 cut picks exactly those where low precision pays for its casts, ties to float32; an in-place op
-and the value it writes into, a view and a value written in place, a dtype-preserving conversion and its input, and a tuple and the
-items read from it must agree. So the plan is never estimated slower than the rules' plan, never
+and the value it writes into, a view and a value written in place, a dtype-preserving
+conversion and its input, and a tuple and the items read from it must agree. So the plan is never estimated slower than the rules' plan, never
 less precise, and it knows the device: on an H100 an 8x8 matmul between float32 ops stays
 float32 while a 4096x4096 one goes low; an isolated ReLU is never wrapped in casts.
 """

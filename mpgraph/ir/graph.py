@@ -130,6 +130,18 @@ def _writes_first_argument(op: torch._ops.OpOverload) -> bool:
 # into their result writes their input, as into a view's
 _MAY_RETURN_INPUT = frozenset("""to type type_as float double half bfloat16 cpu cuda dropout
     alpha_dropout feature_alpha_dropout feature_dropout dropout1d dropout2d dropout3d""".split())
+_CONVERSIONS = frozenset("to type type_as float double half bfloat16".split())
+
+
+def is_conversion(node: torch.fx.Node) -> bool:
+    """A dtype conversion the model wrote (``h.float()``, ``h.to(x)``): the same tensor in the
+    model where there was nothing to convert, a copy in a plan where its input is another
+    dtype; the write into it then lands in the copy (an explicit float32 copy takes -1e9)."""
+    if node.op == "call_method":
+        return node.target in _CONVERSIONS
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in _CONVERSIONS
+
+
 # modules that return their input, or a view of it
 _ALIASING_MODULES = (torch.nn.Identity, torch.nn.modules.dropout._DropoutNd, torch.nn.Flatten,
                      torch.nn.Unflatten)
@@ -239,7 +251,9 @@ def _reads_attr(values: list, target: str) -> bool:
 
 
 def mutated_nodes(graph: torch.fx.Graph, root: torch.nn.Module) -> set[torch.fx.Node]:
-    """Values written in place somewhere in the graph, including the bases of mutated views."""
+    """Values written in place somewhere in the graph, including what a written value may be
+    the storage of (``may_alias``: the bases of mutated views, the input of a conversion that
+    had nothing to convert, of ``nn.Identity``, of a dropout)."""
     out: set[torch.fx.Node] = set()
     for node in graph.nodes:
         written = []
@@ -403,16 +417,16 @@ def owned(value, module: torch.nn.Module):
     (``return h, self.ema``, a static KV cache or a view of it) returns the buffer itself, and
     an output kept past the run read the values put back (a reference of zeros: conversion's
     check said the converted module differed by inf). Call it before ``state_kept`` ends."""
-    state = {_storage(t) for t in [*_plain_tensors(module), *module.buffers(),
+    state = {storage_key(t) for t in [*_plain_tensors(module), *module.buffers(),
                                    *written_parameters(module)]}
     state.discard(None)
     if not state:
         return value
     return pytree.tree_map(lambda v: _copy_as_is(v) if isinstance(v, torch.Tensor)
-                           and _storage(v) in state else v, value)
+                           and storage_key(v) in state else v, value)
 
 
-def _storage(t: torch.Tensor):
+def storage_key(t: torch.Tensor):
     """Where a tensor's values are, or None for one without a storage of its own."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
             or t.is_meta or torch._C._dispatch_tls_local_include_set().has(

@@ -396,3 +396,32 @@ def test_norm_whose_reader_wants_fp32_stays_fp32():
     gm = convert(model, torch.randn(2, 8, 6, 6), dtype=BF16)
     assert gm.plan.node("norm").dtype == "float32"
     assert gm.plan.check["error"] <= gm.plan.check["bound"]
+
+
+class ScoresMaskedInPlace(nn.Module):
+    """The attention-score idiom: an explicit float32 copy of the scores, masked in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x, m):
+        a = torch.matmul(self.q(x), self.k(x).transpose(-1, -2)).float()
+        a.masked_fill_(m, -1e9)
+        return a.softmax(-1)
+
+
+@pytest.mark.parametrize("strategy", ["rules", "optimal"])
+def test_a_write_into_a_float32_copy_leaves_what_it_copies_low(strategy):
+    # review rK 1: the alias rules took h.float() for h itself whatever the plan, and pinned the
+    # QK^T matmul to float32 ("written in place by masked_fill_, which needs float32"; "a view
+    # of a value written in place"), where the write lands in the copy and nothing else reads h
+    torch.manual_seed(0)
+    x, m = torch.randn(2, 16, 64), torch.rand(2, 16, 16) > 0.8
+    model = ScoresMaskedInPlace().eval()
+    gm = mpgraph.convert(model, (x, m), dtype=FP16, target="a100", strategy=strategy)
+    record = gm.plan.node("matmul")  # (the cut may keep it float32 for its costs, not for this)
+    assert record.dtype == "float16" if strategy == "rules" else \
+        record.reason.startswith("cost:"), record
+    with torch.no_grad():
+        assert rel_err(gm(x, m), model(x, m)) < 1e-2
