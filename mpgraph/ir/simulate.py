@@ -19,7 +19,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from mpgraph.ir.graph import (RecordingInterpreter, flat_inputs, fresh, input_nodes, overlapping,
-                             owned, seeded, state_kept)
+                             owned, seeded, state_kept, storage_key)
 from mpgraph.ir.meta import PRECISION, TENSOR, is_inserted_cast, planned_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -31,14 +31,6 @@ def _up(value):
     """Low-precision tensors as float32 (exact), anything else as it is."""
     return pytree.tree_map(
         lambda v: v.float() if isinstance(v, torch.Tensor) and v.dtype in _LOW else v, value)
-
-
-def _data(t: torch.Tensor) -> int:
-    """Where a tensor's values are (0: nowhere of its own, a sparse or empty one)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
 
 
 def _round_(value, dtypes):
@@ -123,10 +115,11 @@ class SimulatingInterpreter(RecordingInterpreter):
         storage takes. The op runs once more, on copies in the dtypes the converted run has."""
         top = torch.finfo(low).max
 
-        def beyond(v):
-            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+        def beyond(v):  # (an int too: masked_fill_(m, -100000) is refused alike)
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.dtype.is_complex:
                 v = v.item()
-            return isinstance(v, float) and top < abs(v) < math.inf
+            return isinstance(v, (int, float)) and not isinstance(v, bool) \
+                and top < abs(v) < math.inf
 
         if not any(beyond(v) for v in pytree.tree_leaves((args, kwargs))):
             return
@@ -137,8 +130,9 @@ class SimulatingInterpreter(RecordingInterpreter):
                 return value
             return value.to(dtype, copy=True) if dtype in _LOW else value.clone()
 
-        try:
-            getattr(self, n.op)(n.target, *torch.fx.node.map_arg((n.args, n.kwargs), as_run))
+        try:  # (its own random numbers: the run's stream goes on as the converted run's)
+            with torch.random.fork_rng(devices=[]):
+                getattr(self, n.op)(n.target, *torch.fx.node.map_arg((n.args, n.kwargs), as_run))
         except RuntimeError as e:
             if "without overflow" in str(e):
                 raise
@@ -150,12 +144,12 @@ class SimulatingInterpreter(RecordingInterpreter):
         values of two dtypes there (``h_to_f32 = h.to(float32)`` of an fp16 ``h``) are two
         tensors, here both float32 and one (``.to`` returns its input); a write into one would
         show in the other, and the check report a write the converted module loses."""
-        if not isinstance(result, torch.Tensor) or not _data(result):
+        if not isinstance(result, torch.Tensor) or storage_key(result) is None:
             return result
         mine = planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION))
         for a in input_nodes(n):
             value = self.env.get(a)
-            if isinstance(value, torch.Tensor) and _data(value) == _data(result) \
+            if isinstance(value, torch.Tensor) and storage_key(value) == storage_key(result) \
                     and planned_dtype(a.meta.get(TENSOR), a.meta.get(PRECISION)) != mine:
                 return result.clone()
         return result

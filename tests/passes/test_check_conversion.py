@@ -153,7 +153,8 @@ def test_the_simulation_copies_where_a_cast_copies():
     assert torch.equal(gm(x), want) and torch.equal(simulated, want)  # (was all zeros)
 
 
-def test_the_simulation_refuses_what_torch_refuses_in_the_low_dtype():
+@pytest.mark.parametrize("fill", [-1e9, -100000])  # (an int is refused alike: review rK 3)
+def test_the_simulation_refuses_what_torch_refuses_in_the_low_dtype(fill):
     # a GPU plan's check runs in float32 storage, which takes -1e9: a plan writing it into an
     # fp16 value was reported at 3e-4 and the module's first call raised (pL F1c)
     from mpgraph.ir.meta import TENSOR, Decision, TensorInfo
@@ -161,7 +162,7 @@ def test_the_simulation_refuses_what_torch_refuses_in_the_low_dtype():
 
     def f(x, m):
         h = x.to(torch.float16) * 2
-        h.view(-1).masked_fill_(m.view(-1), -1e9)
+        h.view(-1).masked_fill_(m.view(-1), fill)
         return h.to(torch.float32)
 
     gm = torch.fx.symbolic_trace(f)
