@@ -37,8 +37,8 @@ from mpgraph.errors import ConversionError, ValueCheckError
 from mpgraph.ir.fake import is_abstract
 from mpgraph.ir.graph import CALLS, input_nodes, run_recording, target_name
 from mpgraph.ir.simulate import fake_dtypes, run_simulated
-from mpgraph.numerics import (discrete_mismatches, float_leaf_positions, output_errors,
-                              relative_l2, rounding)
+from mpgraph.numerics import (discrete_mismatches, float_leaf_positions, float_leaves,
+                              output_errors, relative_l2, rounding)
 from mpgraph.ir.meta import (CHECK, COST, OP_CLASS, PRECISION, RANGE, REFERENCE, TENSOR, TensorInfo,
                              dtype_name, is_float32_tensor, is_inserted_cast, planned_dtype,
                              tensor_infos)
@@ -59,12 +59,20 @@ def value_bound(low: torch.dtype) -> float:
     return VALUE_BOUND_ULPS * rounding(low)
 
 
-def _float32_bound(gm) -> float:
-    """What an all-float32 plan may differ from the model by: float32's reorderings, or where
-    the model itself computes in a low dtype (a bf16 model), that dtype's rounding."""
+def _float32_bound(gm, outputs) -> tuple[float, str]:
+    """(what an all-float32 plan may differ from the model by, why): float32's reorderings;
+    where the model itself computes in a low dtype (a bf16 model), that dtype's rounding; on a
+    GPU that lets float32 matmuls or convs run in TF32 (cuDNN's default), TF32's (a rewrite
+    may pick another kernel: NHWC convs)."""
     lows = {i.dtype for n in gm.graph.nodes for i in tensor_infos(n.meta.get(TENSOR))
             if i.dtype in (torch.float16, torch.bfloat16)}
-    return max([FLOAT32_BOUND] + [value_bound(d) for d in lows])
+    if lows:
+        low = max(lows, key=value_bound)
+        return value_bound(low), f"the model computes in {dtype_name(low)} itself"
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    if tf32 and any(t.is_cuda for t in float_leaves(outputs)):
+        return VALUE_BOUND_ULPS * 2.0 ** -11, "float32 matmuls and convs run in TF32 here"
+    return FLOAT32_BOUND, "float32 sums in another order differ by ~1e-7"
 
 
 def expected_dtypes(node):
@@ -237,7 +245,7 @@ class CheckConversion(Pass):
         gm.meta[CHECK] = {"error": error, "bound": bound, "outputs": errors,
                           "output_leaves": float_leaf_positions(reference.outputs)}
         if low is None:
-            if error > _float32_bound(gm):
+            if error > _float32_bound(gm, outputs)[0]:
                 self._rewrite_error(gm, outputs, reference, errors, error)
             return
         differ = discrete_mismatches(outputs, reference.outputs)
@@ -272,14 +280,14 @@ class CheckConversion(Pass):
         rewrite does. (A low plan's graph computed in float32 tells nothing: it still reads
         the weights the plan stored rounded, which a normalisation can amplify.)"""
         worst = float_leaf_positions(outputs)[errors.index(error)]
-        bound = _float32_bound(gm)
+        bound, why = _float32_bound(gm, outputs)
         where, _ = _first_parting(gm, self._parting(gm, reference.args, reference.kwargs),
                                   bound, worst)
         raise ValueCheckError(
             f"the converted module's output {worst} differs from the model's by {error:.3g} "
-            f"(relative L2) with every node in float32, where float32 sums in another order "
-            f"differ by ~1e-7 (bound {bound:g}): {where}. No precision accounts for "
-            "that: mpgraph rewrote the graph wrongly (please report it with the model)",
+            f"(relative L2) with every node in float32 ({why}: bound {bound:g}): {where}. No "
+            "precision accounts for that: mpgraph rewrote the graph wrongly (please report it "
+            "with the model; check='dtypes' converts without this check)",
             error, bound, torch.float32)
 
     @staticmethod

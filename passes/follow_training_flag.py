@@ -171,8 +171,8 @@ class FollowTrainingFlag(Pass):
                 stale |= not gm.training
                 changed += 1
                 continue
-            elif _fx_train_argument(node, captured) is not None:
-                position, keyword = _fx_train_argument(node, captured)
+            elif (flag := _fx_train_argument(node, captured)) is not None:
+                position, keyword = flag
                 stale |= captured != gm.training
                 self._argument(gm, node, TrainingFlag(), "training", position, keyword)
                 changed += 1

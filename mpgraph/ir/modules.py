@@ -334,7 +334,7 @@ class CallSignature:
             raise TypeError(f"the converted {self.model} has no argument {name!r}: it was not "
                             "given when the model was converted, so the graph has no input for "
                             f"it. {way[0].upper()}{way[1:]}")
-        if not _same(value, want) and not (name in getattr(self, "live", ()) \
+        if not _same(value, want) and not (name in getattr(self, "live", ())
                                             and type(value) is type(want)):
             was = "not given" if name in self.absent else "given"
             way = ("for generation with a KV cache, convert with mpgraph.convert_decoder"
@@ -427,8 +427,8 @@ def _structure(value) -> tuple[str, str]:
     nones = [pytree.keystr(path) for path, leaf in pytree.tree_flatten_with_path(value)[0]
              if leaf is None]
     if nones:
-        words += f", None at {', '.join(nones)}"
-    return f"{spec} None at {nones}", words
+        return f"{spec} None at {nones}", f"{words}, None at {', '.join(nones)}"
+    return str(spec), words
 
 
 def _fixed(value) -> bool:
