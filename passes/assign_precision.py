@@ -35,9 +35,9 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.graph import (CALLS, input_nodes, is_conversion, is_inplace, is_view, may_alias,
-                              module_names, module_path, mutated_nodes, stored_into_only,
-                              target_name)
+from mpgraph.ir.graph import (CALLS, alias_base, input_nodes, is_conversion, is_inplace,
+                              is_view, may_alias, module_names, module_path, mutated_nodes,
+                              stored_into_only, target_name)
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
                              TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
                              is_float32_tensor)
@@ -90,12 +90,10 @@ def _written_unsafely(order, gm, safety) -> dict:
         if not (node.args and isinstance(node.args[0], torch.fx.Node) and is_inplace(node, gm)):
             continue
         why = safety(node)
-        value = node.args[0]
         # (through views and modules that return their input, not a conversion: in a plan
         # that reads a low value it is a copy in the dtype it names, which the write lands in)
-        while (may_alias(value, gm) and not is_conversion(value) or is_inplace(value, gm)) \
-                and value.args and isinstance(value.args[0], torch.fx.Node):
-            value = value.args[0]
+        value = alias_base(node.args[0], gm,
+                           lambda n: is_inplace(n, gm) or not is_conversion(n))
         if why and value.op in CALLS:
             out.setdefault(value, f"written in place by {node.name}, which needs float32 "
                                   f"({why}): keeps float32 so that the write fits")
@@ -534,13 +532,14 @@ class AssignPrecision(Pass):
             return Decision(FP32, f"{op_info.reason}; {why}" if why else op_info.reason, pinned=True)
 
         # follow
-        if inputs and all(a in stored for a in inputs) and node in self._mutated:
-            # (stored, it took each reader's dtype: a low clone for F.linear, a float32 view
-            # of it for the write, which then landed in a cast copy)
-            return Decision(FP32, "computed from parameters only, then written in place (a "
-                                  "pruned w = weight.clone()): float32 at run time, as in the "
-                                  "model, each low reader's cast after the write", pinned=True)
         if inputs and all(a in stored for a in inputs):
+            if node in self._mutated:
+                # (stored, it took each reader's dtype: a low clone for F.linear, a float32
+                # view of it for the write, which then landed in a cast copy)
+                return Decision(FP32, "computed from parameters only, then written in place (a "
+                                      "pruned w = weight.clone()): float32 at run time, as in "
+                                      "the model, each low reader's cast after the write",
+                                pinned=True)
             stored.add(node)
             return Decision(None, "computed from parameters only: takes its readers' dtype",
                             stored=True)

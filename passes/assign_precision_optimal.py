@@ -8,9 +8,10 @@ read a float32 value, which keeps transformers' residual stream in float32 as au
 numeric policy). Among the nodes the rules allow in low precision, Tensor-Core ops included, the
 cut picks exactly those where low precision pays for its casts, ties to float32; an in-place op
 and the value it writes into, a view and a value written in place, a dtype-preserving
-conversion and its input, and a tuple and the items read from it must agree. So the plan is never estimated slower than the rules' plan, never
-less precise, and it knows the device: on an H100 an 8x8 matmul between float32 ops stays
-float32 while a 4096x4096 one goes low; an isolated ReLU is never wrapped in casts.
+conversion and its input, and a tuple and the items read from it must agree. So the plan is
+never estimated slower than the rules' plan, never less precise, and it knows the device: on an
+H100 an 8x8 matmul between float32 ops stays float32 while a 4096x4096 one goes low; an
+isolated ReLU is never wrapped in casts.
 """
 from __future__ import annotations
 
@@ -81,16 +82,18 @@ class AssignPrecisionOptimal(AssignPrecision):
         self._decide_stored(order, gm, dec, stored)
         for n in order:
             n.meta[PRECISION] = dec[n]
-        baseline = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta)
-        rest = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta and n not in problem.cost)
-        gm.meta[ESTIMATE] = {"target": gm.meta[COST_MODEL]["target"], "fp32_s": baseline,
-                             "plan_s": total + rest, "source": gm.meta[COST_MODEL]["source"]}
         if self.range_dtype is not None and any(dec[n].dtype == self.range_dtype for n in order):
             # the cut priced the nodes fp16's range keeps in bf16 as float32 nodes (its side of
             # the cut), without their casts: the plan built is priced instead, each node at its
             # dtype (bf16 at fp16's rate, a GPU with both) and each cast (a layer 186 us "in
             # float32" made an A100 plan 1.73x where it is 4.7x)
             AssignPrecision._estimate(self, gm)
+        else:
+            baseline = sum(n.meta[COST].t_fp32 for n in order if COST in n.meta)
+            rest = sum(n.meta[COST].t_fp32 for n in order
+                       if COST in n.meta and n not in problem.cost)
+            gm.meta[ESTIMATE] = {"target": gm.meta[COST_MODEL]["target"], "fp32_s": baseline,
+                                 "plan_s": total + rest, "source": gm.meta[COST_MODEL]["source"]}
         return PassResult(gm, False)
 
     def _estimate(self, gm) -> None:

@@ -332,20 +332,18 @@ class Calibrate(Pass):
                 f"{_described(args, kwargs)}{took}. Give each batch as the model is called: a "
                 f"dict of keyword arguments, a tuple of positional arguments or one tensor"
                 f"{_pair_hint(args, kwargs)}") from None
-        if self.example is None:
-            if refused is not None:
-                raise CalibrationError(f"calibration batch {i}: {refused}") from None
-            return args, kwargs
-        want = flat_inputs(gm, *self.example)
-        for j, (g, w) in enumerate(zip(got, want)):
-            if isinstance(w, torch.Tensor) and not isinstance(g, torch.Tensor):
-                raise CalibrationError(f"calibration batch {i}, input {j}: expected a tensor like "
-                                       f"the example input, got {type(g).__name__}"
-                                       f"{_pair_hint(args, kwargs)}")
-            if isinstance(w, torch.Tensor) and (g.dim() != w.dim() or g.dtype != w.dtype):
-                raise CalibrationError(
-                    f"calibration batch {i}, input {j}: shape {tuple(g.shape)} {g.dtype} does not "
-                    f"fit the example input's {tuple(w.shape)} {w.dtype} (same rank and dtype needed)")
+        if self.example is not None:
+            want = flat_inputs(gm, *self.example)
+            for j, (g, w) in enumerate(zip(got, want)):
+                if isinstance(w, torch.Tensor) and not isinstance(g, torch.Tensor):
+                    raise CalibrationError(f"calibration batch {i}, input {j}: expected a tensor "
+                                           f"like the example input, got {type(g).__name__}"
+                                           f"{_pair_hint(args, kwargs)}")
+                if isinstance(w, torch.Tensor) and (g.dim() != w.dim() or g.dtype != w.dtype):
+                    raise CalibrationError(
+                        f"calibration batch {i}, input {j}: shape {tuple(g.shape)} {g.dtype} "
+                        f"does not fit the example input's {tuple(w.shape)} {w.dtype} (same rank "
+                        "and dtype needed)")
         if refused is not None:
             raise CalibrationError(f"calibration batch {i}: {refused}") from None
         return args, kwargs

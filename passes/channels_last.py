@@ -15,8 +15,8 @@ import logging
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import (fetch_attr, input_nodes, is_conv2d, is_inplace, is_view,
-                             may_alias, mutated_nodes, set_attr, target_name, with_data)
+from mpgraph.ir.graph import (alias_base, fetch_attr, input_nodes, is_conv2d, is_inplace, is_view,
+                             mutated_nodes, set_attr, target_name, with_data)
 from mpgraph.ir.meta import (INSERTED_BY, LAYOUT, MEMORY_FORMATS, OP_CLASS, PRECISION, TENSOR,
                              Decision, OpInfo, TensorInfo, is_inserted_cast)
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
@@ -92,15 +92,6 @@ def _model_layout(node: torch.fx.Node):
     return node.meta[LAYOUT]
 
 
-def _alias_root(x: torch.fx.Node, reached: set, gm) -> torch.fx.Node:
-    """The value in NHWC that ``x`` may be (a view of it, an in-place op's result): what a
-    write through ``x`` writes into."""
-    while (may_alias(x, gm) or is_inplace(x, gm)) and x.args \
-            and isinstance(x.args[0], torch.fx.Node) and x.args[0] in reached:
-        x = x.args[0]
-    return x
-
-
 def _to_channels_last(value: torch.Tensor) -> torch.Tensor:
     return with_data(value, value.detach().contiguous(memory_format=CL))
 
@@ -168,7 +159,8 @@ class ChannelsLast(Pass):
                 return
             seen.add((user, x))
             layout = _model_layout(x)
-            root = _alias_root(x, reached, gm) if x in mutated else None
+            # (the value in NHWC that x may be: what a write through x writes into)
+            root = alias_base(x, gm, lambda n: n.args[0] in reached) if x in mutated else None
             if root is not None and _model_layout(root) in MEMORY_FORMATS \
                     and not is_inplace(user, gm):
                 # x, or a view of it, is written in place (h.view(B, -1)[:, :k] = 0): a copy

@@ -245,8 +245,9 @@ class CheckConversion(Pass):
         gm.meta[CHECK] = {"error": error, "bound": bound, "outputs": errors,
                           "output_leaves": float_leaf_positions(reference.outputs)}
         if low is None:
-            if error > _float32_bound(gm, outputs)[0]:
-                self._rewrite_error(gm, outputs, reference, errors, error)
+            bound, why = _float32_bound(gm, outputs)
+            if error > bound:
+                self._rewrite_error(gm, outputs, reference, errors, error, bound, why)
             return
         differ = discrete_mismatches(outputs, reference.outputs)
         if differ:  # (not bounded: an argmax may move where two logits tie to rounding)
@@ -275,12 +276,11 @@ class CheckConversion(Pass):
                else "") + "), or the conversion is wrong (please report it with the model)",
             error, bound, low)
 
-    def _rewrite_error(self, gm, outputs, reference, errors, error) -> None:
+    def _rewrite_error(self, gm, outputs, reference, errors, error, bound, why) -> None:
         """A ValueCheckError for an all-float32 plan off the model: no dtype explains it, a
         rewrite does. (A low plan's graph computed in float32 tells nothing: it still reads
         the weights the plan stored rounded, which a normalisation can amplify.)"""
         worst = float_leaf_positions(outputs)[errors.index(error)]
-        bound, why = _float32_bound(gm, outputs)
         where, _ = _first_parting(gm, self._parting(gm, reference.args, reference.kwargs),
                                   bound, worst)
         raise ValueCheckError(

@@ -177,8 +177,8 @@ class StoreWeights(Pass):
             if not low:
                 continue
             module = gm.get_submodule(target)
-            tensors = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers())
-                       if t.dtype == torch.float32]
+            held = list(module.named_parameters()) + list(module.named_buffers())
+            tensors = [(n, t) for n, t in held if t.dtype == torch.float32]
             if not tensors:
                 continue
             shared = len(low) < len(nodes) or any(id(t) in elsewhere for _, t in tensors)
@@ -187,8 +187,7 @@ class StoreWeights(Pass):
                 # (tensors _get_attrs already stored low in place, all their get_attr readers
                 # being low, are copied too: a deep copy's own parameter was a state-dict key
                 # the model lacks, and no write of the original reached it)
-                tensors += [(n, t) for n, t in [*module.named_parameters(),
-                                                *module.named_buffers()]
+                tensors += [(n, t) for n, t in held
                             if t.dtype == self.low and f"{target}.{n}" not in copied]
                 new_target = _free_name(gm, target, self.low)
                 module = copy.deepcopy(module)

@@ -11,7 +11,7 @@ import operator
 import os
 import re
 import sys
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.fx
@@ -128,9 +128,9 @@ def _writes_first_argument(op: torch._ops.OpOverload) -> bool:
 # Calls that return their input itself when it already is what they ask for (a dtype, a device;
 # ``h.float()`` of a float32 ``h`` is ``h``), and dropout, which returns it in eval mode: writing
 # into their result writes their input, as into a view's
-_MAY_RETURN_INPUT = frozenset("""to type type_as float double half bfloat16 cpu cuda dropout
-    alpha_dropout feature_alpha_dropout feature_dropout dropout1d dropout2d dropout3d""".split())
 _CONVERSIONS = frozenset("to type type_as float double half bfloat16".split())
+_MAY_RETURN_INPUT = _CONVERSIONS | frozenset("""cpu cuda dropout alpha_dropout
+    feature_alpha_dropout feature_dropout dropout1d dropout2d dropout3d""".split())
 
 
 def is_conversion(node: torch.fx.Node) -> bool:
@@ -166,6 +166,17 @@ def may_alias(node: torch.fx.Node, root: torch.nn.Module) -> bool:
                 or node.target._schema.name.split("::")[-1] in _MAY_RETURN_INPUT
         return getattr(node.target, "__name__", "") in _MAY_RETURN_INPUT
     return False
+
+
+def alias_base(x: torch.fx.Node, root: torch.nn.Module,
+               through: Callable[[torch.fx.Node], bool] = lambda n: True) -> torch.fx.Node:
+    """What a write into ``x`` writes into: back through views, calls that may return their
+    input (``may_alias``) and in-place ops' results, as far as ``through(node)`` lets the walk
+    step from a node to its first input."""
+    while (may_alias(x, root) or is_inplace(x, root)) and x.args \
+            and isinstance(x.args[0], torch.fx.Node) and through(x):
+        x = x.args[0]
+    return x
 
 
 def is_view(node: torch.fx.Node) -> bool:

@@ -107,7 +107,6 @@ class SimulatingInterpreter(RecordingInterpreter):
         self._on_node(n, result)
         return result
 
-
     def _refused(self, n: torch.fx.Node, low: torch.dtype, args, kwargs) -> None:
         """torch's error where the converted run raises it: a constant beyond ``low``'s range
         written into a low value (``masked_fill_(m, -1e9)``, ``fill_``, ``clamp_(min=-1e9)`` in
