@@ -16,7 +16,7 @@ import torch
 
 from mpgraph.frontend.capture import capture, in_inference_mode, outside_inference_mode
 from mpgraph.cost.device import resolve_target, trace_device
-from mpgraph.cost.measured import CostTable, Measured, emulated, measure
+from mpgraph.cost.measured import CostTable, Measured, emulated, measure, one_row_mv_pays
 from mpgraph.cost.model import CostModel
 from mpgraph.cost.roofline import RUNTIMES, Roofline, read_calibration
 from mpgraph.cost.specs import DeviceSpec
@@ -589,10 +589,12 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     device = _device_of(args, kwargs, model)
     # this CPU's micro-benchmark too: its peaks say which low dtypes are measured here
     spec = resolve_target("cuda") if device.type == "cuda" else measure_cpu(fresh=True)
-    gm = run_passes(prepare_pipeline(args, kwargs, kind=spec.kind), gm)  # the graph convert times
-    lows = tuple(d for d in LOW_DTYPES if (spec.kind == Kind.GPU and spec.matmul_peak(d))
-                 or (spec.kind == Kind.CPU and not emulated(d, spec)))
+    lows = _native_lows(spec)
     fresh = CostTable.for_device(device, fresh=True)  # (its path, and the machine's best probe)
+    # the graph convert times (its one-row linears as mv where that was faster, timed again)
+    one_row_mv = spec.kind != Kind.CPU or (
+        lambda layers: one_row_mv_pays(fresh, layers, (torch.float32,) + lows))
+    gm = run_passes(prepare_pipeline(args, kwargs, kind=spec.kind, one_row_mv=one_row_mv), gm)
     with stage("measure"):
         measure(gm, args, kwargs, fresh, lows, budget_s=budget_s, packs=spec.kind == Kind.CPU)
     return fresh  # (measure saved it over the cache's entries: the other models' are kept)
@@ -751,6 +753,40 @@ class Options:
         return opts, args, kwargs, abstract
 
 
+def _one_row_mv(opts: Options, args: tuple, kwargs: dict, model):
+    """Whether MatVecLinear runs: a saved plan's nodes say; a plan the cost model picks the
+    dtype of for this CPU asks the measured table whether ``mv`` pays (in float32 and the low
+    dtypes this CPU runs natively; an AVX2-only CPU runs small one-row linears slower as ``mv``);
+    a forced dtype or another machine's plan: True (bf16's one-row ``linear`` leaves the GEMV
+    path: 408 against 242 us, README)."""
+    if opts.plan is not None:
+        return any(r.inserted_by == "MatVecLinear" for r in opts.plan.nodes)
+    if opts.low is not None or opts.spec.kind != Kind.CPU or opts.train:
+        return True
+    if opts.costs is not None:
+        return getattr(opts.costs, "one_row_mv_pays", None) or True
+    device = _device_of(args, kwargs, model)
+    if not opts.here or device.type != "cpu":
+        return True
+    table = CostTable.for_device(device)
+    dtypes = (torch.float32,) + _native_lows(opts.spec)
+
+    def pays(layers: list) -> bool:
+        with stage("measure"):
+            answer = one_row_mv_pays(table, layers, dtypes)
+        if table.measured_now:
+            table.save()
+        return answer
+    return pays
+
+
+def _native_lows(spec: DeviceSpec) -> tuple:
+    """The low dtypes ``spec``'s matmuls run natively (measured op by op)."""
+    if spec.kind == Kind.CPU:
+        return tuple(d for d in LOW_DTYPES if not emulated(d, spec))
+    return tuple(d for d in LOW_DTYPES if spec.matmul_peak(d) is not None)
+
+
 def cost_model(opts: Options, gm, args: tuple, kwargs: dict, model) -> CostModel:
     """The plan's cost model: the one given; this machine's measured op times where the target
     is this machine and the model runs on it (``mpgraph.cost.measured``); else the target's
@@ -764,8 +800,7 @@ def cost_model(opts: Options, gm, args: tuple, kwargs: dict, model) -> CostModel
     if not opts.here or (spec.kind == Kind.GPU) != (device.type == "cuda"):
         return roofline
     table = CostTable.for_device(device)
-    lows = tuple(d for d in LOW_DTYPES if not emulated(d, spec)) if spec.kind == Kind.CPU \
-        else tuple(d for d in LOW_DTYPES if spec.matmul_peak(d) is not None)
+    lows = _native_lows(spec)
     packs = spec.kind == Kind.CPU and not opts.train  # (PackCpuLinears: inference on a CPU)
     with stage("measure"):
         keys = measure(gm, args, kwargs, table, lows, packs=packs)
@@ -850,7 +885,8 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
     # a saved plan names the nodes it was made on: stacked GEMVs only if it has them
     fuse = opts.plan is None or any(r.inserted_by == "FuseSiblingGemv" for r in opts.plan.nodes)
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train,
-                                     opts.spec.kind, overrides=opts.overrides, fuse=fuse), gm)
+                                     opts.spec.kind, overrides=opts.overrides, fuse=fuse,
+                                     one_row_mv=_one_row_mv(opts, args, kwargs, model)), gm)
     if EVAL_OUTPUTS in gm.meta:
         _say_if_eval_differs(gm, model, args, kwargs, gm.meta.pop(EVAL_OUTPUTS))
     if EVAL_SWITCH in gm.meta:

@@ -25,7 +25,9 @@ module fail on 4 rows, or return (1, n) for an input of shape (k,).
 """
 from __future__ import annotations
 
+import logging
 import math
+from typing import Callable, Optional
 
 import torch
 import torch.fx
@@ -36,6 +38,7 @@ from mpgraph.ir.meta import INSERTED_BY, LINEAR_BIAS, OBSERVED, TENSOR, TensorIn
 from mpgraph.passes.infra import Pass, PassResult
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 
 def _fixed_rows(x: torch.fx.Node) -> bool:
@@ -91,12 +94,28 @@ def _one_row(node: torch.fx.Node):
 
 
 class MatVecLinear(Pass):
+    """``pays``: asked with the (k, n, bias, transposed) of every one-row linear of the graph
+    (``mpgraph.cost.measured.one_row_mv_pays``), whether ``mv`` runs them faster here; False
+    leaves them all ``linear`` (one answer for the graph: a saved plan says by its nodes
+    whether it has them). None: rewritten (a forced dtype, another machine's plan)."""
     stage = "prepare"
     rewrites = True
     writes = (INSERTED_BY, TENSOR, OBSERVED, LINEAR_BIAS)  # the new nodes' facts
 
+    def __init__(self, pays: Optional[Callable[[list], bool]] = None):
+        self.pays = pays
+
     def call(self, gm):
         graph, done, unobserved, rows = gm.graph, 0, False, {}
+        if self.pays is not None:
+            layers = [(w.meta[TENSOR].shape[0 if t else 1], w.meta[TENSOR].shape[1 if t else 0],
+                       b is not None, t) for _, w, b, t, _ in filter(None, map(_one_row, graph.nodes))]
+            if not layers:
+                return PassResult(gm, False)
+            if not self.pays(layers):
+                log.info("%d one-row linears kept as linear: mv was not faster on this machine",
+                         len(layers))
+                return PassResult(gm, False)
         written = mutated_nodes(graph, gm)
         for node in list(graph.nodes):
             found = _one_row(node)

@@ -1,7 +1,7 @@
 """The default pipeline: a plain list of pass instances, readable top to bottom."""
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -24,11 +24,13 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
                      calibration: Optional[Iterable] = None,
                      progress: Optional[bool] = None, train: bool = False,
                      kind: Kind = Kind.GPU, overrides: Optional[dict] = None,
-                     fuse: bool = True) -> list[Pass]:
+                     fuse: bool = True, one_row_mv: Union[bool, Callable] = True) -> list[Pass]:
     """Passes that run once on the captured graph, whatever is decided later: rewrites that
     do not depend on the dtype (``kind``: the target's kernels), and calibration (the example
     inputs when no batches are given). ``overrides``: the layers they name keep their own GEMV;
-    ``fuse``: False for a saved plan made without FuseSiblingGemv (its nodes are the plan's)."""
+    ``fuse``: False for a saved plan made without FuseSiblingGemv (its nodes are the plan's);
+    ``one_row_mv``: MatVecLinear's, True, False (a saved plan without its nodes) or the measured
+    question whether it pays here (``MatVecLinear.pays``)."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
         FoldDtypeReads(),                     # rewrite: x.to(w.dtype) reads the model's dtype
@@ -36,7 +38,8 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
         *([] if train else [PruneForInference()]),  # rewrite: eval dropout, asserts, guards
-        *([MatVecLinear()] if kind == Kind.CPU and not train else []),  # rewrite: 1-row linears
+        *([MatVecLinear(None if one_row_mv is True else one_row_mv)]
+          if kind == Kind.CPU and not train and one_row_mv is not False else []),  # 1-row linears
         *([FuseSiblingGemv(overrides or {})] if kind == Kind.CPU and not train and fuse
           else []),                           # rewrite: q/k/v's GEMVs as one
         Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges

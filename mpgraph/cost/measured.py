@@ -737,6 +737,72 @@ class Measured(CostModel):
                 return float(down), float(up)
         return self.fallback.cast_cost(node, low)
 
+    def one_row_mv_pays(self, layers: list) -> bool:
+        """MatVecLinear's question (``one_row_mv_pays``), in float32 and this machine's native
+        low dtypes, from this table."""
+        return one_row_mv_pays(self.table, layers, (torch.float32,) + self.lows)
+
+
+ONE_ROW_COPIES_BYTES = 64 << 20  # the weight copies a one-row linear's timing cycles through
+
+
+def _one_row_forms(k: int, n: int, bias: bool, transposed: bool, dtype: torch.dtype):
+    """(ATen's call, MatVecLinear's) of a linear on one row in ``dtype``, each cycling through
+    copies of its weight where it is large (read from memory, as a forward reads it): ``linear``
+    (``addmm``/``mm`` over a k x n weight where ``transposed``) against ``mv`` over the weight's
+    rows, the bias added after, the row viewed in and out. A k x n weight's low-precision copy is
+    stored transposed (StoreWeights); its float32 one is read through ``t()``."""
+    size = k * n * torch.finfo(dtype).bits // 8
+    count = max(1, min(MAX_COPIES, ONE_ROW_COPIES_BYTES // size)) if size >= STREAM_MIN_BYTES \
+        else 1
+    weights = [torch.randn(k, n) if transposed else torch.randn(n, k) for _ in range(count)]
+    weights = [w.to(dtype) for w in weights]
+    rows = [w.t() if dtype == torch.float32 else w.t().contiguous() for w in weights] \
+        if transposed else weights
+    b = torch.randn(n).to(dtype) if bias else None
+    x = torch.randn(1, k).to(dtype)
+    turn = [0]
+
+    def advance():
+        turn[0] = (turn[0] + 1) % count
+
+    def aten_form():
+        w = weights[turn[0]]
+        if not transposed:
+            return torch.nn.functional.linear(x, w, b)
+        return torch.addmm(b, x, w) if bias else torch.mm(x, w)
+
+    def mv_form():
+        y = torch.mv(rows[turn[0]], x.view(k))
+        return (y + b if bias else y).view(1, n)
+    return (aten_form, mv_form), (advance if count > 1 else None)
+
+
+def one_row_mv_pays(table: CostTable, layers: list, dtypes: tuple) -> bool:
+    """Whether MatVecLinear's ``mv`` runs a graph's linears on one row faster on this machine
+    than ATen's ``linear``: their times summed over ``layers`` ((k, n, bias, transposed) of each
+    layer, repeats counted) and ``dtypes`` (those the plan may compute them in), each form timed
+    once into ``table``. Measured, not assumed: on a 2-core AMX Xeon a 768x2048 float32 layer
+    took 300 us as ``linear`` and 224 as ``mv``; on an AVX2-only EPYC the two tie from 512 wide
+    up and ``mv`` is slower below (64 wide 7.3 against 5.2 us, 3 layers of 256 1.45x slower in a
+    batch-1 plan): the nodes it adds cost more host time than its kernel saves."""
+    sums = [0.0, 0.0]
+    for k, n, bias, transposed in layers:
+        for dtype in dtypes:
+            key = (f"one-row linear {k}->{n}{' +bias' if bias else ''}"
+                   f"{' (k x n weight)' if transposed else ''}|{_SHORT[dtype]}")
+            entries = [f"{key} linear", f"{key} mv"]
+            if any(e not in table.entries for e in entries):
+                fns, advance = _one_row_forms(k, n, bias, transposed, dtype)
+                for entry, seconds in zip(entries, time_calls(list(fns), table.device,
+                                                              [advance, advance])):
+                    table.entries[entry] = seconds
+                table.measured_now += 2
+            times = [table.entries.get(e) for e in entries]
+            if None not in times:
+                sums = [s + float(t) for s, t in zip(sums, times)]
+    return sums[1] < sums[0]
+
 
 def flops_of(node, gm) -> float:
     """FLOPs of a node (the roofline's count): what reports show beside a measured time."""

@@ -69,17 +69,66 @@ def test_rows_other_than_one_and_gpu_plans_keep_linear():
     assert aten.mv.default not in _ops(converted)  # a GPU plan: cuBLAS either way, fewer nodes
 
 
-def test_a_cpu_conversion_of_a_batch_1_classifier_head_runs_mv_and_checks_out():
+def _timed(mv_us: float, linear_us: float, layers=((64, 64), (64, 2))):
+    """This CPU's costs, measured as given: each one-row linear (with a bias) taking
+    ``linear_us`` as ATen's linear and ``mv_us`` as MatVecLinear's mv, in float32."""
+    from mpgraph.cost.device import resolve_target
+    from mpgraph.cost.measured import CostTable, Measured
+    from mpgraph.cost.roofline import Roofline
+    entries = {}
+    for k, n in layers:
+        entries[f"one-row linear {k}->{n} +bias|fp32 linear"] = linear_us * 1e-6
+        entries[f"one-row linear {k}->{n} +bias|fp32 mv"] = mv_us * 1e-6
+    table = CostTable(torch.device("cpu"), entries)
+    return Measured(table, Roofline(resolve_target("cpu")), lows=()), table
+
+
+def test_a_cpu_conversion_of_a_batch_1_classifier_head_runs_mv_where_measured_faster():
+    """MatVecLinear rewrites where this machine timed mv faster (an AMX Xeon: 768x2048 float32
+    224 against 300 us), and keeps linear where it did not (an AVX2-only EPYC: a 64-wide layer
+    7.3 against 5.2 us, three 256-wide ones 1.45x slower in a batch-1 plan, pL F9): before,
+    it rewrote wherever a graph held one row, measured or not."""
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(transformers.BertConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
         vocab_size=100)).eval()
     ids = torch.randint(0, 100, (1, 12))
-    converted = mpgraph.convert(model, ids, target="cpu")
-    # the pooler's and the classifier's one-row linears (the rows of the encoder's are 12)
-    assert _ops(converted).count(aten.mv.default) == 2
     with torch.no_grad():
-        assert mpgraph.numerics.relative_l2(converted(ids).logits, model(ids).logits) < 2e-2
+        want = model(ids).logits
+    for mv_us, linear_us, count in ((4.0, 5.0, 2), (7.3, 5.2, 0)):
+        costs, table = _timed(mv_us, linear_us)
+        converted = mpgraph.convert(model, ids, target="cpu", costs=costs)
+        assert table.measured_now == 0  # (the table's figures decided, nothing timed)
+        # the pooler's and the classifier's one-row linears (the rows of the encoder's are 12)
+        ops = _ops(converted)
+        assert ops.count(aten.mv.default) == count
+        assert ops.count(aten.linear.default) == 14 - count
+        with torch.no_grad():
+            assert mpgraph.numerics.relative_l2(converted(ids).logits, want) < 1e-5
+    # a plan saved without mv applies as it was made, where mv would be faster
+    costs, _ = _timed(4.0, 5.0)
+    applied = mpgraph.convert(model, ids, target="cpu", costs=costs, plan=converted.plan)
+    assert aten.mv.default not in _ops(applied)
+
+
+def test_the_one_row_question_sums_the_graph_s_layers_and_dtypes_and_times_what_it_lacks():
+    from mpgraph.cost.measured import CostTable, one_row_mv_pays
+    entries = {"one-row linear 8->8|fp32 linear": 5e-6, "one-row linear 8->8|fp32 mv": 4e-6,
+               "one-row linear 8->4 +bias|fp32 linear": 3e-6,
+               "one-row linear 8->4 +bias|fp32 mv": 5e-6}
+    table = CostTable(torch.device("cpu"), dict(entries))
+    one = (8, 8, False, False)
+    other = (8, 4, True, False)
+    assert one_row_mv_pays(table, [one], (torch.float32,))
+    assert not one_row_mv_pays(table, [one, other], (torch.float32,))  # 9 us against 8
+    assert one_row_mv_pays(table, [one, one, one, other], (torch.float32,))  # 17 against 18
+    assert table.measured_now == 0
+    # a GPT-2 Conv1D (k x n weight) in bf16, not in the table: both forms timed once, kept
+    assert isinstance(one_row_mv_pays(table, [(16, 8, True, True)], (torch.bfloat16,)), bool)
+    timed = {k: v for k, v in table.entries.items() if k not in entries}
+    assert sorted(timed) == ["one-row linear 16->8 +bias (k x n weight)|bf16 linear",
+                             "one-row linear 16->8 +bias (k x n weight)|bf16 mv"]
+    assert all(v > 0 for v in timed.values()) and table.measured_now == 2
 
 
 def test_without_a_bias_the_capture_run_s_statistics_carry_over():
