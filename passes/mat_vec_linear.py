@@ -108,8 +108,9 @@ class MatVecLinear(Pass):
     def call(self, gm):
         graph, done, unobserved, rows = gm.graph, 0, False, {}
         if self.pays is not None:
+            found = filter(None, map(_one_row, graph.nodes))
             layers = [(w.meta[TENSOR].shape[0 if t else 1], w.meta[TENSOR].shape[1 if t else 0],
-                       b is not None, t) for _, w, b, t, _ in filter(None, map(_one_row, graph.nodes))]
+                       b is not None, t) for _, w, b, t, _ in found]
             if not layers:
                 return PassResult(gm, False)
             if not self.pays(layers):
