@@ -233,8 +233,12 @@ class _AutocastOff:
     for the tracer to tag each node made inside (``node.meta["custom"][FP32_REGION]``).
     symbolic_trace runs through the context manager and records nothing of it: the region was
     planned low, silently. (torch.export records it as one wrap_with_autocast call, float32.)
-    One entry per autocast entered: its region, None for one the author enabled (code in it is
-    planned), or the enclosing region where what the author asked cannot be told."""
+    One entry per autocast entered: its region, or None for one the author enabled (code in it
+    is planned). One whose flag cannot be told (a ``@torch.autocast("cuda", enabled=False)``
+    decorator, made before the trace on a machine without CUDA, where torch sets every CUDA
+    autocast's flag False) is taken as a region: the decorator form keeps code float32 far more
+    often than it asks for fp16 (custom_fwd does that), and float32 is the safe reading (pN 3:
+    planned fp16 before, where the ``with`` form of the same code stayed float32)."""
 
     def __init__(self):
         self._owner = threading.get_ident()
@@ -261,8 +265,10 @@ class _AutocastOff:
             out = enter(self)
             if threading.get_ident() == watcher._owner:
                 asked = self.__dict__.get("_mpgraph_enabled", _asked(self))
-                watcher._stack.append(watcher.region if asked is None else None if asked
-                                      else f"torch.autocast({self.device!r}, enabled=False)")
+                watcher._stack.append(
+                    None if asked else f"torch.autocast({self.device!r}, enabled=False)"
+                    if asked is False else f"torch.autocast({self.device!r}) decorator "
+                    f"(enabled=False assumed: this machine has no {self.device} to tell)")
             return out
 
         def __exit__(self, *exc):
