@@ -26,8 +26,8 @@ from mpgraph.passes.infra import PassManager, deferred_recompile, run_passes, st
 from mpgraph.passes.pipeline import decide_pipeline, default_pipeline, prepare_pipeline
 from mpgraph.errors import ConversionError, PlanMismatchError, ValueCheckError
 from mpgraph.numerics import float_leaves, output_errors
-from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, named_arguments, run_recording,
-                              seeded, state_kept, target_name, weight_copy_paths)
+from mpgraph.ir.graph import (EXPORT_GUARD, as_call, fresh, named_arguments, own_autocast,
+                              run_recording, seeded, state_kept, target_name, weight_copy_paths)
 from mpgraph.ir.modules import (ConvertedModule, DropoutRate, FusedWeights, TrainingBatchNorm,
                                 TrainingFlag, WeightCopies, part_of_converted, planned_layout,
                                 refuse_hooks)
@@ -177,6 +177,13 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                 f"{found} parts compute as the model has them, and the check compares with the "
                 "model as it computes, not float32. Convert model.float() to plan all of it"))
         warnings.warn(record.warning, UserWarning, stacklevel=2)
+    elif not found:  # its own enabled autocast regions compute low (summary: "error 0 vs
+        # float32 (all float32); 1 node of unknown op kept in float32", pN 9)
+        regions = [d for n in gm.graph.nodes if (d := own_autocast(n)) is not None]
+        if regions:
+            dtypes = " and ".join(sorted({dtype_name(d) for d in regions}))
+            record = dataclasses.replace(record, computes_in=(
+                f"{dtypes} inside its own torch.autocast region{'s' if len(regions) > 1 else ''}"))
     _attach_plan(gm, record, opts, abstract)
     if opts.train and abstract is None:
         _check_gradients(gm, args, kwargs)

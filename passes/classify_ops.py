@@ -7,7 +7,8 @@ from dataclasses import replace
 import torch
 
 from mpgraph.ir.modules import TrainingBatchNorm
-from mpgraph.ir.meta import LINEAR_BIAS, OP_CLASS, RANGE, OpInfo
+from mpgraph.ir.graph import own_autocast
+from mpgraph.ir.meta import LINEAR_BIAS, OP_CLASS, RANGE, OpInfo, dtype_name
 from mpgraph.passes.numeric_safety import proven_in_range
 from mpgraph.passes.op_table import FOLLOW, FP32_ONLY, UNKNOWN, OpTable
 from mpgraph.passes.infra import Pass, PassResult
@@ -57,7 +58,12 @@ class ClassifyOps(Pass):
                 node.meta[OP_CLASS] = _NON_CALL[node.op]
                 continue
             key, entry = self.table.lookup(node, gm)
-            if entry is None and _container(node):
+            own = own_autocast(node)
+            if own is not None:  # (not "unknown op kept in float32": it computes in its dtype)
+                info = OpInfo(FP32_ONLY, f"the model's own torch.autocast({node.args[0]!r}, "
+                                         f"{dtype_name(own)}) region: computes in {dtype_name(own)}"
+                                         " inside, as the model does, kept whole", key)
+            elif entry is None and _container(node):
                 info = OpInfo(FP32_ONLY, f"builds the container {node.target.__name__} the "
                                          "model returns its values in: reads them in float32, "
                                          "as the model has them", key)

@@ -733,3 +733,14 @@ def to_device(value, device):
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
     return value
+
+
+def own_autocast(node: torch.fx.Node) -> Optional[torch.dtype]:
+    """The low dtype of a model's own enabled ``torch.autocast`` region that torch.export kept as
+    one ``wrap_with_autocast`` call (its code computes in that dtype, as the model does), else
+    None (a disabled region: float32)."""
+    if node.op != "call_function" or getattr(node.target, "__name__", None) != "wrap_with_autocast" \
+            or len(node.args) < 3 or node.args[2] is not True:
+        return None
+    dtype = node.args[1]
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
