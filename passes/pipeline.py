@@ -24,13 +24,15 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
                      calibration: Optional[Iterable] = None,
                      progress: Optional[bool] = None, train: bool = False,
                      kind: Kind = Kind.GPU, overrides: Optional[dict] = None,
-                     fuse: bool = True, one_row_mv: Union[bool, Callable] = True) -> list[Pass]:
+                     fuse: bool = True, one_row_mv: Union[bool, Callable] = True,
+                     simulate: bool = False) -> list[Pass]:
     """Passes that run once on the captured graph, whatever is decided later: rewrites that
     do not depend on the dtype (``kind``: the target's kernels), and calibration (the example
     inputs when no batches are given). ``overrides``: the layers they name keep their own GEMV;
     ``fuse``: False for a saved plan made without FuseSiblingGemv (its nodes are the plan's);
     ``one_row_mv``: MatVecLinear's, True, False (a saved plan without its nodes) or the measured
-    question whether it pays here (``MatVecLinear.pays``)."""
+    question whether it pays here (``MatVecLinear.pays``); ``simulate``: the plan is checked
+    as its target computes (``Calibrate.simulate``)."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
         FoldDtypeReads(),                     # rewrite: x.to(w.dtype) reads the model's dtype
@@ -42,7 +44,8 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
           if kind == Kind.CPU and not train and one_row_mv is not False else []),  # 1-row linears
         *([FuseSiblingGemv(overrides or {})] if kind == Kind.CPU and not train and fuse
           else []),                           # rewrite: q/k/v's GEMVs as one
-        Calibrate(batches, progress, example=(example_args, example_kwargs)),  # analysis: ranges
+        Calibrate(batches, progress, example=(example_args, example_kwargs),
+                  simulate=simulate),             # analysis: ranges
     ]
 
 
