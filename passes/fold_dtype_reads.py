@@ -10,7 +10,8 @@ for symbolic traces, so the plan sees constants and places its casts around them
 
 Graph inputs' dtypes stay read at run time, and so do those of values that take theirs
 (``x.flatten(1).dtype``, ``(x * 2).dtype``): they are the caller's, whatever the plan. A value
-computed with a weight, or cast to a named dtype, has the model's.
+computed with a weight or with a value of the model's (``a(x) @ x.T``), or cast to a named dtype,
+has the model's.
 """
 from __future__ import annotations
 
@@ -24,10 +25,19 @@ from mpgraph.passes.infra import Pass, PassResult
 _NAMED_CASTS = {"float", "half", "double", "bfloat16"}
 
 
+def _models_value(node: torch.fx.Node, follows: set) -> bool:
+    """Whether ``node`` is a float tensor of the model's dtype that fixes the dtype of an op
+    reading it: ``a(x) @ x.T`` is float32 for a float32 model, whatever ``x``'s dtype. A 0-dim
+    one does not (``x * torch.tensor(2.)`` keeps ``x``'s dtype, as type promotion does)."""
+    info = node.meta.get(TENSOR)
+    return node not in follows and isinstance(info, TensorInfo) and \
+        info.dtype.is_floating_point and len(info.shape) > 0
+
+
 def _callers_dtype(gm: torch.fx.GraphModule) -> set:
     """The nodes whose dtype follows a float graph input's: reached from one through ops that
-    neither read a parameter or buffer (a weight fixes the dtype: float32) nor cast to a dtype
-    they name."""
+    neither read a parameter or buffer or a value of the model's dtype (a weight fixes the
+    dtype: float32) nor cast to a dtype they name."""
     follows = set()
     for node in gm.graph.nodes:
         info = node.meta.get(TENSOR)
@@ -42,6 +52,7 @@ def _callers_dtype(gm: torch.fx.GraphModule) -> set:
         weighted = any(a.op == "get_attr" for a in node.all_input_nodes) or (
             node.op == "call_module" and
             next(gm.get_submodule(node.target).parameters(), None) is not None)
+        weighted = weighted or any(_models_value(a, follows) for a in node.all_input_nodes)
         if not named and not weighted and any(a in follows for a in node.all_input_nodes):
             follows.add(node)
     return follows

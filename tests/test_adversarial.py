@@ -2064,6 +2064,32 @@ def test_a_dtype_read_of_a_value_that_follows_the_input_stays_read_at_run_time()
         assert fast(_x(2, 8).to(dtype)).dtype == model(_x(2, 8).to(dtype)).dtype == dtype
 
 
+def test_a_dtype_read_of_a_value_computed_with_a_weight_and_the_input_is_the_models():
+    """Probe pN F5: ``torch.tensor(-1e9, dtype=sc.dtype)`` with ``sc = a(x) @ x.T`` (a mask fill
+    in the scores' dtype). FoldDtypeReads took ``sc`` as the caller's because it reads ``x``, left
+    its read to run time, where it answered the plan's low dtype: "ConversionError: ... tensor:
+    produced torch.float16, plan says torch.float32". A value that reads one of the model's
+    dtype is the model's, float32."""
+
+    class MaskFill(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x, mask):
+            sc = self.a(x) @ x.transpose(-1, -2)
+            sc = torch.where(mask[:, None, :].bool(), sc, torch.tensor(-1e9, dtype=sc.dtype))
+            return self.b(sc.softmax(-1) @ x)
+
+    mask, padded = torch.ones(2, 6), torch.ones(2, 6)
+    padded[1, 3:] = 0
+    for dtype in ("fp16", "bf16"):
+        fast = assert_right(MaskFill().eval(), (_x(2, 6, 16), mask),
+                            [((_x(2, 6, 16, seed=2), padded), {})], dtype=dtype)
+        assert ".dtype" not in fast.code  # (read at capture: float32)
+        assert fast.plan.node("tensor").dtype == "float32"
+
+
 class MemoisedAngles(nn.Module):
     """Rotary-style tables memoised in a dict by length: both paths of the try compute alike."""
     def __init__(self):
