@@ -129,6 +129,8 @@ _REDUCE = "reduction over many elements: accumulation error and overflow in low 
 _LOSS = "loss: reductions of logs/exps, kept in fp32"
 _CASTDOC = "explicit dtype conversion in the model: output dtype is what the code asks for"
 _GUARD = "torch.export's input guard check: returns nothing"
+_COMPLEX = ("a complex view of float pairs: its input stays float32 (complex64), as there is no "
+            "complex bfloat16 and complex32 (from float16) has few kernels")
 
 
 def _ops(op_class: str, reason: str, names: str, **flags) -> dict[str, OpEntry]:
@@ -202,7 +204,8 @@ OPS: dict[str, OpEntry] = _table(
     _ops(FOLLOW, _INTERP, """interpolate upsample upsample_nearest1d upsample_nearest2d
          upsample_nearest3d _upsample_nearest_exact2d upsample_linear1d upsample_bilinear2d
          upsample_bicubic2d upsample_trilinear3d"""),
-    _ops(FOLLOW, _LAYOUT, " ".join(MOVES)),  # their other facts: mpgraph.ir.ops
+    _ops(FOLLOW, _LAYOUT, " ".join(n for n in MOVES if n != "view_as_complex")),  # (ir.ops)
+    _ops(FP32_ONLY, _COMPLEX, "view_as_complex"),
     _ops(FOLLOW, _ARITH, "add sub rsub addcmul addcdiv lerp maximum minimum fmax fmin diff",
          params_as_values=True),
     _ops(FOLLOW, _SCALE, "mul div true_divide square"),

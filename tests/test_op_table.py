@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from mpgraph.passes.op_table import (CAST, FOLLOW, FP32_COMPUTE, FP32_ONLY, OP_CLASSES, TENSOR_CORE,
                               UNKNOWN, ATEN_TABLE, FUNCTION_TABLE, METHOD_TABLE, MODULE_TABLE,
                               OP_OF_SPELLING, OPS, OpEntry, OpTable, spellings)
+from mpgraph.ir.meta import dtype_name
+
+from conftest import LOW_DTYPES
 
 
 def _node(op, target, root=None):
@@ -397,3 +400,42 @@ def test_moe_experts_grouped_matmul_is_tensor_core_work_priced_by_its_flops():
     with torch.no_grad():
         measured = relative_l2(fast(ids).last_hidden_state.float(), model(ids).last_hidden_state)
     assert measured == pytest.approx(fast.plan.check["error"], rel=0.05)
+
+
+class Rotary(nn.Module):
+    """A rotary embedding applied as complex numbers with no ``.float()`` first (Meta's reference
+    code writes one): valid float32 code."""
+
+    def __init__(self, export):
+        super().__init__()
+        self.export, self.q, self.o = export, nn.Linear(16, 16), nn.Linear(16, 16)
+        angles = torch.outer(torch.arange(6).float(), torch.rand(8))
+        self.register_buffer("cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, x):
+        if self.export and x.shape[-1] != 16:  # (a data-dependent branch: torch.export)
+            raise ValueError("expected 16 features")
+        q = self.q(x)
+        qc = torch.view_as_complex(q.unflatten(-1, (-1, 2)))
+        return self.o(torch.view_as_real(qc * self.cis).flatten(2))
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("export", [False, True])
+def test_a_complex_view_keeps_its_input_float32(dtype, export):
+    """Probe pN F4: ``view_as_complex`` was a layout move, following its low input: an fp16 plan
+    made complex32 where the plan said complex64 ("ConversionError: the converted graph does not
+    match its plan"), a bf16 one a RuntimeError inside the check (there is no complex bfloat16).
+    Its input now stays float32, and ``view_as_real`` of the complex64 result gives float32."""
+    import mpgraph
+    from conftest import TOL, rel_err
+    torch.manual_seed(0)
+    model, x = Rotary(export).eval(), torch.randn(2, 6, 16)
+    gm = mpgraph.convert(model, (x,), dtype=dtype, target="a100", strategy="rules")
+    assert gm.plan.capture == ("torch.export" if export else "torch.fx.symbolic_trace")
+    view, real = gm.plan.node("view_as_complex"), gm.plan.node("view_as_real")
+    assert (view.op_class, view.dtype, real.dtype) == (FP32_ONLY, "float32", "float32")
+    assert "no complex bfloat16" in view.reason
+    assert {r.dtype for r in gm.plan.nodes if r.op_class == TENSOR_CORE} == {dtype_name(dtype)}
+    with torch.no_grad():
+        assert rel_err(gm(x), model(x)) < TOL[dtype]
