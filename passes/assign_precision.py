@@ -35,8 +35,8 @@ import torch
 import torch.fx
 
 from mpgraph.ir.edges import required_dtype
-from mpgraph.ir.graph import (CALLS, alias_base, input_nodes, is_conversion, is_inplace,
-                              is_view, may_alias, module_names, module_path, mutated_nodes,
+from mpgraph.ir.graph import (CALLS, alias_base, input_nodes, is_conversion, is_export_guard,
+                              is_inplace, is_view, may_alias, module_names, module_path, mutated_nodes,
                               stored_into_only, target_name)
 from mpgraph.ir.meta import (CAST_COST, COST, COST_MODEL, ESTIMATE, OP_CLASS, PRECISION, SAFETY,
                              TENSOR, Decision, TensorInfo, dtype_name, fp32_region,
@@ -422,6 +422,9 @@ class AssignPrecision(Pass):
         return dec, stored
 
     def _decide(self, node, gm, dec, stored, convertible) -> Decision:
+        if is_export_guard(node):
+            return Decision(None, "torch.export's input guard: checks the inputs' shapes, "
+                                  "computes nothing of the model's")
         op_info = node.meta[OP_CLASS]
         cls = op_info.op_class
         inputs = input_nodes(node)

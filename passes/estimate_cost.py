@@ -11,15 +11,16 @@ import math
 import torch
 
 from mpgraph.cost.model import CostModel, NodeCost  # noqa: F401 - NodeCost: the meta value
+from mpgraph.ir.graph import is_export_guard
 from mpgraph.ir.meta import CAST_COST, COST, COST_MODEL, OP_CLASS, TENSOR, is_float32_tensor
 from mpgraph.passes.infra import Pass, PassResult
 
 
 class EstimateCost(Pass):
-    """Analysis: writes ``mpgraph.cost`` (NodeCost) on every call node, ``mpgraph.cast_cost``
-    on every float32 value (what a cast of it to the low dtype and back would cost), and which
-    cost model said so (``mpgraph.cost_model`` on the graph): the placement reads these, not
-    the model."""
+    """Analysis: writes ``mpgraph.cost`` (NodeCost) on every call node (not export's input
+    guard: none of the model's ops), ``mpgraph.cast_cost`` on every float32 value (what a cast of
+    it to the low dtype and back would cost), and which cost model said so
+    (``mpgraph.cost_model`` on the graph): the placement reads these, not the model."""
     stage = "decide"
     reads, writes = (OP_CLASS,), (COST, CAST_COST, COST_MODEL)
 
@@ -30,7 +31,7 @@ class EstimateCost(Pass):
     def call(self, gm):
         gm.meta[COST_MODEL] = {"target": self.costs.name, "source": self.costs.source}
         for node in gm.graph.nodes:
-            if node.op.startswith("call_"):
+            if node.op.startswith("call_") and not is_export_guard(node):
                 cost = node.meta[COST] = self.costs.node_cost(node, gm, self.low)
                 if not isinstance(cost, NodeCost):
                     raise self.fail(f"{self._model()}.node_cost returned "

@@ -550,3 +550,35 @@ def test_an_automatic_gpu_plan_prices_its_bf16_nodes_as_built():
         [(r.name, r.dtype) for r in rules.compute_nodes]
     assert optimal.estimate["plan_s"] == pytest.approx(rules.estimate["plan_s"], rel=1e-9)
     assert optimal.estimate["plan_s"] < optimal.estimate["fp32_s"] / 4
+
+
+class _FinfoMask(nn.Module):
+    """``torch.finfo(sc.dtype)``: no symbolic trace gets through it, torch.export captures."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        sc = self.q(x) @ x.transpose(-1, -2)
+        sc = sc + (1.0 - mask[:, None, :]) * torch.finfo(sc.dtype).min
+        return self.o(sc.softmax(-1) @ x)
+
+
+@pytest.mark.parametrize("strategy", ["rules", "optimal"])
+def test_export_s_input_guard_is_not_counted_or_priced_as_a_model_node(strategy):
+    """Probe pN F8: torch.export's ``_guards_fn`` (a check of the inputs' shapes) was a plan node
+    like the model's ops: "converted 4/13 nodes" counted it, its reason read "reads a float32
+    input: stays float32" and its 7 us went into the estimate's totals."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 8, 16), torch.ones(2, 8)
+    plan = mpgraph.convert(_FinfoMask().eval(), (x, mask), target="a100", strategy=strategy).plan
+    assert plan.capture.startswith("torch.export")
+    guard = plan.node("_guards_fn")
+    assert (guard.dtype, guard.t_fp32, guard.t_low) == (None, None, None)
+    assert guard.reason.startswith("torch.export's input guard")
+    model_ops = [r.name for r in plan.compute_nodes]
+    assert "_guards_fn" not in model_ops and len(model_ops) == 12, model_ops
+    assert "/12 nodes" in plan.summary() or "all 12 nodes" in plan.summary()
+    priced = sum(r.t_fp32 for r in plan.nodes if r.t_fp32 is not None)
+    assert plan.estimate["fp32_s"] == pytest.approx(priced)

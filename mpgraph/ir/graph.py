@@ -92,6 +92,12 @@ def is_batch_encoding(value) -> bool:
     return isinstance(value, collections.abc.Mapping) and type(value).__name__ == "BatchEncoding"
 
 
+def is_export_guard(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls torch.export's input guard: a check of the inputs' shapes, none of
+    the model's ops (no dtype to choose, no time to price, not counted among its nodes)."""
+    return node.op == "call_module" and node.target == EXPORT_GUARD
+
+
 def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Every node read by ``node``, in argument order, each once."""
     return list(dict.fromkeys(node.all_input_nodes))
