@@ -46,6 +46,34 @@ VALUE_BRANCH_FIX = (
     "bool argument, a shape, a module attribute), or keep that submodule out of the graph: "
     "convert the parts before and after it and call them from your own forward")
 
+# accelerate's prepare(model) with mixed precision: model.forward =
+# convert_outputs_to_fp32(autocast(...)(model.forward)), a wrapper deepcopy shares
+REPLACED_FORWARD_FIX = (
+    "convert the model with its class's forward: accelerator.unwrap_model(model, "
+    "keep_fp32_wrapper=False) (accelerate), or del model.forward; mpgraph chooses the "
+    "precision itself, and the converted module returns float32 outputs as the wrapper did "
+    "(keep_io_types=True)")
+
+
+def replaced_forward(model, reads: str) -> str | None:
+    """The report for a ``forward`` set on the instance (a wrapper around the model's bound
+    method), naming the wrappers, or None. deepcopy shares functions, so the copy's forward
+    still ran the user's model, and the error blamed a global name."""
+    forward = vars(model).get("forward")
+    if forward is None:
+        return None
+    chain, fn = [], forward
+    while fn is not None and len(chain) < 8:
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        chain.append(getattr(code, "co_qualname", None) or getattr(fn, "__qualname__", None)
+                     or type(fn).__name__)
+        fn = getattr(fn, "__wrapped__", None)
+    return (f"the forward is replaced on the instance by {' wrapping '.join(chain)} (model.forward "
+            "= wrapper(model.forward), as accelerate's prepare does with mixed precision: "
+            "autocast and convert_outputs_to_fp32), which the copy mpgraph converts shares: "
+            f"it runs the {type(model).__name__} you passed and reads {reads} of it")
+
+
 CAPTURE_FIXES = (
     (("a write through .data is not an op",),
      "write the buffer in place, which the graph records: self.ema.copy_(new value) (under "
@@ -96,6 +124,7 @@ CAPTURE_FIXES = (
      VALUE_BRANCH_FIX),
     (re.compile(r"Unsupported input type <class '[\w.]*Cache'>"), INPUT_CACHE_FIX),
     (("DynamicCache", "Cache in output", "Cache'> in output", "past_key_values"), KV_CACHE_FIX),
+    (("is replaced on the instance",), REPLACED_FORWARD_FIX),
     (("not of the copy mpgraph converts",),
      "reach them through the module the forward runs on: a method, a lambda over self stored on "
      "the module (directly or in a list, dict, functools.partial or object it holds), or the "

@@ -844,6 +844,32 @@ def test_a_hook_reaching_the_model_through_another_object_is_refused():
     assert "head.weight (as " in str(e.value) and "module argument of a hook" in str(e.value)
 
 
+def test_a_forward_replaced_on_the_instance_is_named_with_the_way_out():
+    """Probe pN F6: accelerate's prepare(model) with mixed precision sets model.forward =
+    convert_outputs_to_fp32(autocast(...)(model.forward)). The copy shares that wrapper, which
+    runs the user's model, and the CaptureError blamed "a global name" or a hook."""
+
+    def convert_outputs_to_fp32(fn):  # (accelerate's, without accelerate)
+        @functools.wraps(fn)
+        def float_outputs(*args, **kwargs):
+            return fn(*args, **kwargs).float()
+        return float_outputs
+
+    model = MLP().eval()
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+    with pytest.raises(mpgraph.CaptureError) as e:
+        mpgraph.convert(model, (torch.randn(4, 16),), target=GPU)
+    text = str(e.value)
+    assert "the forward is replaced on the instance by " in text
+    assert ("convert_outputs_to_fp32.<locals>.float_outputs wrapping "
+            "autocast_decorator.<locals>.decorate_autocast wrapping MLP.forward") in text
+    assert "fc1.weight (as " in text and "a global name" not in text
+    assert e.value.fixes == [mpgraph.errors.REPLACED_FORWARD_FIX]
+    assert "accelerator.unwrap_model(model, keep_fp32_wrapper=False)" in text
+    del model.forward  # (the way out it names)
+    assert mpgraph.convert(model, (torch.randn(4, 16),), target=GPU).plan.nodes
+
+
 class _KeptByDeepcopy(nn.Module):
     def __deepcopy__(self, memo):  # (shared on purpose between copies)
         return self

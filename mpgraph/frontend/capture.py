@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from mpgraph.errors import BUILT_CACHE_FIX, EAGER, KV_CACHE_FIX, CaptureError
+from mpgraph.errors import BUILT_CACHE_FIX, EAGER, KV_CACHE_FIX, CaptureError, replaced_forward
 from mpgraph.numerics import leaves, relative_l2
 from mpgraph.frontend.functions import opaque_functions
 from mpgraph.ir.graph import (EXPORT_GUARD, as_call, flat_inputs, fresh, is_view, owned,
@@ -608,7 +608,7 @@ def _refuse_users_tensors(gm: torch.fx.GraphModule, model: torch.nn.Module, own:
                 held[node.target] = path
     if held:
         said = ", ".join(f"{path} (as {attr})" for attr, path in list(held.items())[:4])
-        raise CaptureError({"tensors of your model": (
+        raise CaptureError({"tensors of your model": replaced_forward(model, said) or (
             f"the forward reads {said} of the {type(model).__name__} you passed, not of the copy "
             "mpgraph converts: a function reaches your model by a global name or through an "
             "object the module does not hold (a hook `lambda module, inputs, output: "
