@@ -10,6 +10,7 @@ from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
+                            ContiguousLinearInputs,
                             FoldDtypeReads, FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
                             FuseSiblingGemv, LintTensorCores, MatVecLinear, NumericSafety, PackCpuLinears, RetargetDtypeAsserts, StoreWeights)
@@ -40,6 +41,7 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
         *([] if train else [PruneForInference()]),  # rewrite: eval dropout, asserts, guards
+        *([ContiguousLinearInputs()] if kind == Kind.CPU and not train else []),  # folded rows
         *([MatVecLinear(None if one_row_mv is True else one_row_mv)]
           if kind == Kind.CPU and not train and one_row_mv is not False else []),  # 1-row linears
         *([FuseSiblingGemv(overrides or {})] if kind == Kind.CPU and not train and fuse
