@@ -49,10 +49,11 @@ VALUE_BRANCH_FIX = (
 # accelerate's prepare(model) with mixed precision: model.forward =
 # convert_outputs_to_fp32(autocast(...)(model.forward)), a wrapper deepcopy shares
 REPLACED_FORWARD_FIX = (
-    "convert the model with its class's forward: accelerator.unwrap_model(model, "
-    "keep_fp32_wrapper=False) (accelerate), or del model.forward; mpgraph chooses the "
-    "precision itself, and the converted module returns float32 outputs as the wrapper did "
-    "(keep_io_types=True)")
+    "convert a module whose class's forward computes what you want: for accelerate's mixed-"
+    "precision wrapper, accelerator.unwrap_model(model, keep_fp32_wrapper=False) (mpgraph "
+    "chooses the precision itself and returns float32 outputs, keep_io_types=True); for a "
+    "wrapper of your own, a module whose forward calls the model and does what the wrapper "
+    "adds; del model.forward converts the class's forward without the wrapper")
 
 
 def replaced_forward(model, reads: str) -> str | None:
@@ -68,9 +69,12 @@ def replaced_forward(model, reads: str) -> str | None:
         chain.append(getattr(code, "co_qualname", None) or getattr(fn, "__qualname__", None)
                      or type(fn).__name__)
         fn = getattr(fn, "__wrapped__", None)
+    accelerate = any("autocast" in c or "convert_outputs_to_fp32" in c for c in chain)
     return (f"the forward is replaced on the instance by {' wrapping '.join(chain)} (model.forward "
-            "= wrapper(model.forward), as accelerate's prepare does with mixed precision: "
-            "autocast and convert_outputs_to_fp32), which the copy mpgraph converts shares: "
+            "= wrapper(model.forward)" + (", as accelerate's prepare does with mixed precision: "
+                                          "autocast and convert_outputs_to_fp32" if accelerate
+                                          else "") +
+            "), which the copy mpgraph converts shares: "
             f"it runs the {type(model).__name__} you passed and reads {reads} of it")
 
 

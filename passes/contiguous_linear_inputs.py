@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from mpgraph.ir.cpu_linear import packable
+from mpgraph.ir.graph import mutated_nodes
 from mpgraph.ir.meta import INSERTED_BY, LAYOUT, OBSERVED, TENSOR, TensorInfo
 from mpgraph.passes.infra import Pass, PassResult
 
@@ -38,13 +39,17 @@ class ContiguousLinearInputs(Pass):
 
     def call(self, gm):
         graph, done, made = gm.graph, 0, {}
+        written = mutated_nodes(graph, gm)
         for node in list(graph.nodes):
             if packable(node, gm) not in ("linear", "module") or not _strided(node.args[0]):
                 continue
             x = node.args[0]
-            dense = made.get(x)
-            if dense is None:  # (one copy for all the linears reading it: q, k and v)
-                with graph.inserting_after(x):
+            # one copy for all the linears reading x (q, k and v), taken before the first; a
+            # copy of its own for each where x is written in place (a copy taken before the
+            # write would give a later linear the old values)
+            dense = made.get(x) if x not in written else None
+            if dense is None:
+                with graph.inserting_before(node):
                     # (an export graph's ATen op; a torch.fx graph's method)
                     dense = graph.call_function(aten.contiguous.default, (x,)) \
                         if node.target is aten.linear.default \

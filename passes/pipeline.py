@@ -26,14 +26,15 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
                      progress: Optional[bool] = None, train: bool = False,
                      kind: Kind = Kind.GPU, overrides: Optional[dict] = None,
                      fuse: bool = True, one_row_mv: Union[bool, Callable] = True,
-                     simulate: bool = False) -> list[Pass]:
+                     simulate: bool = False, contiguous: bool = True) -> list[Pass]:
     """Passes that run once on the captured graph, whatever is decided later: rewrites that
     do not depend on the dtype (``kind``: the target's kernels), and calibration (the example
     inputs when no batches are given). ``overrides``: the layers they name keep their own GEMV;
     ``fuse``: False for a saved plan made without FuseSiblingGemv (its nodes are the plan's);
     ``one_row_mv``: MatVecLinear's, True, False (a saved plan without its nodes) or the measured
     question whether it pays here (``MatVecLinear.pays``); ``simulate``: the plan is checked
-    as its target computes (``Calibrate.simulate``)."""
+    as its target computes (``Calibrate.simulate``); ``contiguous``: False for a saved plan
+    made without ContiguousLinearInputs' copies (its nodes are the plan's)."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
         FoldDtypeReads(),                     # rewrite: x.to(w.dtype) reads the model's dtype
@@ -41,7 +42,8 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
         FuseTanhGelu(),                       # rewrite: GPT-2's GELU as one op
         FollowTrainingFlag(),                 # rewrite: export's baked-in dropout/BN modes
         *([] if train else [PruneForInference()]),  # rewrite: eval dropout, asserts, guards
-        *([ContiguousLinearInputs()] if kind == Kind.CPU and not train else []),  # folded rows
+        *([ContiguousLinearInputs()] if kind == Kind.CPU and not train and contiguous
+          else []),                           # rewrite: a linear's strided input copied once
         *([MatVecLinear(None if one_row_mv is True else one_row_mv)]
           if kind == Kind.CPU and not train and one_row_mv is not False else []),  # 1-row linears
         *([FuseSiblingGemv(overrides or {})] if kind == Kind.CPU and not train and fuse

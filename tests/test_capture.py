@@ -866,8 +866,18 @@ def test_a_forward_replaced_on_the_instance_is_named_with_the_way_out():
     assert "fc1.weight (as " in text and "a global name" not in text
     assert e.value.fixes == [mpgraph.errors.REPLACED_FORWARD_FIX]
     assert "accelerator.unwrap_model(model, keep_fp32_wrapper=False)" in text
+    assert "as accelerate's prepare does" in text
     del model.forward  # (the way out it names)
     assert mpgraph.convert(model, (torch.randn(4, 16),), target=GPU).plan.nodes
+    # a wrapper of the user's own (reaching the model by a global name) is not called
+    # accelerate's (rL L1)
+    global _OWN_WRAPPER
+    _OWN_WRAPPER = MLP().eval()
+    _OWN_WRAPPER.forward = lambda x: MLP.forward(_OWN_WRAPPER, x) * 2
+    with pytest.raises(mpgraph.CaptureError) as e:
+        mpgraph.convert(_OWN_WRAPPER, (torch.randn(4, 16),), target=GPU)
+    assert "replaced on the instance by test_a_forward_replaced" in str(e.value)
+    assert "accelerate's prepare" not in str(e.value)
 
 
 class _KeptByDeepcopy(nn.Module):
@@ -1038,3 +1048,27 @@ def test_an_inference_mode_region_is_refused_for_training_with_the_way_out():
     converted = mpgraph.convert(_StopGradient("no_grad").train(), torch.randn(4, 16), mode="train")
     converted(torch.randn(4, 16)).sum().backward()
     assert converted.t.weight.grad is None and converted.a.weight.grad is not None
+
+
+class _NormaliserKeptOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        with torch.no_grad():  # fx reads self.w here first, once for the whole graph
+            s = (x @ self.w).norm(dim=-1, keepdim=True)
+        return self.head((x @ self.w) / s)
+
+
+def test_a_parameter_first_read_inside_a_no_grad_region_keeps_its_gradient():
+    """Review rL M2: the parameter's read was tagged as the region's, and every later use read
+    it through a detach: its gradient was None where the model's is 1.375."""
+    torch.manual_seed(0)
+    model, x = _NormaliserKeptOut().train(), torch.randn(4, 16)
+    graph = mpgraph.capture(model, x)
+    assert [n.args[0].op for n in graph.graph.nodes if n.target == "detach"] == ["call_method"]
+    model(x).sum().backward()
+    graph(x).sum().backward()
+    torch.testing.assert_close(graph.w.grad, model.w.grad)

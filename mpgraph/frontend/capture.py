@@ -912,8 +912,10 @@ class _Tracer(torch.fx.Tracer):
         if regions is not None and regions.region is not None:
             node.meta.setdefault("custom", {})[FP32_REGION] = regions.region
         if getattr(self, "_grad_at_start", False) and not torch.is_grad_enabled() \
-                and threading.get_ident() == self._thread:
-            node.meta[_GRAD_OFF] = True  # (inside the forward's no_grad / inference_mode)
+                and threading.get_ident() == self._thread and node.op.startswith("call_"):
+            # computed inside the forward's no_grad / inference_mode (not a parameter read
+            # there first: fx reads it once for the whole graph, and it keeps its gradient)
+            node.meta[_GRAD_OFF] = True
         return node
 
     # torch.fx patches nn.Module for the whole process while it traces: a module another thread
@@ -938,7 +940,8 @@ def _detach_where_grad_was_off(gm: torch.fx.GraphModule) -> int:
     computes and code outside it reads is read through a ``detach`` (what the region gave it: a
     value no gradient flows back through). Without it, gradients taken through an inference
     conversion flowed into the region (a stop-gradient teacher branch: an input gradient 2.65x
-    the model's, pN 1). Returns the number of detaches."""
+    the model's, pN 1). Not seen: an in-place write inside a region to a value made outside it
+    (``h.mul_(2)``), which the graph still differentiates. Returns the number of detaches."""
     count = 0
     for node in list(gm.graph.nodes):
         if not node.meta.pop(_GRAD_OFF, False) or not isinstance(node.meta.get(TENSOR), TensorInfo):

@@ -51,3 +51,41 @@ def test_a_batch_first_encoder_layer_reads_its_projections_input_contiguous():
         assert len(_contiguous(converted)) >= 1, converted.plan.summary()
         with torch.no_grad():
             torch.testing.assert_close(converted(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+class _WrittenBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.k = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        y = (x * 1).transpose(0, 1)
+        y.add_(self.l(y))  # written between its two linears
+        return self.k(y)
+
+
+def test_a_strided_input_written_in_place_is_copied_for_each_linear_after_the_write():
+    """One copy shared by both linears, taken before the write, gave the second the old values
+    (1.16 off with check=False, a 'rewrote the graph wrongly' error otherwise: review rL H1)."""
+    torch.manual_seed(0)
+    model, x = _WrittenBetween().eval(), torch.randn(4, 8, 32)
+    converted = mpgraph.convert(model, x, target="cpu")
+    assert len(_contiguous(converted)) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_saved_plan_applies_with_the_copies_it_was_made_with():
+    """A plan made where the input was contiguous (or before this pass) names no copy: applied
+    to a strided input it was a PlanMismatchError, 'node contiguous is not in the plan' (rL M1)."""
+    import dataclasses
+    torch.manual_seed(0)
+    model = _SeqFirst().eval()
+    made = mpgraph.convert(model, torch.randn(4, 8, 32), target="cpu")
+    assert len(_contiguous(made)) == 1
+    again = mpgraph.convert(model, torch.randn(4, 8, 32), target="cpu", plan=made.plan)
+    assert len(_contiguous(again)) == 1
+    old = dataclasses.replace(made.plan, nodes=[r for r in made.plan.nodes
+                                                if r.inserted_by != "ContiguousLinearInputs"])
+    applied = mpgraph.convert(model, torch.randn(4, 8, 32), target="cpu", plan=old)
+    assert not _contiguous(applied)
