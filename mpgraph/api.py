@@ -772,15 +772,14 @@ def _one_row_mv(opts: Options, args: tuple, kwargs: dict, model):
         return True
     if opts.costs is not None:
         return getattr(opts.costs, "one_row_mv_pays", None) or True
-    device = _device_of(args, kwargs, model)
-    if not opts.here or device.type != "cpu":
+    here = _measured_here(opts, args, kwargs, model)
+    if here is None:
         return True
-    table = CostTable.for_device(device)
-    dtypes = (torch.float32,) + _native_lows(opts.spec)
+    table, lows = here
 
     def pays(layers: list) -> bool:
         with stage("measure"):
-            answer = one_row_mv_pays(table, layers, dtypes)
+            answer = one_row_mv_pays(table, layers, (torch.float32,) + lows)
         if table.measured_now:
             table.save()
         return answer
@@ -794,6 +793,15 @@ def _native_lows(spec: DeviceSpec) -> tuple:
     return tuple(d for d in LOW_DTYPES if spec.matmul_peak(d) is not None)
 
 
+def _measured_here(opts: Options, args: tuple, kwargs: dict, model):
+    """(this machine's cost table, the low dtypes it measures) where the plan's costs are
+    measured: the target is this machine and the model runs on it; else None."""
+    device = _device_of(args, kwargs, model)
+    if not opts.here or (opts.spec.kind == Kind.GPU) != (device.type == "cuda"):
+        return None
+    return CostTable.for_device(device), _native_lows(opts.spec)
+
+
 def cost_model(opts: Options, gm, args: tuple, kwargs: dict, model) -> CostModel:
     """The plan's cost model: the one given; this machine's measured op times where the target
     is this machine and the model runs on it (``mpgraph.cost.measured``); else the target's
@@ -803,11 +811,10 @@ def cost_model(opts: Options, gm, args: tuple, kwargs: dict, model) -> CostModel
     spec = opts.spec
     calibration = read_calibration(spec) if spec.kind == Kind.GPU else None
     roofline = Roofline(spec, calibration=calibration, runtime=opts.runtime)
-    device = _device_of(args, kwargs, model)
-    if not opts.here or (spec.kind == Kind.GPU) != (device.type == "cuda"):
+    here = _measured_here(opts, args, kwargs, model)
+    if here is None:
         return roofline
-    table = CostTable.for_device(device)
-    lows = _native_lows(spec)
+    table, lows = here
     packs = spec.kind == Kind.CPU and not opts.train  # (PackCpuLinears: inference on a CPU)
     with stage("measure"):
         keys = measure(gm, args, kwargs, table, lows, packs=packs)

@@ -26,6 +26,7 @@ from mpgraph.numerics import float_leaves
 from mpgraph.ir.graph import (as_call, flat_inputs, is_batch_encoding, mutated_nodes,
                                run_recording, source_line)
 from mpgraph.ir.modules import guard_error
+from mpgraph.ir.simulate import run_simulated
 from mpgraph.ir.meta import (CONSTANT_INPUTS, OBSERVED, RANGE, REFERENCE, TENSOR, Reference,
                              TensorInfo, ValueRange)
 from mpgraph.passes.infra import Pass, PassResult
@@ -430,7 +431,6 @@ class Calibrate(Pass):
             if count == 0:  # what the converted graph is checked against (CheckConversion)
                 if self.simulate and any(getattr(n.meta.get(TENSOR), "dtype", None) in _LOW
                                          for n in gm.graph.nodes):
-                    from mpgraph.ir.simulate import run_simulated
                     output = run_simulated(gm, args, kwargs, lambda node, value: None)
                 gm.meta[REFERENCE] = Reference(args, kwargs, tuple(
                     v.detach() if isinstance(v, torch.Tensor) else v
