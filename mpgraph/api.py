@@ -900,8 +900,11 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
     fuse, contiguous = (opts.plan is None or any(r.inserted_by == rewrite for r in opts.plan.nodes)
                         for rewrite in ("FuseSiblingGemv", "ContiguousLinearInputs"))
     simulate = elsewhere(opts.spec, args, kwargs, model)
+    apart = opts.overrides if opts.plan is None else {  # the GEMVs a saved plan kept apart (an
+        r.name: None for r in opts.plan.nodes           # override named them), by node name
+        if r.inserted_by == "MatVecLinear" and r.target == "aten.mv.default"}
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train,
-                                     opts.spec.kind, overrides=opts.overrides, fuse=fuse,
+                                     opts.spec.kind, overrides=apart, fuse=fuse,
                                      one_row_mv=_one_row_mv(opts, args, kwargs, model),
                                      simulate=simulate, contiguous=contiguous), gm)
     if EVAL_OUTPUTS in gm.meta:

@@ -270,6 +270,13 @@ def test_an_override_on_one_member_keeps_its_gemv_apart_and_a_saved_plan_applies
     assert not applied.meta.get(FUSED) and len(_mvs(applied)) == 4
     with torch.no_grad():
         assert relative_l2(applied(x), model(x)) < 1e-2
+    # the plan the override made applies again, k apart (every member was stacked: a
+    # PlanMismatchError naming internal nodes, pL F8)
+    again = mpgraph.convert(model, x, target="cpu", dtype="bf16", plan=c.plan)
+    assert [[p for p, _, _ in spans] for _, spans in again.meta[FUSED]] \
+        == [["attn.q.weight", "attn.v.weight"]]
+    assert again.plan.node(next(r.name for r in c.plan.nodes if r.dtype == "float32"
+                                and r.target == "aten.mv.default")).dtype == "float32"
 
 
 def test_a_stack_rebuilt_under_inference_mode_takes_later_in_place_loads():
