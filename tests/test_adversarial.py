@@ -1513,7 +1513,8 @@ def test_globals_made_from_the_inputs_are_said_and_torch_compiles_names_are_left
         want = model(x)  # (compiles: its names land in this module's globals)
         fast = mpgraph.convert(model, (x,))
         torch.testing.assert_close(model(x), want)
-        torch.testing.assert_close(fast(x), want)
+        # (a plan for this machine: float32 on an AVX2 CPU, bf16 where it pays on an AMX one)
+        assert relative_l2(fast(x), want) < 2e-2
 
 
 class RecordsLastTraced(nn.Module):
