@@ -5,6 +5,7 @@ import torch.nn as nn
 
 import mpgraph
 from conftest import GPU
+from mpgraph.numerics import relative_l2
 
 aten = torch.ops.aten
 
@@ -36,8 +37,9 @@ def test_a_linear_on_a_transposed_activation_reads_one_contiguous_copy():
     converted = mpgraph.convert(model, x, target="cpu")
     assert len(_contiguous(converted)) == 1
     with torch.no_grad():
-        torch.testing.assert_close(converted(x), model(x), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(converted(torch.randn(2, 5, 32)).shape, (5, 2, 32))
+        # (a plan for this CPU: float32 here, bf16 where it pays on an AMX one)
+        assert relative_l2(converted(x), model(x)) < 2e-2
+        assert converted(torch.randn(2, 5, 32)).shape == (5, 2, 32)
     assert not _contiguous(mpgraph.convert(model, x, target=GPU))
     assert not _contiguous(mpgraph.convert(model, x, target="cpu", mode="train"))
 
@@ -50,7 +52,7 @@ def test_a_batch_first_encoder_layer_reads_its_projections_input_contiguous():
                       mpgraph.convert(nn.Sequential(layer), x, target="cpu")):
         assert len(_contiguous(converted)) >= 1, converted.plan.summary()
         with torch.no_grad():
-            torch.testing.assert_close(converted(x), layer(x), rtol=1e-5, atol=1e-5)
+            assert relative_l2(converted(x), layer(x)) < 2e-2
 
 
 class _WrittenBetween(nn.Module):
@@ -71,8 +73,8 @@ def test_a_strided_input_written_in_place_is_copied_for_each_linear_after_the_wr
     model, x = _WrittenBetween().eval(), torch.randn(4, 8, 32)
     converted = mpgraph.convert(model, x, target="cpu")
     assert len(_contiguous(converted)) == 2
-    with torch.no_grad():
-        torch.testing.assert_close(converted(x), model(x), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # (the stale copy was 0.54 off)
+        assert relative_l2(converted(x), model(x)) < 2e-2
 
 
 def test_a_saved_plan_applies_with_the_copies_it_was_made_with():
