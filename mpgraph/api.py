@@ -599,9 +599,8 @@ def calibrate(model: torch.nn.Module, example_inputs: Any = None, *,
     lows = _native_lows(spec)
     fresh = CostTable.for_device(device, fresh=True)  # (its path, and the machine's best probe)
     # the graph convert times (its one-row linears as mv where that was faster, timed again)
-    one_row_mv = spec.kind != Kind.CPU or (
-        lambda layers: one_row_mv_pays(fresh, layers, (torch.float32,) + lows))
-    gm = run_passes(prepare_pipeline(args, kwargs, kind=spec.kind, one_row_mv=one_row_mv), gm)
+    gm = run_passes(prepare_pipeline(args, kwargs, kind=spec.kind, one_row_mv=lambda layers:
+                                     one_row_mv_pays(fresh, layers, (torch.float32,) + lows)), gm)
     with stage("measure"):
         measure(gm, args, kwargs, fresh, lows, budget_s=budget_s, packs=spec.kind == Kind.CPU)
     return fresh  # (measure saved it over the cache's entries: the other models' are kept)

@@ -76,17 +76,23 @@ def _brief(exc: BaseException, lines: int = 2) -> str:
     return out + (f"\n    raised at {where}" if where else "")
 
 
+def _model_code(filename: str) -> bool:
+    """Whether a frame's file is the model's code: not torch's machinery (torch.nn's modules
+    are model code), mpgraph's, the standard library's or generated code."""
+    path = os.path.abspath(filename)
+    return not (path.startswith(_OURS) or filename.startswith("<")
+                or (path.startswith(_MACHINERY) and not path.startswith(_TORCH_NN))
+                or (path.startswith(_STDLIB) and "-packages" + os.sep not in path))
+
+
 def _call_site(exc: BaseException) -> str:
     """``file.py:line in function: code`` of the model's code that raised ``exc``, or "": the
     innermost frame of the traceback that is not torch's machinery or mpgraph's, else the call
     torch.export's message names (the outermost line of the model's forward)."""
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_OURS) or frame.filename.startswith("<") or \
-                (path.startswith(_MACHINERY) and not path.startswith(_TORCH_NN)) or \
-                (path.startswith(_STDLIB) and "-packages" + os.sep not in path):
-            continue
-        return f"{os.path.basename(path)}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+        if _model_code(frame.filename):
+            return (f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}: "
+                    f"{(frame.line or '').strip()}")
     found = _CALL_SITE.search(str(exc))
     if found:
         path, line, function, code = found.groups()
@@ -265,10 +271,14 @@ class _AutocastOff:
             out = enter(self)
             if threading.get_ident() == watcher._owner:
                 asked = self.__dict__.get("_mpgraph_enabled", _asked(self))
-                watcher._stack.append(
-                    None if asked else f"torch.autocast({self.device!r}, enabled=False)"
-                    if asked is False else f"torch.autocast({self.device!r}) decorator "
-                    f"(enabled=False assumed: this machine has no {self.device} to tell)")
+                if asked:
+                    region = None
+                elif asked is False:
+                    region = f"torch.autocast({self.device!r}, enabled=False)"
+                else:  # (a decorator's flag this machine cannot tell)
+                    region = (f"torch.autocast({self.device!r}) decorator (enabled=False "
+                              f"assumed: this machine has no {self.device} to tell)")
+                watcher._stack.append(region)
             return out
 
         def __exit__(self, *exc):
@@ -955,8 +965,6 @@ def _detach_where_grad_was_off(gm: torch.fx.GraphModule) -> int:
         for user in outside:
             user.replace_input_with(node, detached)
         count += 1
-    for node in gm.graph.nodes:
-        node.meta.pop(_GRAD_OFF, None)
     if count:
         gm.recompile()
     return count
@@ -984,10 +992,9 @@ def _inference_regions(seen: list):
 
 
 def _user_frame() -> str:
-    """file:line of the innermost frame outside torch and mpgraph (where the model's code is)."""
+    """file:line of the innermost frame of the model's code (``_model_code``) on the stack."""
     for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace(os.sep, "/")
-        if "/torch/" not in path and "/mpgraph/" not in path and "contextlib" not in path:
+        if _model_code(frame.filename):
             return f"{os.path.basename(frame.filename)}:{frame.lineno}"
     return "the forward"
 
