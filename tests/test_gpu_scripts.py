@@ -31,8 +31,10 @@ def test_gpu_check_runs_every_variant_and_the_training_table_on_the_cpu():
     for model in ("t5",):
         rows = [r for r in _rows(out, model) if len(r) == 8]
         assert [r[2] for r in rows] == ["fp32", "autocast", ".half()", "mpgraph",
-                                        "mpgraph CUDA graph"], out
+                                        "mpgraph CUDA graph", "mpgraph default"], out
         assert all(math.isfinite(float(r[3])) and float(r[7]) < 1e-2 for r in rows), rows
+    assert re.search(r"# t5 estimated vs measured speed-up over fp32: mpgraph [\d.]+x vs [\d.]+x; "
+                     r"CUDA graph [\d.]+x vs [\d.]+x; default [\d.]+x vs [\d.]+x", out), out
     train = [r for r in _rows(out, "bert") if len(r) == 6]
     assert [r[1] for r in train] == ["fp32", "autocast", "mpgraph train"], out
     assert all(math.isfinite(float(r[5])) for r in train)

@@ -122,8 +122,13 @@ def model_rows(name: str, rounds: int, compile_: bool, batch: int | None = None,
     device = "cpu" if tiny else "cuda"
     model, x = model.to(device), x.to(device)
     # planned for this GPU (--tiny: for an H100, on the CPU)
-    converted = mpgraph.convert(model, (x,), dtype=FP16, target="h100" if tiny else None)
+    target = "h100" if tiny else None
+    converted = mpgraph.convert(model, (x,), dtype=FP16, target=target)
     graphed = mpgraph.cuda_graph(converted)  # one graph for this input shape, on the first call
+    default = mpgraph.convert(model, (x,), target=target)  # no dtype: the plan's own choice
+    # the estimate for a replayed run (the plan is the same; only the cost model's host term differs)
+    replay_plan = mpgraph.convert(model, (x,), dtype=FP16, target=target, runtime="graphs",
+                                  check=False).plan
     half = copy.deepcopy(model).half()
 
     def autocast(inp):
@@ -132,7 +137,7 @@ def model_rows(name: str, rounds: int, compile_: bool, batch: int | None = None,
 
     variants = {"fp32": model, "autocast": autocast,
                 ".half()": lambda inp: half(inp.half() if inp.is_floating_point() else inp),
-                "mpgraph": converted, "mpgraph CUDA graph": graphed}
+                "mpgraph": converted, "mpgraph CUDA graph": graphed, "mpgraph default": default}
     if compile_:
         variants["autocast + compile"] = torch.compile(autocast)
         variants["mpgraph + compile"] = torch.compile(converted)
@@ -153,6 +158,15 @@ def model_rows(name: str, rounds: int, compile_: bool, batch: int | None = None,
                 times[k].append(_cuda_ms(f, x, rounds))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"# {name}: {converted.plan.summary()}", flush=True)
+    print(f"# {name} default: {default.plan.summary()}", flush=True)
+
+    def estimated(plan):
+        e = plan.estimate
+        return e["fp32_s"] / e["plan_s"] if e.get("plan_s") else float("nan")
+    print(f"# {name} estimated vs measured speed-up over fp32: mpgraph "
+          f"{estimated(converted.plan):.2f}x vs {med['fp32'] / med['mpgraph']:.2f}x; CUDA graph "
+          f"{estimated(replay_plan):.2f}x vs {med['fp32'] / med['mpgraph CUDA graph']:.2f}x; default "
+          f"{estimated(default.plan):.2f}x vs {med['fp32'] / med['mpgraph default']:.2f}x", flush=True)
     print(f"# {name} mpgraph CUDA graph: {graphed.stats}", flush=True)
     size = "x".join(map(str, x.shape))
     for k in variants:
@@ -253,6 +267,19 @@ def calibration_lines(tiny: bool = False) -> list[str]:
             f"us; efficiency against the peaks: {eff}; written to {path}"]
 
 
+def emit(lines: list[str], part, *args) -> None:
+    """Print a part's lines as they come (a run cut short by a time limit keeps what it made) and
+    keep them for --out; a part that fails prints its error and the rest still run."""
+    try:
+        new = part(*args) if callable(part) else part
+    except Exception as e:  # a GPU session has one try: one model's failure must not end it
+        import traceback
+        traceback.print_exc()
+        new = [f"FAILED {getattr(part, '__name__', part)}{args[:1]}: {type(e).__name__}: {e}"]
+    print("\n".join(new), flush=True)
+    lines += new
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=[*SIZES, "llama4", "t5"], choices=MODELS)
@@ -277,28 +304,30 @@ def main() -> int:
     torch.manual_seed(0)
     start = time.time()
     gpu = "CPU (--tiny smoke run)" if args.tiny else torch.cuda.get_device_name(0)
-    lines = [f"{time.strftime('%Y-%m-%d')} {gpu}, torch {torch.__version__}, fp16, median of "
+    lines: list[str] = []
+    emit(lines, [f"{time.strftime('%Y-%m-%d')} {gpu}, torch {torch.__version__}, fp16, median of "
              f"{args.rounds}-call blocks ({'perf_counter' if args.tiny else 'CUDA events'})", "",
              "| model | input | variant | median ms | vs fp32 | vs autocast | vs .half() | "
              "rel. L2 error |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|---:|---:|---:|"])
     for name in args.models:
-        lines += model_rows(name, args.rounds, name in args.compile_models, args.batch, args.tiny)
+        emit(lines, model_rows, name, args.rounds, name in args.compile_models, args.batch, args.tiny)
     if args.train_models:
-        lines += ["", "Training steps (fp16, GradScaler, AdamW), ms per step:", "",
+        emit(lines, ["", "Training steps (fp16, GradScaler, AdamW), ms per step:", "",
                   "| model | variant | median ms | vs fp32 | vs autocast | loss after warm-up |",
-                  "|---|---|---:|---:|---:|---:|"]
+                  "|---|---|---:|---:|---:|---:|"])
         for name in args.train_models:
-            lines += training_rows(name, args.train_steps, args.tiny)
-    lines += [""] + bert_tensor_cores(args.tiny)
-    lines += [""] + calibration_lines(args.tiny)
-    lines.append(f"total {time.time() - start:.0f} s")
+            emit(lines, training_rows, name, args.train_steps, args.tiny)
+    emit(lines, [""])
+    emit(lines, bert_tensor_cores, args.tiny)
+    emit(lines, [""])
+    emit(lines, calibration_lines, args.tiny)
+    emit(lines, [f"total {time.time() - start:.0f} s"])
     text = "\n".join(lines)
-    print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    return 0
+    return 1 if any(line.startswith("FAILED") for line in lines) else 0
 
 
 if __name__ == "__main__":
