@@ -15,8 +15,8 @@ import logging
 import torch
 import torch.fx
 
-from mpgraph.ir.graph import (alias_base, fetch_attr, input_nodes, is_conv2d, is_inplace, is_view,
-                             mutated_nodes, set_attr, target_name, with_data)
+from mpgraph.ir.graph import (alias_base, draws_random, fetch_attr, input_nodes, is_conv2d,
+                             is_inplace, is_view, mutated_nodes, set_attr, target_name, with_data)
 from mpgraph.ir.meta import (INSERTED_BY, LAYOUT, MEMORY_FORMATS, OP_CLASS, PRECISION, TENSOR,
                              Decision, OpInfo, TensorInfo, is_inserted_cast)
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
@@ -40,34 +40,15 @@ STRIDED = {"view", "view_as", "_unsafe_view", "as_strided"}
 MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 
 
-# ops that draw one random number per element in memory order: given an NHWC value they draw
-# another mask than the model's NCHW one (dropout on a conv feature map: a check that failed at
-# 0.75 on a right conversion, a noise layer's randn_like at 1.06)
-RANDOM = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-          "dropout1d", "dropout2d", "dropout3d", "randn_like", "rand_like", "randint_like",
-          "bernoulli", "normal", "uniform", "exponential", "geometric", "cauchy", "log_normal",
-          "poisson", "multinomial", "rrelu", "rrelu_with_noise"}
-
-
 def _op_name(node: torch.fx.Node) -> str:
     name = target_name(node).split(".")
     return name[1] if name[0] == "aten" and len(name) > 1 else name[-1]
 
 
-def _draws_random(node: torch.fx.Node, gm) -> bool:
-    """Whether the node draws random numbers, out of place or in place (``normal_``)."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
-    if node.op not in ("call_function", "call_method"):
-        return False
-    return _op_name(node).rstrip("_") in RANDOM | {"random"}
-
-
 def _sees_layout(node: torch.fx.Node, gm) -> bool:
     """Whether the node's result depends on its first argument's strides (or it refuses some)."""
     return bool(node.args) and isinstance(node.args[0], torch.fx.Node) and (
-        _draws_random(node, gm) or node.op in ("call_function", "call_method")
+        draws_random(node, gm) or node.op in ("call_function", "call_method")
         and _op_name(node) in STRIDED)
 
 
@@ -137,7 +118,7 @@ class ChannelsLast(Pass):
         """``contiguous()`` (free where it already is) where the layout is seen on a value the
         NHWC convolutions reach: the input of each ``view`` (LeNet's own ``x.view(B, -1)``;
         ``h.flatten(2).view(B, -1)`` failed on the strides NHWC gives it), each random draw
-        (``RANDOM``: one number per element in memory order, another mask than the model's for
+        (``mpgraph.ir.graph.RANDOM``: one number per element in memory order, another mask than the model's for
         the same seed) and each output (a user's ``out.view(B, -1)`` failed) get the model's
         layout back (``mpgraph.layout``). A conv the model too ran NHWC (channels_last inputs)
         changes nothing; a matrix product writes a fresh contiguous result."""

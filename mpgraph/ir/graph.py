@@ -351,8 +351,41 @@ def _spec_key_index(spec, key: str) -> int:
         return 0
 
 
+# ops that draw one random number per element in memory order (``normal_`` in place too)
+RANDOM = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+          "dropout1d", "dropout2d", "dropout3d", "randn_like", "rand_like", "randint_like",
+          "bernoulli", "normal", "uniform", "exponential", "geometric", "cauchy", "log_normal",
+          "poisson", "multinomial", "rrelu", "rrelu_with_noise", "random"}
+# of those, the ones that draw a training-time mask (or slope) rather than values a user compares
+MASKS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+         "dropout1d", "dropout2d", "dropout3d", "rrelu", "rrelu_with_noise"}
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def draws_random(node: torch.fx.Node, root: torch.nn.Module, kinds=RANDOM) -> bool:
+    """Whether the node draws random numbers, out of place or in place (``normal_``);
+    ``kinds=MASKS``: a dropout mask or RReLU's slopes."""
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = target_name(node).split(".")
+    name = name[1] if name[0] == "aten" and len(name) > 1 else name[-1]
+    return name.rstrip("_") in kinds
+
+
 class RecordingInterpreter(torch.fx.Interpreter):
-    """Runs a graph node by node and hands every node's output to ``on_node``."""
+    """Runs a graph node by node and hands every node's output to ``on_node``.
+
+    A dropout mask (or RReLU's slopes) on a low-precision value is drawn in float32 and the
+    result rounded: CUDA's kernels draw another mask in fp16/bf16 than in float32 for the same
+    seed (BERT training's dropout: 0.57 off float32 on an H200, a ValueCheckError on a right
+    conversion), so a comparison with the float32 graph compared two masks, not two roundings.
+    The converted module draws its own (as autocast's and ``.half()``'s do: any mask is a
+    sample of the same dropout). Values a user compares (``randn_like`` noise) are drawn as the
+    module draws them: a plan whose sample differs from the model's fails the check, not passes
+    it (the CPU's bf16 ``rand_like`` did: it is kept in float32)."""
 
     def __init__(self, gm: torch.fx.GraphModule, on_node):
         super().__init__(gm)
@@ -364,10 +397,31 @@ class RecordingInterpreter(torch.fx.Interpreter):
             with self._set_current_node(n):
                 args, _ = self.fetch_args_kwargs_from_env(n)
                 result = run_packed(self.module, n, args)
+        elif draws_random(n, self.module, MASKS):
+            result = self._draw_in_float32(n)
         else:
             result = super().run_node(n)
         self._on_node(n, result)
         return result
+
+    def _draw_in_float32(self, n: torch.fx.Node) -> Any:
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            leaves = pytree.tree_leaves((args, kwargs))
+            low = [t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.dtype in _LOW]
+            if not low or kwargs.get("dtype") is not None:  # (asked for a dtype: drawn in it)
+                return getattr(self, n.op)(n.target, args, kwargs)
+            up_args, up_kwargs = pytree.tree_map(
+                lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _LOW else t,
+                (args, kwargs))
+            result = getattr(self, n.op)(n.target, up_args, up_kwargs)
+            result = pytree.tree_map(
+                lambda t: t.to(low[0]) if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                else t, result)
+            if is_inplace(n, self.module) and args and isinstance(args[0], torch.Tensor):
+                args[0].copy_(up_args[0])  # (what it wrote goes where the graph reads it)
+                return args[0]
+            return result
 
 
 RUN_SEED = 0  # every run conversion makes draws its random numbers from this seed
