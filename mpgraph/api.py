@@ -896,8 +896,9 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
     the low dtype, why everything stayed float32 if it did, how the dtype was chosen).
     ``fallback``: bfloat16, where the automatic choice's float16 failed the check (_fallback)."""
     # a saved plan names the nodes it was made on: stacked GEMVs only if it has them
-    fuse, contiguous = (opts.plan is None or any(r.inserted_by == rewrite for r in opts.plan.nodes)
-                        for rewrite in ("FuseSiblingGemv", "ContiguousLinearInputs"))
+    fuse, contiguous, mask_copy = (
+        opts.plan is None or any(r.inserted_by == rewrite for r in opts.plan.nodes)
+        for rewrite in ("FuseSiblingGemv", "ContiguousLinearInputs", "ContiguousAttentionMask"))
     simulate = elsewhere(opts.spec, args, kwargs, model)
     apart = opts.overrides if opts.plan is None else {  # the GEMVs a saved plan kept apart (an
         r.name: None for r in opts.plan.nodes           # override named them), by node name
@@ -905,7 +906,8 @@ def _convert_captured(gm, model, args, kwargs, opts: Options, fallback: Optional
     gm = run_passes(prepare_pipeline(args, kwargs, opts.calibration, opts.progress, opts.train,
                                      opts.spec.kind, overrides=apart, fuse=fuse,
                                      one_row_mv=_one_row_mv(opts, args, kwargs, model),
-                                     simulate=simulate, contiguous=contiguous), gm)
+                                     simulate=simulate, contiguous=contiguous,
+                                     mask_copy=mask_copy), gm)
     if EVAL_OUTPUTS in gm.meta:
         _say_if_eval_differs(gm, model, args, kwargs, gm.meta.pop(EVAL_OUTPUTS))
     if EVAL_SWITCH in gm.meta:

@@ -10,6 +10,7 @@ from mpgraph.passes.calibrate import Calibrate
 from mpgraph.passes.channels_last import ChannelsLast
 from mpgraph.passes.check_conversion import CheckConversion
 from mpgraph.passes.classify_ops import ClassifyOps
+from mpgraph.passes.contiguous_attention_mask import ContiguousAttentionMask
 from mpgraph.passes.contiguous_linear_inputs import ContiguousLinearInputs
 from mpgraph.passes.estimate_cost import EstimateCost
 from mpgraph.passes.fold_dtype_reads import FoldDtypeReads
@@ -28,7 +29,7 @@ from mpgraph.passes.retarget_dtype_asserts import RetargetDtypeAsserts
 from mpgraph.passes.store_weights import StoreWeights
 
 __all__ = ["AssignPrecision", "AssignPrecisionOptimal", "Calibrate", "ChannelsLast",
-           "CheckConversion", "ClassifyOps", "ContiguousLinearInputs", "EstimateCost", "FoldDtypeReads", "FollowTrainingFlag", "Functionalize",
+           "CheckConversion", "ClassifyOps", "ContiguousAttentionMask", "ContiguousLinearInputs", "EstimateCost", "FoldDtypeReads", "FollowTrainingFlag", "Functionalize",
            "FuseSiblingGemv", "FuseTanhGelu", "InsertCasts",
            "LintTensorCores", "MatVecLinear", "NumericSafety", "PackCpuLinears", "PropagateTensorInfo", "PruneForInference",
            "RetargetDtypeAsserts", "StoreWeights"]

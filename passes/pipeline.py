@@ -10,7 +10,7 @@ from mpgraph.cost.specs import DeviceSpec
 from mpgraph.passes.op_table import OpTable
 from mpgraph.passes.infra import Pass
 from mpgraph.passes import (AssignPrecision, AssignPrecisionOptimal, Calibrate, ChannelsLast,
-                            ContiguousLinearInputs,
+                            ContiguousAttentionMask, ContiguousLinearInputs,
                             FoldDtypeReads, FollowTrainingFlag, Functionalize, PruneForInference,
                             CheckConversion, ClassifyOps, EstimateCost, FuseTanhGelu, InsertCasts,
                             FuseSiblingGemv, LintTensorCores, MatVecLinear, NumericSafety, PackCpuLinears, RetargetDtypeAsserts, StoreWeights)
@@ -26,7 +26,8 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
                      progress: Optional[bool] = None, train: bool = False,
                      kind: Kind = Kind.GPU, overrides: Optional[dict] = None,
                      fuse: bool = True, one_row_mv: Union[bool, Callable] = True,
-                     simulate: bool = False, contiguous: bool = True) -> list[Pass]:
+                     simulate: bool = False, contiguous: bool = True,
+                     mask_copy: bool = True) -> list[Pass]:
     """Passes that run once on the captured graph, whatever is decided later: rewrites that
     do not depend on the dtype (``kind``: the target's kernels), and calibration (the example
     inputs when no batches are given). ``overrides``: the layers they name keep their own GEMV;
@@ -34,7 +35,8 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
     ``one_row_mv``: MatVecLinear's, True, False (a saved plan without its nodes) or the measured
     question whether it pays here (``MatVecLinear.pays``); ``simulate``: the plan is checked
     as its target computes (``Calibrate.simulate``); ``contiguous``: False for a saved plan
-    made without ContiguousLinearInputs' copies (its nodes are the plan's)."""
+    made without ContiguousLinearInputs' copies (its nodes are the plan's); ``mask_copy``:
+    likewise for ContiguousAttentionMask's."""
     batches = calibration if calibration is not None else [Call(example_args, example_kwargs)]
     return [
         FoldDtypeReads(),                     # rewrite: x.to(w.dtype) reads the model's dtype
@@ -44,6 +46,8 @@ def prepare_pipeline(example_args: tuple, example_kwargs: dict,
         *([] if train else [PruneForInference()]),  # rewrite: eval dropout, asserts, guards
         *([ContiguousLinearInputs()] if kind == Kind.CPU and not train and contiguous
           else []),                           # rewrite: a linear's strided input copied once
+        *([ContiguousAttentionMask()] if kind == Kind.GPU and mask_copy
+          else []),                           # rewrite: a broadcast attention mask copied once
         *([MatVecLinear(None if one_row_mv is True else one_row_mv)]
           if kind == Kind.CPU and not train and one_row_mv is not False else []),  # 1-row linears
         *([FuseSiblingGemv(overrides or {})] if kind == Kind.CPU and not train and fuse

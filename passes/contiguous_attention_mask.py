@@ -1,0 +1,81 @@
+"""An attention mask whose last dimension is broadcast (stride 0) is read as a contiguous copy
+by ``scaled_dot_product_attention`` in GPU plans.
+
+torch's CUDA attention backends (flash, memory-efficient, cuDNN) require the mask's last
+dimension to have stride 1 (the CPU's do not); given a broadcast one, SDPA falls back to its
+math path, which also computes fp16/bf16 in float32. A captured HF BERT builds its padding mask
+as ``(kv_idx >= pad)[..., None].expand(...)`` (its eager forward skips an all-ones mask; a
+traced one cannot): on an H200, every attention of the converted BERT-base ran float32
+CUDA-core GEMMs (80.7 us each at 8x128), where ``.half()`` ran the fused kernel. The copy is
+the mask's own size (batch x query x key booleans), once for all the layers that read it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from mpgraph.ir.graph import mutated_nodes
+from mpgraph.ir.meta import INSERTED_BY, LAYOUT, OBSERVED, TENSOR, TensorInfo
+from mpgraph.passes.infra import Pass, PassResult
+
+aten = torch.ops.aten
+_SDPA = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
+
+
+def _mask(node: torch.fx.Node):
+    """(the mask argument's node, its position or keyword) of an SDPA call, or None."""
+    if node.op != "call_function" or node.target not in _SDPA:
+        return None
+    if len(node.args) > 3:
+        return (node.args[3], 3) if isinstance(node.args[3], torch.fx.Node) else None
+    mask = node.kwargs.get("attn_mask")
+    return (mask, "attn_mask") if isinstance(mask, torch.fx.Node) else None
+
+
+def _broadcast_last(mask: torch.fx.Node) -> bool:
+    """Whether the mask's last dimension has a stride other than 1: torch.export's recorded
+    value says; a torch.fx graph's run recorded only its layout (any strided mask, then)."""
+    val = mask.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim():
+        try:
+            return int(val.stride(-1)) != 1 and int(val.shape[-1]) != 1
+        except (TypeError, RuntimeError):  # (a symbolic stride without a hint)
+            pass
+    info = mask.meta.get(TENSOR)
+    return isinstance(info, TensorInfo) and bool(info.shape) and info.shape[-1] != 1 \
+        and mask.meta.get(LAYOUT) == "strided"
+
+
+class ContiguousAttentionMask(Pass):
+    stage = "prepare"
+    rewrites = True
+    also_reads = (LAYOUT,)
+    writes = (INSERTED_BY, TENSOR, OBSERVED, LAYOUT)  # the new nodes' facts
+
+    def call(self, gm):
+        graph, done, made = gm.graph, 0, {}
+        written = mutated_nodes(graph, gm)
+        for node in list(graph.nodes):
+            found = _mask(node)
+            if found is None or not _broadcast_last(found[0]):
+                continue
+            mask, where = found
+            dense = made.get(mask) if mask not in written else None
+            if dense is None:
+                with graph.inserting_before(node):
+                    dense = graph.call_function(aten.contiguous.default, (mask,)) \
+                        if node.target is aten.scaled_dot_product_attention.default \
+                        else graph.call_method("contiguous", (mask,))
+                dense.meta.update({TENSOR: mask.meta.get(TENSOR), LAYOUT: "contiguous",
+                                   INSERTED_BY: self.name,
+                                   "nn_module_stack": mask.meta.get("nn_module_stack")})
+                if OBSERVED in mask.meta:  # (the same elements)
+                    dense.meta[OBSERVED] = mask.meta[OBSERVED]
+                made[mask] = dense
+            if where == 3:
+                node.args = (*node.args[:3], dense, *node.args[4:])
+            else:
+                node.kwargs = {**node.kwargs, "attn_mask": dense}
+            done += 1
+        return PassResult(gm, done > 0)
