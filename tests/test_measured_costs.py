@@ -688,3 +688,24 @@ def test_a_dtype_the_cpu_has_no_instructions_for_is_emulated_whatever_the_rates(
     busy = DeviceSpec("CPU", Kind.CPU, {"fp32": 1.5e9, "fp16": 1.3e9, "bf16": 1.4e9}, 4e10, 2,
                       4e-6)  # rates alike: the ratio alone calls both native
     assert {d: emulated(d, busy) for d in (FP16, BF16)} == want
+
+
+def test_an_h200_plan_reads_the_calibration_a_gpu_session_shipped_unless_the_user_has_one():
+    """The H200 this project measured (examples/bench/gpu_check.py) spent 13.6 us of host time a
+    node, where the uncalibrated floor says 7: plans for it made anywhere read that file; one in
+    the user's cache (written on their own H200) comes first."""
+    from mpgraph.cost.device import resolve_target
+    from mpgraph.cost.roofline import calibration_path, read_calibration, write_calibration
+    spec = resolve_target("h200")
+    assert not os.path.exists(calibration_path(spec))  # (the tests' own cache)
+    model, x = _mlp()
+    plan = mpgraph.convert(model, (x,), target="h200", dtype=FP16).plan
+    assert "calibrated on NVIDIA H200 SXM (2026-12-04, torch 2.11.0+cu130), eager (host floor " \
+           "13.6 us a node)" in plan.estimate["source"]
+    mine = {**read_calibration(spec), "host_per_node_s": 9e-6, "written": "mine"}
+    write_calibration(spec, mine)
+    try:
+        plan = mpgraph.convert(model, (x,), target="h200", dtype=FP16).plan
+        assert "(mine), eager (host floor 9 us a node)" in plan.estimate["source"]
+    finally:
+        os.remove(calibration_path(spec))
