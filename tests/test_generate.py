@@ -17,6 +17,8 @@ tokens); teacher-forced, at every decided step. Undecided steps must be rare (at
 from __future__ import annotations
 
 import copy
+import inspect
+import sys
 import warnings
 
 import pytest
@@ -1102,12 +1104,15 @@ def test_the_output_holds_no_cache_and_another_call_s_cache_is_refused_with_the_
     model, decoder = _fp32_decoder()
     ids = prompt()
     out = decoder.generate(ids, max_new_tokens=2, return_dict_in_generate=True)
-    assert out.cache is None and out.sequences.shape == (2, PROMPT + 2)
+    # (the field is past_key_values before transformers 5.24)
+    assert getattr(out, "cache", getattr(out, "past_key_values", 0)) is None
+    assert out.sequences.shape == (2, PROMPT + 2)
     with torch.no_grad():
         hf = model.generate(ids, max_new_tokens=2, return_dict_in_generate=True)
     for name in ("cache", "past_key_values"):
         with pytest.raises(ValueError) as refused:
-            decoder.generate(out.sequences, max_new_tokens=2, **{name: hf.cache})
+            decoder.generate(out.sequences, max_new_tokens=2,
+                             **{name: hf.cache if hasattr(hf, "cache") else hf.past_key_values})
         assert str(refused.value) == (
             f"generate({name}=...): the decoder keeps its own static cache (decoder.cache), "
             "filled from the prompt on every call: pass the whole sequence as the prompt "
@@ -1126,7 +1131,8 @@ def test_a_fixed_position_table_in_a_buffer_bounds_generation_with_a_clear_error
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(decoder.generate(ids, max_new_tokens=6), want)
     with pytest.raises(ValueError, match=r"exceed the model's position table \(transformer\."
-                                         r"rotary_emb\.embed_positions: 30 positions"):
+                                         r"(rotary_emb|h\.0\.attn)\.embed_positions: 30 "
+                                         r"positions"):
         decoder.generate(ids, max_new_tokens=30 - PROMPT + 1)
 
 
@@ -1336,3 +1342,47 @@ def test_a_decoder_whose_step_cannot_be_traced_gets_the_way_out_that_applies_to_
     text = str(caught.value)
     assert "fix: convert_decoder traces the model's own forward on a static KV cache" in text
     assert "generate with the HF model's own generate" in text and "model.encoder" not in text
+
+
+class PastKeyValuesLlama(transformers.LlamaForCausalLM):
+    """A causal LM as transformers before 5.24 (and remote code) define them: its forward takes
+    the KV cache as ``past_key_values``, not ``cache``."""
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
+        name = "cache" if "cache" in inspect.signature(super().forward).parameters \
+            else "past_key_values"
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, use_cache=use_cache,
+                               logits_to_keep=logits_to_keep, **{name: past_key_values},
+                               **kwargs)
+
+
+def test_an_lm_taking_past_key_values_converts_and_others_are_refused_with_the_reason(
+        monkeypatch):
+    """transformers before 5.24 named the cache argument past_key_values: every decoder was
+    refused ("takes no `cache` argument"). A forward taking neither, or a transformers too old
+    for the static cache, is refused with the reason."""
+    reference = llama()
+    model = PastKeyValuesLlama(reference.config).eval()
+    model.load_state_dict(reference.state_dict())
+    ids = prompt(rows=1)
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)
+    assert_tokens_equal_hf(reference, decoder, ids, n=6)
+
+    class NoCache(nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.config, self.lm_head = lm.config, lm.lm_head
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.lm_head(torch.zeros(*input_ids.shape, 64))
+
+    with pytest.raises(TypeError, match=r"NoCache\.forward takes no `cache` \(or "
+                                        r"`past_key_values`\) argument: not a transformers 5 "
+                                        r"causal LM with a KV cache"):
+        mpgraph.convert_decoder(NoCache(reference), ids, max_cache_len=SLOTS)
+    # (the module imported now: transformers' lazy module replaces itself in sys.modules)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.4.0")
+    with pytest.raises(ImportError, match=r"convert_decoder needs transformers >= 5\.5 .* "
+                                          r"transformers 5\.4\.0 is installed"):
+        mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)

@@ -61,6 +61,27 @@ log = logging.getLogger(__name__)
 KEY, VALUE, LENGTH = "key_cache_", "value_cache_", "cumulative_length_"
 
 
+# the keyword a causal LM's forward takes its KV cache by: transformers 5.24 renamed
+# past_key_values (its earlier releases', and remote code's) to cache
+_CACHE_ARGS = ("cache", "past_key_values")
+# the oldest transformers whose StaticCache layers keep their write position in a tensor
+# (cumulative_length), which the graphs set from cache_position on every call
+MIN_TRANSFORMERS = "5.5"
+
+
+def _require_transformers() -> None:
+    """Refuse a transformers older than ``MIN_TRANSFORMERS`` up front: its static cache writes
+    where a Python count or the cache's contents say, which a captured graph would freeze."""
+    import transformers
+    from packaging.version import Version
+    if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:
+        raise ImportError(
+            f"convert_decoder needs transformers >= {MIN_TRANSFORMERS} (its StaticCache keeps "
+            f"the write position in a tensor the graphs set per call); transformers "
+            f"{transformers.__version__} is installed: pip install -U "
+            f"'transformers>={MIN_TRANSFORMERS}'")
+
+
 class StaticCacheStep(torch.nn.Module):
     """One call of a HuggingFace causal LM on a static KV cache whose tensors are buffers here.
 
@@ -84,8 +105,10 @@ class StaticCacheStep(torch.nn.Module):
         if config is None:
             raise TypeError(f"expected a HuggingFace causal LM (with .config), got "
                             f"{type(model).__name__}")
+        _require_transformers()
         params = inspect.signature(model.forward).parameters
-        if "cache" not in params and callable(getattr(model, "get_base_model", None)):
+        self._cache_arg = next((name for name in _CACHE_ARGS if name in params), None)
+        if self._cache_arg is None and callable(getattr(model, "get_base_model", None)):
             raise TypeError(  # a peft wrapper
                 f"{type(model).__name__} is a peft wrapper: convert_decoder takes the causal LM "
                 "itself, which holds the adapter layers: convert_decoder(model.get_base_model(), "
@@ -104,9 +127,10 @@ class StaticCacheStep(torch.nn.Module):
                 "decoder-only causal LM (LlamaForCausalLM, GPT2LMHeadModel); convert the "
                 "encoder and decoder with mpgraph.convert, or generate with the HF model's own "
                 "generate")
-        if "cache" not in params:
-            raise TypeError(f"{type(model).__name__}.forward takes no `cache` argument: not a "
-                            "transformers 5 causal LM with a KV cache")
+        if self._cache_arg is None:
+            raise TypeError(f"{type(model).__name__}.forward takes no `cache` (or "
+                            "`past_key_values`) argument: not a transformers 5 causal LM with "
+                            "a KV cache")
         self.model = model
         self._logits_to_keep = "logits_to_keep" in params
         text = config.get_text_config(decoder=True)
@@ -167,8 +191,8 @@ class StaticCacheStep(torch.nn.Module):
         device = next(model.parameters()).device
         with torch.no_grad(), seeded():  # (a model in training mode draws dropout: not from
             ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)  # the caller's
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=self.cache,
-                  use_cache=True)  # RNG; a mask: token 0 may be the pad id, and transformers
+            model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  **{self._cache_arg: self.cache}, use_cache=True)  # RNG; a mask: token 0 may be the pad id, and transformers
             # warned that the ids "may be padded")
         unwritten = [i for i, layer in enumerate(self.cache.layers) if not layer.is_initialized]
         if unwritten:
@@ -187,9 +211,32 @@ class StaticCacheStep(torch.nn.Module):
             layer.cumulative_length = getattr(self, f"{LENGTH}{i}")
             layer.cumulative_length.copy_(cache_position[0])
         extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, cache=self.cache, use_cache=True, **extra)
+        with _short_longrope(self.model):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids, **{self._cache_arg: self.cache},
+                             use_cache=True, **extra)
         return out.logits[:, -1]
+
+
+@contextlib.contextmanager
+def _short_longrope(model: torch.nn.Module):
+    """Longrope rotary embeddings called as plain ones: their per-call choice of the short or
+    long factors (transformers before 5.21 or so branch in Python on ``max(position_ids)``, which
+    no tracer captures) always picks the short ones here, since ``_check_rope`` keeps the cache
+    within ``original_max_position_embeddings``; their ``inv_freq`` holds the short factors since
+    the cache was built by a one-token call."""
+    saved = [(m, m.rope_type) for m in model.modules()
+             if hasattr(m, "original_inv_freq") and "longrope" in (
+                 m.rope_type.values() if isinstance(getattr(m, "rope_type", None), dict)
+                 else [getattr(m, "rope_type", None)])]
+    try:
+        for m, kind in saved:
+            m.rope_type = ({k: "default" if v == "longrope" else v for k, v in kind.items()}
+                           if isinstance(kind, dict) else "default")
+        yield
+    finally:
+        for m, kind in saved:
+            m.rope_type = kind
 
 
 def _check_rope(model: torch.nn.Module, text, max_cache_len: int) -> None:
@@ -965,7 +1012,10 @@ def _generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
             bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
             raise ValueError(f"{what} holds token id {bad}, outside the model's vocabulary of "
                              f"{vocab} (ids 0..{vocab - 1})")  # (an IndexError inside the graph)
-    rules._prepare_special_tokens(config, attention_mask is not None, device, rows)
+    # (its batch_size, which only keeps a one-row batch from a padding warning, came in 5.x)
+    special = {"batch_size": rows} if "batch_size" in inspect.signature(
+        rules._prepare_special_tokens).parameters else {}
+    rules._prepare_special_tokens(config, attention_mask is not None, device, **special)
     if attention_mask is None:  # HF's: 0 on the pad id where it is in the prompt and not EOS
         given = rules._prepare_attention_mask_for_generation(ids, config, {})
     else:
