@@ -191,9 +191,9 @@ class StaticCacheStep(torch.nn.Module):
         device = next(model.parameters()).device
         with torch.no_grad(), seeded():  # (a model in training mode draws dropout: not from
             ids = torch.zeros((batch_size, 1), dtype=torch.long, device=device)  # the caller's
-            model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                  **{self._cache_arg: self.cache}, use_cache=True)  # RNG; a mask: token 0 may be the pad id, and transformers
-            # warned that the ids "may be padded")
+            model(input_ids=ids, attention_mask=torch.ones_like(ids),  # RNG; a mask: token 0
+                  **{self._cache_arg: self.cache}, use_cache=True)  # may be the pad id, and
+            # transformers warned that the ids "may be padded")
         unwritten = [i for i, layer in enumerate(self.cache.layers) if not layer.is_initialized]
         if unwritten:
             raise ValueError(f"{type(model).__name__} did not write its cache layers {unwritten}: "
@@ -221,7 +221,7 @@ class StaticCacheStep(torch.nn.Module):
 @contextlib.contextmanager
 def _short_longrope(model: torch.nn.Module):
     """Longrope rotary embeddings called as plain ones: their per-call choice of the short or
-    long factors (transformers before 5.21 or so branch in Python on ``max(position_ids)``, which
+    long factors (transformers 5.20 and earlier branch in Python on ``max(position_ids)``, which
     no tracer captures) always picks the short ones here, since ``_check_rope`` keeps the cache
     within ``original_max_position_embeddings``; their ``inv_freq`` holds the short factors since
     the cache was built by a one-token call."""
@@ -1012,7 +1012,7 @@ def _generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
             bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
             raise ValueError(f"{what} holds token id {bad}, outside the model's vocabulary of "
                              f"{vocab} (ids 0..{vocab - 1})")  # (an IndexError inside the graph)
-    # (its batch_size, which only keeps a one-row batch from a padding warning, came in 5.x)
+    # (its batch_size, which only keeps a one-row batch from a padding warning: not in 5.5)
     special = {"batch_size": rows} if "batch_size" in inspect.signature(
         rules._prepare_special_tokens).parameters else {}
     rules._prepare_special_tokens(config, attention_mask is not None, device, **special)
