@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from mpgraph.frontend.capture import capture, in_inference_mode, outside_inference_mode
-from mpgraph.cost.device import resolve_target, trace_device
+from mpgraph.cost.device import resolve_target
 from mpgraph.cost.measured import CostTable, Measured, emulated, measure, one_row_mv_pays
 from mpgraph.cost.model import CostModel
 from mpgraph.cost.roofline import RUNTIMES, Roofline, read_calibration
@@ -36,7 +36,8 @@ from mpgraph.ir.meta import (COST, CONSTANT_INPUTS, EVAL_OUTPUTS, EVAL_SWITCH, F
                              TENSOR_CORE, Kind, dtype_name, is_float32_tensor, shape_of)
 from mpgraph.plans.plan import MODES, Plan
 from mpgraph.tolerance import check_tolerance, meet_tolerance
-from mpgraph.ir.fake import Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors
+from mpgraph.ir.fake import (Abstract, fake_mode, has_meta_tensors, is_abstract, module_tensors,
+                             trace_device)
 from mpgraph.plans.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -751,7 +752,12 @@ class Options:
                 raise ValueError("calibration and tolerance measure values; a model with tensors "
                                  "on the meta device is planned from shapes alone (load its "
                                  "weights, or convert the materialised model)")
-            abstract = Abstract(trace_device(spec))
+            abstract = Abstract(trace_device(args, kwargs))
+            if spec.kind == Kind.GPU and abstract.device.type != "cuda":
+                log.info("planning for %s: traced for %s, where the example inputs are (and the "
+                         "materialised model given them runs); CUDA inputs give a CUDA trace, "
+                         "whose layout-only nodes such as .contiguous() may differ", spec.name,
+                         abstract.device)
             args, kwargs = abstract.fake_inputs(args, kwargs)  # capture and passes share them
         opts = cls(low, range_dtype, keep_fp32, spec, strategy, keep_io_types, table,
                    dict(overrides or {}), check, calibration, tolerance, progress, plan,

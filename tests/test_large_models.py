@@ -369,3 +369,45 @@ def test_a_size_1_guard_kept_by_a_meta_plan_says_why_and_the_way_out(llama):
             planned(ids[:1])
         again = mpgraph.convert(real, ids, plan=planned.plan)
         assert torch.equal(again(ids[:1]).last_hidden_state, direct(ids[:1]).last_hidden_state)
+
+
+def test_a_meta_plan_is_traced_where_its_inputs_are_with_cuda_here_or_not(monkeypatch):
+    """A machine with CUDA traced a meta model planned for a GPU on fake CUDA tensors, whatever
+    its example inputs: CPU inputs gave a plan unlike the materialised model's and the one a
+    machine without CUDA made (device constants on cuda:0, load_weights moving the weights to
+    CUDA; a forward's own CPU constants refused). The inputs decide, all on meta: torch's default
+    device. torch.cuda.is_available() patched stands in for the GPU."""
+    from mpgraph.ir.fake import TRACED_ON, Abstract
+
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x).relu() + torch.arange(16, device=x.device)
+
+    class Masked(Shifted):  # (a branch on a size: torch.export, which bakes the device in)
+        def forward(self, x):
+            n = x.shape[-1]
+            return self.fc(x + torch.arange(n, device=x.device) if n > 8 else x)
+
+    x = torch.randn(2, 16)
+    for cls in (Shifted, Masked):
+        torch.manual_seed(0)
+        real = cls().eval()
+        with torch.device("meta"):
+            meta = cls().eval()
+        direct = mpgraph.convert(real, x, **OPTIONS)
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            for inputs in (x, x.to("meta")):
+                planned = mpgraph.convert(meta, inputs, **OPTIONS)
+                assert planned.meta[TRACED_ON] == "cpu" and planned.code == direct.code
+                mpgraph.load_weights(planned, real.state_dict())
+                assert {t.device.type for t in planned.state_dict().values()} == {"cpu"}
+                assert torch.equal(planned(x), direct(x))
+    assert "device(type='cpu')" in planned.code  # (Masked: export's arange)
+    from mpgraph.ir.fake import trace_device
+    cuda = Abstract(torch.device("cuda")).fake(x)  # CUDA inputs (fakes here): a CUDA trace
+    assert trace_device((cuda,), {}) == torch.device("cuda", 0)

@@ -272,13 +272,3 @@ def tf32_enabled() -> bool:
     """Whether torch runs float32 matmuls as TF32 on GPUs that have it (the fp32 baseline)."""
     return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
 
-
-def trace_device(spec: DeviceSpec) -> torch.device:
-    """The device an abstract model is traced for: the target's kind where this machine can fake
-    it (fake CUDA tensors need CUDA present), else the CPU."""
-    if spec.kind == Kind.GPU:
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        log.info("planning for %s without CUDA here: tracing for the CPU (layout-only nodes "
-                 "such as .contiguous() may differ from a CUDA trace)", spec.name)
-    return torch.device("cpu")

@@ -94,6 +94,21 @@ def has_abstract_tensors(model: torch.nn.Module, args: tuple = (),
         for t in pytree.tree_leaves((args, kwargs or {})))
 
 
+def trace_device(args: tuple, kwargs: Optional[dict] = None) -> torch.device:
+    """The device an abstract model is traced for: where its example inputs are, as the
+    materialised model given them runs there (whatever the target: an A100 plan made from CPU
+    inputs is a CPU trace on a machine with a GPU as on one without); inputs all on meta say
+    nothing, so torch's default device, where the forward's own tensors (``torch.ones(n)``) are
+    made. The plan then is the materialised model's node by node, device constants included,
+    and never depends on whether this machine has CUDA."""
+    from torch.utils import _pytree as pytree
+    given = next((t.device for t in pytree.tree_leaves((args, kwargs or {}))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"), None)
+    if given is None:
+        given = torch.get_default_device()
+    return given if given.type != "meta" else torch.device("cpu")  # (with torch.device("meta"))
+
+
 class Abstract:
     """The fake mode an abstract model is traced and converted in, and the device it fakes."""
 
