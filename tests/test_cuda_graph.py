@@ -228,7 +228,10 @@ def test_arguments_plan_passthrough_and_export():
 
 
 def test_cuda_backend_brackets_capture_and_frees_a_failed_captures_pool(monkeypatch):
-    """The CUDA calls in order, on a CPU: torch.cuda's pieces replaced by recorders."""
+    """The CUDA calls in order, on a CPU: torch.cuda's pieces replaced by recorders. After a
+    failed capture, a capture that ends (of one kernel, in a pool of its own) takes the default
+    CUDA generator out of capture mode: a random op raised "Offset increment outside graph
+    capture encountered unexpectedly" before."""
     import contextlib
     calls = []
 
@@ -254,6 +257,7 @@ def test_cuda_backend_brackets_capture_and_frees_a_failed_captures_pool(monkeypa
         except Exception:
             raise RuntimeError("operation failed due to a previous error during capture")
         g.ended = True
+        calls.append("end")
 
     fakes = {"device": lambda d: contextlib.nullcontext(), "Stream": Stream, "CUDAGraph": Graph,
              "current_stream": Stream, "stream": lambda s: contextlib.nullcontext(),
@@ -267,8 +271,8 @@ def test_cuda_backend_brackets_capture_and_frees_a_failed_captures_pool(monkeypa
     backend.warmup(lambda: calls.append("run"), dev, 2)
     g, out = backend.capture(lambda: calls.append("run") or 5, dev)
     backend.replay(g, dev)
-    assert out == 5 and calls == ["wait", "run", "run", "wait", ("capture", (0, 7)), "run", "wait",
-                                  "replay"]
+    assert out == 5 and calls == ["wait", "run", "run", "wait", ("capture", (0, 7)), "run", "end",
+                                  "wait", "replay"]
     calls.clear()
 
     def sync():
@@ -277,7 +281,7 @@ def test_cuda_backend_brackets_capture_and_frees_a_failed_captures_pool(monkeypa
     with pytest.raises(RuntimeError, match="previous error"):
         backend.capture(sync, dev)
     assert calls == [("capture", (0, 7)), ("_cuda_endAllocateToPool", 0, (0, 7)),
-                     ("_cuda_releasePool", 0, (0, 7))]
+                     ("_cuda_releasePool", 0, (0, 7)), ("capture", None), "end"]
 
 
 # on a GPU: real capture and replay, compared with eager
@@ -363,4 +367,11 @@ def test_gpu_host_sync_in_forward_falls_back_and_cuda_stays_usable(caplog):
     with torch.no_grad():
         assert rel_err(mlp(x), mlp.module(x)) < 1e-5 and mlp.stats.captures == 1
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    # the random generator works and is where it was: a failed capture draws nothing
+    torch.cuda.manual_seed(3)
+    first = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(3)
+    with torch.no_grad():
+        mpgraph.cuda_graph(Branches())(torch.ones(4, device="cuda"))
+    assert torch.equal(torch.rand(4, device="cuda"), first)
 

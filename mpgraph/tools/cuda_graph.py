@@ -116,6 +116,7 @@ class CudaGraphBackend:
                     out = fn()
             except Exception:
                 _release_failed_capture(graph, pool)
+                _end_generator_capture(device)
                 raise
             torch.cuda.current_stream().wait_stream(side)
         return graph, out
@@ -139,6 +140,26 @@ def _release_failed_capture(graph: Any, pool: Any) -> None:
         torch._C._cuda_releasePool(device, pool)
     except Exception:  # best effort: private torch calls, absent or changed in some versions
         log.debug("cuda_graph: could not release a failed capture's memory pool", exc_info=True)
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """A failed capture leaves the device's default CUDA generator capturing: capture_begin puts
+    it in capture mode and only a capture_end that succeeds takes it out (torch 2.11's
+    CUDAGeneratorState), so every later random op outside a graph (``torch.randn(...,
+    device="cuda")``) raised "Offset increment outside graph capture encountered unexpectedly".
+    A capture that ends takes it out: one of a single kernel, into a graph dropped at once (its
+    pool with it). The generator's offset is untouched: eager random numbers go on as if the
+    failed capture had not been tried."""
+    try:
+        scratch = torch.zeros(1, device=device)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
+            scratch.add_(1)  # (of a graph with no kernel torch warns that it is empty)
+    except Exception:
+        log.warning("cuda_graph: could not take the CUDA random generator of %s out of the "
+                    "failed capture's state: random ops there may raise \"Offset increment "
+                    "outside graph capture\" (torch.cuda.manual_seed does not reset it)",
+                    device, exc_info=True)
 
 
 def _root_message(e: BaseException) -> str:
