@@ -161,6 +161,16 @@ def test_load_weights_moves_device_constants_with_the_weights(llama):
     assert out.device.type == "meta" and out.shape == (2, 16, CFG["hidden_size"])
 
 
+def test_a_device_named_another_way_is_the_one_the_plan_was_traced_for(llama):
+    """load_weights(device="cuda") of a plan traced for cuda:0 (CUDA example inputs) moved each
+    device constant from cuda:0 to cuda: the code differed from the materialised model's (and a
+    decoder on cuda:0 refused device="cuda"). "cpu:0" names the CPU the same other way."""
+    real, meta, ids, direct = llama
+    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    mpgraph.load_weights(planned, real.state_dict(), device="cpu:0")
+    assert planned.code == direct.code and planned.meta["mpgraph.traced_on"] == "cpu"
+
+
 def test_values_are_refused_for_a_meta_model(llama):
     _, meta, ids, _ = llama
     with pytest.raises(ValueError, match="calibration and tolerance measure values"):
