@@ -171,6 +171,35 @@ def test_a_device_named_another_way_is_the_one_the_plan_was_traced_for(llama):
     assert planned.code == direct.code and planned.meta["mpgraph.traced_on"] == "cpu"
 
 
+def test_device_constants_inside_a_no_grad_region_move_with_the_weights():
+    """torch.export puts a region under no_grad (HF's rotary embedding in transformers 5.17) in a
+    submodule of its own: its device constants stayed on the traced device, and the module,
+    loaded elsewhere, ran .to(cpu) of a meta tensor ("Cannot copy out of meta tensor")."""
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            n = x.shape[-1]
+            with torch.no_grad():
+                pos = torch.arange(n, device=x.device).float()
+            return self.fc(x + pos if n > 8 else x)  # (a branch on a size: torch.export)
+
+    torch.manual_seed(0)
+    real = Positions().eval()
+    with torch.device("meta"):
+        meta = Positions().eval()
+    x = torch.randn(2, 16)
+    planned = mpgraph.convert(meta, x, **OPTIONS)
+    (region,) = [m for m in planned.modules() if isinstance(m, torch.fx.GraphModule)
+                 and m is not planned]
+    assert "device(type='cpu')" in region.code
+    mpgraph.load_weights(planned, real.state_dict(), device="meta")
+    assert "cpu" not in region.code
+    assert planned(x.to("meta")).device.type == "meta"
+
+
 def test_values_are_refused_for_a_meta_model(llama):
     _, meta, ids, _ = llama
     with pytest.raises(ValueError, match="calibration and tolerance measure values"):

@@ -152,8 +152,10 @@ def _indexed(index: str) -> list[tuple[str, list[str]]]:
 
 def _retarget_devices(gm: torch.fx.GraphModule, old: str, new: torch.device) -> int:
     """Ops that create tensors on the traced device (arange(device=cpu) for a mask) must create
-    them where the weights now are."""
-    edits = 0
+    them where the weights now are: in the graph, and in the bodies of its higher-order ops
+    (torch.export puts a region under no_grad or autocast, HF's rotary embedding, in a submodule
+    of its own, whose .to(cpu) was left behind)."""
+    total = edits = 0
 
     def move(a):
         nonlocal edits
@@ -162,18 +164,21 @@ def _retarget_devices(gm: torch.fx.GraphModule, old: str, new: torch.device) -> 
             return new
         return a
 
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        node.args = torch.fx.node.map_aggregate(node.args, move)
-        kwargs = dict(node.kwargs)
-        if kwargs.get("device") is not None and str(kwargs["device"]) == old:
-            kwargs["device"], edits = new, edits + 1
-        node.kwargs = torch.fx.node.map_aggregate(kwargs, move)
-    if edits:
-        gm.recompile()
+    for graph in [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]:
+        edits = 0
+        for node in graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            node.args = torch.fx.node.map_aggregate(node.args, move)
+            kwargs = dict(node.kwargs)
+            if kwargs.get("device") is not None and str(kwargs["device"]) == old:
+                kwargs["device"], edits = new, edits + 1  # (symbolic_trace keeps device="cpu")
+            node.kwargs = torch.fx.node.map_aggregate(kwargs, move)
+        if edits:
+            graph.recompile()
+        total += edits
     gm.meta[TRACED_ON] = str(new)
-    return edits
+    return total
 
 
 def load_weights(gm: torch.nn.Module, *weights, device: Union[None, str, torch.device] = None,
