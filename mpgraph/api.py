@@ -1262,6 +1262,16 @@ def check_plan_fits(plan: Plan, gm: torch.fx.GraphModule,
         problems.insert(0, f"the plan was made with dynamic={not static} ({plan.capture}) and "
                            f"this conversion captured with dynamic={static}: leave dynamic "
                            f"out, or pass dynamic={not static}")
+    regions = [any("set_grad_enabled" in t for t in targets) for targets in (
+        [r.target for r in plan.nodes], [target_name(n) for n in gm.graph.nodes])]
+    if problems and regions[0] != regions[1]:  # (a region's nodes, inlined or not: new names)
+        problems.insert(0, "the plan was made with gradients " + ("on" if regions[0] else "off")
+                        + " and this conversion runs with them " + ("off" if regions[0] else "on")
+                        + ": torch.export keeps the forward's no_grad region as one "
+                        "wrap_with_set_grad_enabled node with gradients on, and inlines it "
+                        "with them off. Apply the plan in the grad mode it was made in ("
+                        + ("outside torch.no_grad()" if regions[0] else "inside torch.no_grad()")
+                        + "), or make a plan in this one")
     if problems and all(": shape " in p for p in problems):
         problems.insert(0, "a plan is made for the shapes of the inputs it was made with, and "
                            "these inputs give other shapes: apply it with inputs of those "

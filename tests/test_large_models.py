@@ -171,25 +171,42 @@ def test_a_device_named_another_way_is_the_one_the_plan_was_traced_for(llama):
     assert planned.code == direct.code and planned.meta["mpgraph.traced_on"] == "cpu"
 
 
+class _Positions(nn.Module):
+    """A region under no_grad (HF's rotary embedding in transformers 5.17) with a device constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        n = x.shape[-1]
+        with torch.no_grad():
+            pos = torch.arange(n, device=x.device).float()
+        return self.fc(x + pos if n > 8 else x)  # (a branch on a size: torch.export)
+
+
+def test_a_plan_applied_in_another_grad_mode_says_so():
+    """torch.export keeps a no_grad region as one node with gradients on and inlines it with
+    them off: a plan made outside torch.no_grad() and applied inside it listed a dozen missing
+    nodes and no reason (a meta Llama's plan under transformers 5.17)."""
+    torch.manual_seed(0)
+    model, x = _Positions().eval(), torch.randn(2, 16)
+    plan = mpgraph.convert(model, x, **OPTIONS).plan
+    with torch.no_grad(), pytest.raises(mpgraph.PlanMismatchError, match=r"made with gradients "
+                                        r"on and this conversion runs with them off.*outside "
+                                        r"torch\.no_grad\(\)"):
+        mpgraph.convert(model, x, plan=plan)
+    assert torch.equal(mpgraph.convert(model, x, plan=plan)(x), mpgraph.convert(model, x, **OPTIONS)(x))
+
+
 def test_device_constants_inside_a_no_grad_region_move_with_the_weights():
     """torch.export puts a region under no_grad (HF's rotary embedding in transformers 5.17) in a
     submodule of its own: its device constants stayed on the traced device, and the module,
     loaded elsewhere, ran .to(cpu) of a meta tensor ("Cannot copy out of meta tensor")."""
-    class Positions(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(16, 16)
-
-        def forward(self, x):
-            n = x.shape[-1]
-            with torch.no_grad():
-                pos = torch.arange(n, device=x.device).float()
-            return self.fc(x + pos if n > 8 else x)  # (a branch on a size: torch.export)
-
     torch.manual_seed(0)
-    real = Positions().eval()
+    real = _Positions().eval()
     with torch.device("meta"):
-        meta = Positions().eval()
+        meta = _Positions().eval()
     x = torch.randn(2, 16)
     planned = mpgraph.convert(meta, x, **OPTIONS)
     (region,) = [m for m in planned.modules() if isinstance(m, torch.fx.GraphModule)
