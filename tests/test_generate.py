@@ -1382,7 +1382,8 @@ def test_an_lm_taking_past_key_values_converts_and_others_are_refused_with_the_r
                                         r"causal LM with a KV cache"):
         mpgraph.convert_decoder(NoCache(reference), ids, max_cache_len=SLOTS)
     # (the module imported now: transformers' lazy module replaces itself in sys.modules)
-    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.4.0")
-    with pytest.raises(ImportError, match=r"convert_decoder needs transformers >= 5\.5 .* "
-                                          r"transformers 5\.4\.0 is installed"):
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.16.1")
+    with pytest.raises(ImportError, match=r"convert_decoder needs transformers >= 5\.17 .* "
+                                          r"transformers 5\.16\.1 is installed: pip install "
+                                          r"-U 'transformers>=5\.17'"):
         mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)

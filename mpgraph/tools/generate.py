@@ -64,20 +64,23 @@ KEY, VALUE, LENGTH = "key_cache_", "value_cache_", "cumulative_length_"
 # the keyword a causal LM's forward takes its KV cache by: transformers 5.24 renamed
 # past_key_values (its earlier releases', and remote code's) to cache
 _CACHE_ARGS = ("cache", "past_key_values")
-# the oldest transformers whose StaticCache layers keep their write position in a tensor
-# (cumulative_length), which the graphs set from cache_position on every call
-MIN_TRANSFORMERS = "5.5"
+# the oldest transformers convert_decoder was checked on: the StaticCache layers keep their
+# write position in a tensor (cumulative_length, from 5.4 on), which the graphs set from
+# cache_position on every call; 5.5 converts Llama and GPT-2, but its vmap-built masks
+# (Falcon) do not capture
+MIN_TRANSFORMERS = "5.17"
 
 
 def _require_transformers() -> None:
-    """Refuse a transformers older than ``MIN_TRANSFORMERS`` up front: its static cache writes
-    where a Python count or the cache's contents say, which a captured graph would freeze."""
+    """Refuse a transformers older than ``MIN_TRANSFORMERS`` up front, with the version needed
+    (before 5.4 the static cache writes where the model's cache_position says, which the step
+    does not drive; later ones failed deep inside capture)."""
     import transformers
     from packaging.version import Version
     if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:
         raise ImportError(
-            f"convert_decoder needs transformers >= {MIN_TRANSFORMERS} (its StaticCache keeps "
-            f"the write position in a tensor the graphs set per call); transformers "
+            f"convert_decoder needs transformers >= {MIN_TRANSFORMERS} (the oldest whose "
+            f"static cache and masks it captures); transformers "
             f"{transformers.__version__} is installed: pip install -U "
             f"'transformers>={MIN_TRANSFORMERS}'")
 
@@ -1012,10 +1015,7 @@ def _generate(decoder: ConvertedDecoder, input_ids: torch.Tensor,
             bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
             raise ValueError(f"{what} holds token id {bad}, outside the model's vocabulary of "
                              f"{vocab} (ids 0..{vocab - 1})")  # (an IndexError inside the graph)
-    # (its batch_size, which only keeps a one-row batch from a padding warning: not in 5.5)
-    special = {"batch_size": rows} if "batch_size" in inspect.signature(
-        rules._prepare_special_tokens).parameters else {}
-    rules._prepare_special_tokens(config, attention_mask is not None, device, **special)
+    rules._prepare_special_tokens(config, attention_mask is not None, device, rows)
     if attention_mask is None:  # HF's: 0 on the pad id where it is in the prompt and not EOS
         given = rules._prepare_attention_mask_for_generation(ids, config, {})
     else:
