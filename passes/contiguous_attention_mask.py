@@ -15,22 +15,19 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from mpgraph.ir.graph import mutated_nodes
-from mpgraph.ir.meta import INSERTED_BY, LAYOUT, OBSERVED, TENSOR, TensorInfo
-from mpgraph.passes.infra import Pass, PassResult
+from mpgraph.ir.meta import LAYOUT, TENSOR, TensorInfo
+from mpgraph.passes.contiguous_linear_inputs import ContiguousCopies
 
 aten = torch.ops.aten
 _SDPA = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 
 
 def _mask(node: torch.fx.Node):
-    """(the mask argument's node, its position or keyword) of an SDPA call, or None."""
+    """The mask argument's node of an SDPA call, or None."""
     if node.op != "call_function" or node.target not in _SDPA:
         return None
-    if len(node.args) > 3:
-        return (node.args[3], 3) if isinstance(node.args[3], torch.fx.Node) else None
-    mask = node.kwargs.get("attn_mask")
-    return (mask, "attn_mask") if isinstance(mask, torch.fx.Node) else None
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return mask if isinstance(mask, torch.fx.Node) else None
 
 
 def _broadcast_last(mask: torch.fx.Node) -> bool:
@@ -47,35 +44,7 @@ def _broadcast_last(mask: torch.fx.Node) -> bool:
         and mask.meta.get(LAYOUT) == "strided"
 
 
-class ContiguousAttentionMask(Pass):
-    stage = "prepare"
-    rewrites = True
-    also_reads = (LAYOUT,)
-    writes = (INSERTED_BY, TENSOR, OBSERVED, LAYOUT)  # the new nodes' facts
-
-    def call(self, gm):
-        graph, done, made = gm.graph, 0, {}
-        written = mutated_nodes(graph, gm)
-        for node in list(graph.nodes):
-            found = _mask(node)
-            if found is None or not _broadcast_last(found[0]):
-                continue
-            mask, where = found
-            dense = made.get(mask) if mask not in written else None
-            if dense is None:
-                with graph.inserting_before(node):
-                    dense = graph.call_function(aten.contiguous.default, (mask,)) \
-                        if node.target is aten.scaled_dot_product_attention.default \
-                        else graph.call_method("contiguous", (mask,))
-                dense.meta.update({TENSOR: mask.meta.get(TENSOR), LAYOUT: "contiguous",
-                                   INSERTED_BY: self.name,
-                                   "nn_module_stack": mask.meta.get("nn_module_stack")})
-                if OBSERVED in mask.meta:  # (the same elements)
-                    dense.meta[OBSERVED] = mask.meta[OBSERVED]
-                made[mask] = dense
-            if where == 3:
-                node.args = (*node.args[:3], dense, *node.args[4:])
-            else:
-                node.kwargs = {**node.kwargs, "attn_mask": dense}
-            done += 1
-        return PassResult(gm, done > 0)
+class ContiguousAttentionMask(ContiguousCopies):
+    def copied_input(self, node, gm):
+        mask = _mask(node)
+        return mask if mask is not None and _broadcast_last(mask) else None

@@ -31,35 +31,51 @@ def _strided(x) -> bool:
         and x.meta.get(LAYOUT) == "strided"
 
 
-class ContiguousLinearInputs(Pass):
+def _contiguous_copy(graph: torch.fx.Graph, x: torch.fx.Node, before: torch.fx.Node,
+                     by: str) -> torch.fx.Node:
+    """``x.contiguous()`` inserted before ``before`` (an export graph's ATen op where ``before``
+    is one, else a torch.fx graph's method), with ``x``'s facts, inserted by ``by``."""
+    with graph.inserting_before(before):
+        dense = graph.call_function(aten.contiguous.default, (x,)) \
+            if isinstance(before.target, torch._ops.OpOverload) \
+            else graph.call_method("contiguous", (x,))
+    dense.meta.update({TENSOR: x.meta.get(TENSOR), LAYOUT: "contiguous", INSERTED_BY: by,
+                       "nn_module_stack": x.meta.get("nn_module_stack")})
+    if OBSERVED in x.meta:  # (the same elements)
+        dense.meta[OBSERVED] = x.meta[OBSERVED]
+    return dense
+
+
+class ContiguousCopies(Pass):
+    """The rewrite both contiguous passes make: each node's input that ``copied_input`` names
+    is read through a ``contiguous`` copy, one for all the nodes reading that value, taken
+    before the first; a copy of its own for each where the value is written in place (a copy
+    taken before the write would give a later reader the old values)."""
     stage = "prepare"
     rewrites = True
     also_reads = (LAYOUT,)
     writes = (INSERTED_BY, TENSOR, OBSERVED, LAYOUT)  # the new nodes' facts
 
+    def copied_input(self, node: torch.fx.Node, gm) -> "torch.fx.Node | None":
+        raise NotImplementedError
+
     def call(self, gm):
         graph, done, made = gm.graph, 0, {}
         written = mutated_nodes(graph, gm)
         for node in list(graph.nodes):
-            if packable(node, gm) not in ("linear", "module") or not _strided(node.args[0]):
+            x = self.copied_input(node, gm)
+            if x is None:
                 continue
-            x = node.args[0]
-            # one copy for all the linears reading x (q, k and v), taken before the first; a
-            # copy of its own for each where x is written in place (a copy taken before the
-            # write would give a later linear the old values)
             dense = made.get(x) if x not in written else None
             if dense is None:
-                with graph.inserting_before(node):
-                    # (an export graph's ATen op; a torch.fx graph's method)
-                    dense = graph.call_function(aten.contiguous.default, (x,)) \
-                        if node.target is aten.linear.default \
-                        else graph.call_method("contiguous", (x,))
-                dense.meta.update({TENSOR: x.meta[TENSOR], LAYOUT: "contiguous",
-                                   INSERTED_BY: self.name,
-                                   "nn_module_stack": x.meta.get("nn_module_stack")})
-                if OBSERVED in x.meta:  # (the same elements)
-                    dense.meta[OBSERVED] = x.meta[OBSERVED]
-                made[x] = dense
+                dense = made[x] = _contiguous_copy(graph, x, node, self.name)
             node.replace_input_with(x, dense)
             done += 1
         return PassResult(gm, done > 0)
+
+
+class ContiguousLinearInputs(ContiguousCopies):
+    def copied_input(self, node, gm):
+        if packable(node, gm) in ("linear", "module") and _strided(node.args[0]):
+            return node.args[0]
+        return None
