@@ -1,9 +1,9 @@
 """An attention mask whose last dimension is broadcast (stride 0) is read as a contiguous copy
 by ``scaled_dot_product_attention`` in GPU plans.
 
-torch's CUDA attention backends (flash, memory-efficient, cuDNN) require the mask's last
-dimension to have stride 1 (the CPU's do not); given a broadcast one, SDPA falls back to its
-math path, which also computes fp16/bf16 in float32. A captured HF BERT builds its padding mask
+torch's CUDA attention backends that take a mask (memory-efficient, cuDNN; flash takes none)
+require its last dimension to have stride 1 (the CPU's do not); given a broadcast one, SDPA
+falls back to its math path, which also computes fp16/bf16 in float32. A captured HF BERT builds its padding mask
 as ``(kv_idx >= pad)[..., None].expand(...)`` (its eager forward skips an all-ones mask; a
 traced one cannot): on an H200, every attention of the converted BERT-base ran float32
 CUDA-core GEMMs (80.7 us each at 8x128), where ``.half()`` ran the fused kernel. The copy is
@@ -15,7 +15,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from mpgraph.ir.meta import LAYOUT, TENSOR, TensorInfo
+from mpgraph.ir.meta import LAYOUT
 from mpgraph.passes.contiguous_linear_inputs import ContiguousCopies
 
 aten = torch.ops.aten
@@ -31,17 +31,9 @@ def _mask(node: torch.fx.Node):
 
 
 def _broadcast_last(mask: torch.fx.Node) -> bool:
-    """Whether the mask's last dimension has a stride other than 1: torch.export's recorded
-    value says; a torch.fx graph's run recorded only its layout (any strided mask, then)."""
-    val = mask.meta.get("val")
-    if isinstance(val, torch.Tensor) and val.dim():
-        try:
-            return int(val.stride(-1)) != 1 and int(val.shape[-1]) != 1
-        except (TypeError, RuntimeError):  # (a symbolic stride without a hint)
-            pass
-    info = mask.meta.get(TENSOR)
-    return isinstance(info, TensorInfo) and bool(info.shape) and info.shape[-1] != 1 \
-        and mask.meta.get(LAYOUT) == "strided"
+    """Whether the example run (or torch.export's record, on the meta device) gave the mask with
+    its last dimension expanded (``mpgraph.layout`` "broadcast")."""
+    return mask.meta.get(LAYOUT) == "broadcast"
 
 
 class ContiguousAttentionMask(ContiguousCopies):

@@ -28,7 +28,7 @@ def _strided(x) -> bool:
     tensor of 3 or more dimensions."""
     info = x.meta.get(TENSOR) if isinstance(x, torch.fx.Node) else None
     return isinstance(info, TensorInfo) and len(info.shape) >= 3 \
-        and x.meta.get(LAYOUT) == "strided"
+        and x.meta.get(LAYOUT) in ("strided", "broadcast")
 
 
 def _contiguous_copy(graph: torch.fx.Graph, x: torch.fx.Node, before: torch.fx.Node,

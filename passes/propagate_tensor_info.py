@@ -27,10 +27,13 @@ def value_info(value):
 
 
 def memory_layout(t: torch.Tensor) -> str:
-    """The ``mpgraph.layout`` of a tensor (contiguous where it is both: size-1 dimensions)."""
+    """The ``mpgraph.layout`` of a tensor (contiguous where it is both: size-1 dimensions);
+    "broadcast": strided with its last dimension expanded (stride 0), as CUDA's attention
+    kernels refuse a mask (ContiguousAttentionMask)."""
     names = ["contiguous"] + {4: ["channels_last"], 5: ["channels_last_3d"]}.get(t.dim(), [])
     return next((n for n in names if t.is_contiguous(memory_format=MEMORY_FORMATS[n])),
-                "strided")
+                "broadcast" if t.dim() and t.stride(-1) == 0 and t.shape[-1] > 1
+                else "strided")
 
 
 def _at_example_sizes(value):

@@ -1213,3 +1213,48 @@ def test_the_check_s_runs_draw_dropout_masks_in_float32_and_round_them():
     torch.manual_seed(0)  # (the runs' seed: mpgraph.ir.graph.RUN_SEED)
     want = torch.dropout(gm.get_submodule("0")(x.bfloat16()).float(), 0.5, True).bfloat16()
     assert seen == [torch.float32] and got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_the_check_s_runs_keep_a_dropout_that_draws_nothing_the_tensor_it_was_given():
+    """Dropout in eval mode or at p=0 gives its input itself; a float32 copy of it in the
+    check's runs lost a later in-place write (the check saw [2, 2], the module gives [4, 4])."""
+    from mpgraph.ir.graph import run_recording
+
+    class WritesAfter(nn.Module):
+        def forward(self, x):
+            x = x * 1
+            y = F.dropout(x, 0.0, True)
+            y.add_(1)
+            return x * 2
+
+    gm = torch.fx.symbolic_trace(WritesAfter())
+    x = torch.ones(4, dtype=torch.bfloat16)
+    assert torch.equal(run_recording(gm, (x,), {}, lambda node, value: None), gm(x))
+
+
+def test_the_check_s_runs_draw_an_attention_s_dropout_in_float32(monkeypatch):
+    """SDPA with dropout_p in training draws its mask inside the kernel: another one in fp16
+    (flash) than in float32 on a GPU. The check's runs give it float32, the result rounded.
+    (The CPU's math path computes bf16 in float32 anyway: what is checked is what it is given.)"""
+    from mpgraph.ir.graph import run_recording
+
+    class Attend(nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+
+    seen = []
+    call = torch.fx.Interpreter.call_function
+
+    def given(self, target, args, kwargs):
+        if target is F.scaled_dot_product_attention:
+            seen.append(args[0].dtype)
+        return call(self, target, args, kwargs)
+
+    monkeypatch.setattr(torch.fx.Interpreter, "call_function", given)
+    gm = torch.fx.symbolic_trace(Attend())
+    q = torch.randn(2, 2, 8, 16).bfloat16()
+    got = run_recording(gm, (q,), {}, lambda node, value: None)
+    torch.manual_seed(0)  # (the runs' seed)
+    want = F.scaled_dot_product_attention(q.float(), q.float(), q.float(), dropout_p=0.5)
+    assert seen == [torch.float32]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())

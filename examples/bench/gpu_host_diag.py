@@ -99,9 +99,10 @@ def main():
         if dtype is not None:
             try:
                 seen = {}
-                for n in gm.graph.nodes:
-                    if "scaled_dot_product" in str(n.target):
-                        break
+                n = next((n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)), None)
+                if n is None:
+                    print("no scaled_dot_product_attention node in the plan")
+                    continue
                 print("sdpa node:", n.format_node())
                 _, _, kernels = aten_ops(lambda: gm(x))
                 print("fp16 plan kernels with 'attention'/'fmha'/'gemm' in name (first 8):",

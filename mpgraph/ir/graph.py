@@ -378,14 +378,16 @@ def draws_random(node: torch.fx.Node, root: torch.nn.Module, kinds=RANDOM) -> bo
 class RecordingInterpreter(torch.fx.Interpreter):
     """Runs a graph node by node and hands every node's output to ``on_node``.
 
-    A dropout mask (or RReLU's slopes) on a low-precision value is drawn in float32 and the
-    result rounded: CUDA's kernels draw another mask in fp16/bf16 than in float32 for the same
+    A dropout mask (or RReLU's slopes, or an attention's dropout) on a low-precision value is
+    drawn in float32 and the result rounded: CUDA's kernels draw another mask in fp16/bf16 than in float32 for the same
     seed (BERT training's dropout: 0.57 off float32 on an H200, a ValueCheckError on a right
     conversion), so a comparison with the float32 graph compared two masks, not two roundings.
     The converted module draws its own (as autocast's and ``.half()``'s do: any mask is a
     sample of the same dropout). Values a user compares (``randn_like`` noise) are drawn as the
     module draws them: a plan whose sample differs from the model's fails the check, not passes
     it (the CPU's bf16 ``rand_like`` did: it is kept in float32)."""
+
+    masks_in_float32 = True  # (False: mpgraph.profile, which times the module's own kernels)
 
     def __init__(self, gm: torch.fx.GraphModule, on_node):
         super().__init__(gm)
@@ -397,7 +399,8 @@ class RecordingInterpreter(torch.fx.Interpreter):
             with self._set_current_node(n):
                 args, _ = self.fetch_args_kwargs_from_env(n)
                 result = run_packed(self.module, n, args)
-        elif draws_random(n, self.module, MASKS):
+        elif self.masks_in_float32 and (draws_random(n, self.module, MASKS)
+                                        or _attention_dropout(n)):
             result = self._draw_in_float32(n)
         else:
             result = super().run_node(n)
@@ -409,12 +412,14 @@ class RecordingInterpreter(torch.fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             leaves = pytree.tree_leaves((args, kwargs))
             low = [t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.dtype in _LOW]
-            if not low or kwargs.get("dtype") is not None:  # (asked for a dtype: drawn in it)
+            if not low:
                 return getattr(self, n.op)(n.target, args, kwargs)
             up_args, up_kwargs = pytree.tree_map(
                 lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in _LOW else t,
                 (args, kwargs))
             result = getattr(self, n.op)(n.target, up_args, up_kwargs)
+            if up_args and result is up_args[0]:  # (nothing drawn: dropout in eval, or p=0,
+                return args[0]                    # gives its input itself, written later in place)
             result = pytree.tree_map(
                 lambda t: t.to(low[0]) if isinstance(t, torch.Tensor) and t.dtype == torch.float32
                 else t, result)
@@ -422,6 +427,16 @@ class RecordingInterpreter(torch.fx.Interpreter):
                 args[0].copy_(up_args[0])  # (what it wrote goes where the graph reads it)
                 return args[0]
             return result
+
+
+def _attention_dropout(n: torch.fx.Node) -> bool:
+    """An attention that drops probabilities (``dropout_p`` > 0, kept in training): its kernels
+    draw the mask too, another one in fp16 (flash) than in float32. Drawn in float32 with the
+    rest, its own rounding is not in the check's figure then (training checks only)."""
+    if n.op != "call_function" or "scaled_dot_product" not in target_name(n):
+        return False
+    p = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
+    return not isinstance(p, (int, float)) or p > 0
 
 
 RUN_SEED = 0  # every run conversion makes draws its random numbers from this seed

@@ -13,7 +13,8 @@ import torch
 TENSOR = "mpgraph.tensor"            # TensorInfo, a tuple of them (multi-output ops) or None
 OP_CLASS = "mpgraph.op_class"        # OpInfo
 # the memory format a tensor value had in the example run (PropagateTensorInfo): "contiguous",
-# "channels_last", "channels_last_3d", or "strided" (none of those: a slice, a transpose)
+# "channels_last", "channels_last_3d", "broadcast" (the last dimension expanded: stride 0), or
+# "strided" (none of those: a slice, a transpose)
 LAYOUT = "mpgraph.layout"
 MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
                   "channels_last_3d": torch.channels_last_3d}

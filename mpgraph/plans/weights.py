@@ -245,9 +245,9 @@ def load_weights_shared(first: torch.nn.Module, second: torch.nn.Module, weights
 
 def _target(gm: torch.nn.Module, device) -> torch.device:
     """Where loaded tensors go: ``device``, else the device gm was traced for (a plan on meta),
-    else the one its tensors are on. ``device`` as tensors name it ("cuda" is cuda:0, "cpu:0"
-    the CPU): the traced device it is compared with is, and the device constants moved to it
-    would differ from the materialised model's by name alone."""
+    else the one its tensors are on. ``device`` as tensors name it ("cuda" is the current CUDA
+    device, cuda:0 unless set; "cpu:0" the CPU): the traced device it is compared with is, and
+    the device constants moved to it would differ from the materialised model's by name alone."""
     if device is not None:
         return torch.empty(0, device=device).device
     traced = _traced_on(gm)

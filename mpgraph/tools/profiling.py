@@ -170,7 +170,9 @@ class ProfileResult:
 
 class _RangeInterpreter(RecordingInterpreter):
     """Runs each node inside ranges named after it: record_function, and NVTX on CUDA; each
-    node's kernels are the module's own (a packed bf16 linear runs packed: RecordingInterpreter)."""
+    node's kernels are the module's own (a packed bf16 linear runs packed: RecordingInterpreter;
+    its dropout in its own dtype, not the check's float32 draw)."""
+    masks_in_float32 = False
 
     def __init__(self, gm, nvtx: bool):
         super().__init__(gm, lambda node, value: None)

@@ -47,7 +47,7 @@ def test_hf_bert_s_broadcast_padding_mask_is_copied_once_for_a_gpu_plan():
         assert relative_l2(gpu(ids).last_hidden_state.float(), ref) < 2e-3
     cpu = mpgraph.convert(model, (ids,), target="cpu")
     assert not _copies(cpu) and _mask_strides(cpu, ids) == [0, 0]
-    # a saved GPU plan applies again with its copy (and one made without it, without)
+    # a saved GPU plan applies again with its copy
     again = mpgraph.convert(model, (ids,), plan=gpu.plan)
     assert len(_copies(again)) == 1
 
@@ -74,3 +74,19 @@ def test_a_user_s_keyword_mask_broadcast_along_the_keys_is_copied_under_torch_fx
     assert len(_copies(gpu)) == 1 and _mask_strides(gpu, x, start) == [1]
     with torch.no_grad():
         assert relative_l2(gpu(x, start).float(), model(x, start)) < 2e-3
+
+
+class _Padded(nn.Module):
+    """A padding mask expanded over heads and queries: strided, but its last stride is 1."""
+
+    def forward(self, q, keep):
+        b, h, s, _ = q.shape
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=keep[:, None, None, :].expand(b, h, s, s))
+
+
+def test_a_mask_whose_last_dimension_is_dense_is_not_copied():
+    """Only a broadcast last dimension is refused by CUDA's kernels: a (B, H, S, S) copy of a
+    padding mask would cost B*H*S*S values a call for nothing."""
+    q, keep = torch.randn(2, 2, 8, 16), torch.ones(2, 8, dtype=torch.bool)
+    gpu = mpgraph.convert(_Padded().eval(), (q, keep), dtype="fp16", target=GPU, strategy="rules")
+    assert not _copies(gpu) and _mask_strides(gpu, q, keep) == [1]
