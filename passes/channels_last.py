@@ -16,7 +16,8 @@ import torch
 import torch.fx
 
 from mpgraph.ir.graph import (alias_base, draws_random, fetch_attr, input_nodes, is_conv2d,
-                             is_inplace, is_view, mutated_nodes, set_attr, target_name, with_data)
+                             is_inplace, is_view, mutated_nodes, set_attr, short_op_name,
+                             with_data)
 from mpgraph.ir.meta import (INSERTED_BY, LAYOUT, MEMORY_FORMATS, OP_CLASS, PRECISION, TENSOR,
                              Decision, OpInfo, TensorInfo, is_inserted_cast)
 from mpgraph.passes.op_table import FOLLOW, TENSOR_CORE
@@ -40,23 +41,18 @@ STRIDED = {"view", "view_as", "_unsafe_view", "as_strided"}
 MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}
 
 
-def _op_name(node: torch.fx.Node) -> str:
-    name = target_name(node).split(".")
-    return name[1] if name[0] == "aten" and len(name) > 1 else name[-1]
-
-
 def _sees_layout(node: torch.fx.Node, gm) -> bool:
     """Whether the node's result depends on its first argument's strides (or it refuses some)."""
     return bool(node.args) and isinstance(node.args[0], torch.fx.Node) and (
         draws_random(node, gm) or node.op in ("call_function", "call_method")
-        and _op_name(node) in STRIDED)
+        and short_op_name(node) in STRIDED)
 
 
 def _matmul(node: torch.fx.Node, gm) -> bool:
     """A matrix product (``nn.Linear``, ``matmul``...): it writes a fresh contiguous result."""
     if node.op == "call_module":
         return isinstance(gm.get_submodule(node.target), torch.nn.Linear)
-    return node.op in ("call_function", "call_method") and _op_name(node) in MATMULS
+    return node.op in ("call_function", "call_method") and short_op_name(node) in MATMULS
 
 
 def _model_layout(node: torch.fx.Node):

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
+from mpgraph.ir.graph import SDPA
 from mpgraph.ir.meta import LAYOUT
 from mpgraph.passes.contiguous_linear_inputs import ContiguousCopies
-
-aten = torch.ops.aten
-_SDPA = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 
 
 def _mask(node: torch.fx.Node):
     """The mask argument's node of an SDPA call, or None."""
-    if node.op != "call_function" or node.target not in _SDPA:
+    if node.op != "call_function" or node.target not in SDPA:
         return None
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     return mask if isinstance(mask, torch.fx.Node) else None

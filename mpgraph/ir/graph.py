@@ -351,14 +351,16 @@ def _spec_key_index(spec, key: str) -> int:
         return 0
 
 
-# ops that draw one random number per element in memory order (``normal_`` in place too)
-RANDOM = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-          "dropout1d", "dropout2d", "dropout3d", "randn_like", "rand_like", "randint_like",
-          "bernoulli", "normal", "uniform", "exponential", "geometric", "cauchy", "log_normal",
-          "poisson", "multinomial", "rrelu", "rrelu_with_noise", "random"}
-# of those, the ones that draw a training-time mask (or slope) rather than values a user compares
+# ops that draw a training-time mask (or slope) rather than values a user compares
 MASKS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
          "dropout1d", "dropout2d", "dropout3d", "rrelu", "rrelu_with_noise"}
+# ops that draw one random number per element in memory order (``normal_`` in place too)
+RANDOM = MASKS | {"randn_like", "rand_like", "randint_like", "bernoulli", "normal", "uniform",
+                  "exponential", "geometric", "cauchy", "log_normal", "poisson", "multinomial",
+                  "random"}
+# scaled_dot_product_attention as torch.export and torch.fx record it
+SDPA = (torch.ops.aten.scaled_dot_product_attention.default,
+        torch.nn.functional.scaled_dot_product_attention)
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -370,18 +372,23 @@ def draws_random(node: torch.fx.Node, root: torch.nn.Module, kinds=RANDOM) -> bo
         return isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU))
     if node.op not in ("call_function", "call_method"):
         return False
+    return short_op_name(node).rstrip("_") in kinds
+
+
+def short_op_name(node: torch.fx.Node) -> str:
+    """The op's name without namespace or overload: "dropout" for aten.dropout.default and
+    torch.nn.functional.dropout."""
     name = target_name(node).split(".")
-    name = name[1] if name[0] == "aten" and len(name) > 1 else name[-1]
-    return name.rstrip("_") in kinds
+    return name[1] if name[0] == "aten" and len(name) > 1 else name[-1]
 
 
 class RecordingInterpreter(torch.fx.Interpreter):
     """Runs a graph node by node and hands every node's output to ``on_node``.
 
     A dropout mask (or RReLU's slopes, or an attention's dropout) on a low-precision value is
-    drawn in float32 and the result rounded: CUDA's kernels draw another mask in fp16/bf16 than in float32 for the same
-    seed (BERT training's dropout: 0.57 off float32 on an H200, a ValueCheckError on a right
-    conversion), so a comparison with the float32 graph compared two masks, not two roundings.
+    drawn in float32 and the result rounded: CUDA's kernels draw another mask in fp16/bf16 than
+    in float32 for the same seed (BERT training's dropout: 0.57 off float32 on an H200, a
+    ValueCheckError on a right conversion), so a comparison with the float32 graph compared two masks, not two roundings.
     The converted module draws its own (as autocast's and ``.half()``'s do: any mask is a
     sample of the same dropout). Values a user compares (``randn_like`` noise) are drawn as the
     module draws them: a plan whose sample differs from the model's fails the check, not passes
@@ -433,8 +440,8 @@ def _attention_dropout(n: torch.fx.Node) -> bool:
     """An attention that drops probabilities (``dropout_p`` > 0, kept in training): its kernels
     draw the mask too, another one in fp16 (flash) than in float32. Drawn in float32 with the
     rest, its own rounding is not in the check's figure then (training checks only)."""
-    if n.op != "call_function" or "scaled_dot_product" not in target_name(n):
-        return False
+    if n.op != "call_function" or n.target not in SDPA:  # (not the private kernels' ops,
+        return False                                       # whose fifth argument is another)
     p = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
     return not isinstance(p, (int, float)) or p > 0
 
