@@ -962,6 +962,34 @@ def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warn
     assert "vs float32" not in summary
 
 
+class _Bf16Rotary(nn.Module):
+    """transformers 5.17's rotary embedding: a no_grad region computing in float32 from the
+    model's own dtype, which torch.export keeps as a higher-order op whose body asserts it."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.no_grad():
+            angle = (x.float() * 0.5).cos().to(x.dtype)
+        return self.fc(x + angle if x.shape[-1] > 8 else x)  # (a branch on a size: torch.export)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_model_with_a_no_grad_region_is_checked_for_a_gpu(dtype):
+    """The GPU plan's check simulates the model in float32 storage; the region's own dtype
+    asserts saw float32 where it was traced in bf16: PassError "pass Calibrate failed: Tensor
+    dtype mismatch! Expected: BFloat16, Got: float" (a bf16 Llama under transformers 5.17)."""
+    torch.manual_seed(0)
+    model, x = _Bf16Rotary().eval().to(dtype), torch.randn(2, 16).to(dtype)
+    with pytest.warns(UserWarning, match="computes in"):
+        fast = mpgraph.convert(model, x, dtype="fp16", target=GPU)
+    assert "captured with torch.export" in fast.plan.summary()
+    assert fast.plan.summary().endswith("checked: error 0 vs the model as it computes")
+    with torch.no_grad():
+        assert torch.equal(fast(x), model(x))
+
+
 class LoraOnBf16(nn.Module):
     """What peft builds by default: a bf16 base model, float32 LoRA adapters beside it."""
     def __init__(self):

@@ -99,6 +99,7 @@ class SimulatingInterpreter(RecordingInterpreter):
                 result = torch.func.functional_call(module, self.copies[key], tuple(_up(args)),
                                                     _up(kwargs))
             elif result is None:
+                args = tuple(self._body(a) for a in args)  # (a higher-order op's: simulated)
                 result = getattr(self, n.op)(n.target, _up(args), _up(kwargs))
             result = _up(result)  # an explicit cast to a low dtype: a fresh float32 copy
             result = self._apart(n, result)
@@ -106,6 +107,19 @@ class SimulatingInterpreter(RecordingInterpreter):
                 _round_(result, planned_dtype(n.meta.get(TENSOR), n.meta.get(PRECISION)))
         self._on_node(n, result)
         return result
+
+    def _body(self, value):
+        """A higher-order op's body (torch.export's submodule for a region under no_grad or
+        autocast: transformers 5.17's rotary embedding) run by this interpreter too: its own
+        dtype asserts name the dtypes it was traced with, which the float32 values here are
+        not (a bf16 Llama's GPU plan failed its check with "Tensor dtype mismatch")."""
+        if not isinstance(value, torch.fx.GraphModule):
+            return value
+
+        def run(*args):
+            inner = SimulatingInterpreter(value, lambda node, result: None, self.rounding)
+            return inner.run(*args, enable_io_processing=False)
+        return run
 
     def _refused(self, n: torch.fx.Node, low: torch.dtype, args, kwargs) -> None:
         """torch's error where the converted run raises it: a constant beyond ``low``'s range
