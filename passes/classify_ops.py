@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from mpgraph.ir.modules import TrainingBatchNorm
-from mpgraph.ir.graph import own_autocast
+from mpgraph.ir.graph import grad_region, own_autocast
 from mpgraph.ir.meta import LINEAR_BIAS, OP_CLASS, RANGE, OpInfo, dtype_name
 from mpgraph.passes.numeric_safety import proven_in_range
 from mpgraph.passes.op_table import FOLLOW, FP32_ONLY, UNKNOWN, OpTable
@@ -63,6 +63,11 @@ class ClassifyOps(Pass):
                 info = OpInfo(FP32_ONLY, f"the model's own torch.autocast({node.args[0]!r}, "
                                          f"{dtype_name(own)}) region: computes in {dtype_name(own)}"
                                          " inside, as the model does, kept whole", key)
+            elif entry is None and grad_region(node) is not None:  # (a region, not an op)
+                mode = "torch.enable_grad()" if grad_region(node) else "torch.no_grad()"
+                info = OpInfo(FP32_ONLY, f"the model's own {mode} region, which torch.export "
+                                         "keeps as one call: computes inside as the model does, "
+                                         "kept whole", key)
             elif entry is None and _container(node):
                 info = OpInfo(FP32_ONLY, f"builds the container {node.target.__name__} the "
                                          "model returns its values in: reads them in float32, "

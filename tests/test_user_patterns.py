@@ -1565,6 +1565,35 @@ def test_a_model_s_own_enabled_autocast_region_is_said_to_compute_in_its_dtype()
                                  "computes in bfloat16 inside, as the model does, kept whole")
 
 
+class _NoGradPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.no_grad():  # (HF's rotary embedding in transformers 5.17)
+            pos = torch.arange(x.shape[-1], device=x.device).float().cos()
+        h = self.a(x + pos if x.shape[-1] > 8 else x)  # (a branch on a size: torch.export)
+        return self.b(torch.relu(h))
+
+
+def test_a_model_s_own_no_grad_region_under_torch_export_is_said_to_be_kept_whole():
+    """torch.export keeps the region as one wrap_with_set_grad_enabled call: the plan listed it
+    as "unknown op kept in float32" (HF Llama under transformers 5.17, op-table test)."""
+    torch.manual_seed(0)
+    model, x = _NoGradPositions().eval(), torch.randn(2, 64)
+    fast = mpgraph.convert(model, (x,), dtype="fp16", target=GPU, strategy="rules")
+    assert fast.plan.capture == "torch.export" and "unknown op" not in fast.plan.summary()
+    region = next(r for r in fast.plan.nodes if r.target == "wrap_with_set_grad_enabled")
+    assert (region.op_class, region.dtype) == ("fp32_only", "float32")
+    assert region.reason == ("the model's own torch.no_grad() region, which torch.export keeps "
+                             "as one call: computes inside as the model does, kept whole")
+    dtypes = {r.name: r.dtype for r in fast.plan.compute_nodes}
+    assert dtypes["linear"] == dtypes["linear_1"] == "float16", dtypes
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) < 4e-3
+
+
 class _UniformNoise(nn.Module):
     def __init__(self):
         super().__init__()

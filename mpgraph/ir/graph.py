@@ -826,3 +826,13 @@ def own_autocast(node: torch.fx.Node) -> Optional[torch.dtype]:
         return None
     dtype = node.args[1]
     return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def grad_region(node: torch.fx.Node) -> Optional[bool]:
+    """The grad mode of a model's own ``torch.no_grad()`` / ``set_grad_enabled`` region that
+    torch.export kept as one ``wrap_with_set_grad_enabled`` call (HF's rotary embedding in
+    transformers 5.17), else None."""
+    if node.op != "call_function" or not node.args \
+            or getattr(node.target, "__name__", None) != "wrap_with_set_grad_enabled":
+        return None
+    return bool(node.args[0])
