@@ -760,6 +760,27 @@ def test_a_custom_op_without_onnx_function_is_named_not_the_fallbacks_argument_r
     assert os.listdir(tmp_path) == []
 
 
+def test_torch_onnx_s_registry_is_built_once_and_each_export_registers_into_its_own_copy():
+    """torch.onnx.export rebuilt its registry of ONNX functions on every call (2.2 s of a 3.5 s
+    two-layer export). Built once now; what one export registers (transformers' translation of
+    its MoE op) must not reach the next: the custom op above stays one with no ONNX function."""
+    from torch.onnx._internal.exporter import _registration
+    from mpgraph.tools import onnx_export as module
+    own = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    twice = torch.ops.mpgraph_test.twice.default
+    with module._registry_built_once():
+        first = _registration.ONNXRegistry.from_torchlib()
+        first.register_op(twice, lambda x: x)
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is not own  # (a new classmethod)
+    with module._registry_built_once():
+        second = _registration.ONNXRegistry().from_torchlib(opset_version=first.opset_version)
+    assert first.is_registered(twice) and not second.is_registered(twice)
+    relu = torch.ops.aten.relu.default.name()
+    assert second.functions[relu][0] is first.functions[relu][0]  # (built once)
+    assert second.functions[relu] is not first.functions[relu]
+    assert _registration.ONNXRegistry.from_torchlib.__func__ is own.__func__  # torch's, put back
+
+
 class Whitens(nn.Module):
     def __init__(self):
         super().__init__()

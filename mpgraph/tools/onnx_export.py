@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -394,7 +395,8 @@ def _export_ir(converted, args, kwargs, opset, dynamic_shapes, workdir):
         # optimised here, as torch.onnx does with optimize=True: onnxscript's optimizer, then
         # its ONNX fusions (RMSNormalization, RotaryEmbedding, GQA at opset 23), keeping the
         # unfused graph (a clone sharing the weights) for a runtime that fails on a fused op
-        with pytree_copies_quiet(), _exporter_quiet(), state_kept(converted):
+        with pytree_copies_quiet(), _exporter_quiet(), _registry_built_once(), \
+                state_kept(converted):
             program = torch.onnx.export(converted, call_args, kwargs=kwargs or None,
                                         dynamo=True, opset_version=opset,
                                         dynamic_shapes=dynamic_shapes, output_names=names,
@@ -531,6 +533,43 @@ def _exporter_quiet():
         yield
     finally:
         logger.setLevel(level)
+
+
+_REGISTRIES: dict = {}  # opset -> torch.onnx's op registry, built once a process
+
+
+@contextlib.contextmanager
+def _registry_built_once():
+    """torch.onnx.export builds its registry of ONNX functions anew on every call: onnxscript
+    parses the source of ~500 torchlib functions, 2.2 s of a 3.5 s export of a two-layer MLP,
+    paid again by each opset and fallback tried. Built once a process here; each export gets a
+    copy of its lists, so what it registers (a custom translation table) stays its own."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+        owner = _registration.ONNXRegistry
+        build = owner.__dict__["from_torchlib"].__func__
+    except (ImportError, AttributeError, KeyError):  # (another torch: built as it builds it)
+        yield
+        return
+
+    signature = inspect.signature(build)
+
+    def once(cls, *args, **kwargs):
+        bound = signature.bind(cls, *args, **kwargs)
+        bound.apply_defaults()  # (from_torchlib() and from_torchlib(opset_version=23): one)
+        key = tuple(bound.arguments.items())
+        if key not in _REGISTRIES:
+            _REGISTRIES[key] = build(cls, *args, **kwargs)
+        built, copy = _REGISTRIES[key], cls.__new__(cls)
+        copy.__dict__.update(built.__dict__)
+        copy.functions = {k: list(v) for k, v in built.functions.items()}
+        return copy
+
+    owner.from_torchlib = classmethod(once)
+    try:
+        yield
+    finally:
+        owner.from_torchlib = classmethod(build)
 
 
 @dataclass
