@@ -109,8 +109,11 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
 
     fallback, failed = None, None  # (not a function of its own: capture's warnings count
     # frames up to here)
+    # a saved plan is applied to the graph captured in the grad mode it was made in (see Plan)
+    grad = torch.is_grad_enabled() if opts.plan is None or opts.plan.grad_enabled is None \
+        else opts.plan.grad_enabled
     while True:
-        with stage("capture"):
+        with stage("capture"), torch.set_grad_enabled(grad):
             gm = capture(model, args, kwargs, export_only=opts.train, abstract=abstract,
                          dynamic=dynamic, observe=True,  # Calibrate takes capture's example batch
                          training=opts.train)
@@ -157,6 +160,7 @@ def convert(model: torch.nn.Module, example_inputs: Any = None, *,
                              strategy=opts.strategy, kept_fp32=keep_fp32,
                              mode="train" if opts.train else "inference", tolerance=report,
                              dtype_choice=chosen)
+    record.grad_enabled = grad
     found, mixed = _computes_low(model)
     if opts.plan is not None:
         _check_applied(opts.plan, record, type(model).__name__, found, mixed)

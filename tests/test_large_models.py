@@ -185,18 +185,28 @@ class _Positions(nn.Module):
         return self.fc(x + pos if n > 8 else x)  # (a branch on a size: torch.export)
 
 
-def test_a_plan_applied_in_another_grad_mode_says_so():
+def test_a_plan_applies_in_either_grad_mode():
     """torch.export keeps a no_grad region as one node with gradients on and inlines it with
     them off: a plan made outside torch.no_grad() and applied inside it listed a dozen missing
-    nodes and no reason (a meta Llama's plan under transformers 5.17)."""
+    nodes and no reason (a meta Llama's plan under transformers 5.17), and then a
+    PlanMismatchError saying why. The plan records the grad mode it was captured in; applied,
+    the model is captured in that mode again. A plan saved before it says why it mismatches."""
     torch.manual_seed(0)
     model, x = _Positions().eval(), torch.randn(2, 16)
-    plan = mpgraph.convert(model, x, **OPTIONS).plan
+    direct = mpgraph.convert(model, x, **OPTIONS)
+    plan = mpgraph.Plan.from_dict(direct.plan.to_dict())  # (as saved and loaded)
+    assert plan.grad_enabled is True
+    with torch.no_grad():
+        applied = mpgraph.convert(model, x, plan=plan)
+        assert applied.code == direct.code and torch.equal(applied(x), direct(x))
+        inside = mpgraph.convert(model, x, **OPTIONS)
+    assert inside.plan.grad_enabled is False and "wrap_with_set_grad_enabled" not in inside.code
+    assert mpgraph.convert(model, x, plan=inside.plan).code == inside.code  # (with grad on)
+    plan.grad_enabled = None  # (saved before plans recorded it)
     with torch.no_grad(), pytest.raises(mpgraph.PlanMismatchError, match=r"made with gradients "
                                         r"on and this conversion runs with them off.*outside "
                                         r"torch\.no_grad\(\)"):
         mpgraph.convert(model, x, plan=plan)
-    assert torch.equal(mpgraph.convert(model, x, plan=plan)(x), mpgraph.convert(model, x, **OPTIONS)(x))
 
 
 def test_device_constants_inside_a_no_grad_region_move_with_the_weights():

@@ -98,6 +98,10 @@ class Plan:
     # summary says it: those parts compute as the model has them, and the check compares with
     # the model as it computes, not float32
     computes_in: Optional[str] = None
+    # the grad mode the model was captured in, where a saved plan is applied again: torch.export
+    # keeps a forward's no_grad region as one node with gradients on and inlines it with them
+    # off, and torch.fx sees such a region only with them on (None: a plan saved before it)
+    grad_enabled: Optional[bool] = None
 
     @classmethod
     def from_graph(cls, gm: torch.fx.GraphModule, dtype: torch.dtype, keep_io_types: bool = True,
@@ -214,7 +218,8 @@ class Plan:
                    calibration_batches=data.get("calibration_batches", 0),
                    tolerance=data.get("tolerance"), mode=data.get("mode", "inference"),
                    check=data.get("check"), dtype_choice=data.get("dtype_choice"),
-                   edited=edited, computes_in=data.get("computes_in"))
+                   edited=edited, computes_in=data.get("computes_in"),
+                   grad_enabled=data.get("grad_enabled"))
         return plan
 
     def cast_sequence(self) -> list[CastRecord]:
@@ -401,7 +406,7 @@ class Plan:
             "kept_fp32": self.kept_fp32, "warning": self.warning, "computes_in": self.computes_in,
             "calibration_warning": self.calibration_warning, "estimate": jsonable(self.estimate),
             "summary": self.summary(),
-            "mode": self.mode,
+            "mode": self.mode, "grad_enabled": self.grad_enabled,
             "calibration_batches": self.calibration_batches, "check": jsonable(self.check),
             "dtype_choice": jsonable(self.dtype_choice),
             "tolerance": jsonable(self.tolerance),
@@ -456,6 +461,8 @@ def _validate(data: dict, source: str) -> None:
             fail(f"{key} must be a string, got {data.get(key)!r}")
     if not isinstance(data.get("keep_io_types"), bool):
         fail(f"keep_io_types must be true or false, got {data.get('keep_io_types')!r}")
+    if data.get("grad_enabled") not in (None, True, False):
+        fail(f"grad_enabled must be true, false or null, got {data.get('grad_enabled')!r}")
     fields = {f.name for f in dataclasses.fields(NodeRecord)} | {"decided"}
     for key, kind in (("nodes", "node"), ("casts", "cast"), ("weights", "weight")):
         records = data.get(key)
