@@ -183,7 +183,7 @@ def test_keywords_in_another_order_and_positional_for_keyword_are_accepted(bert)
     types, mask = torch.zeros_like(ids), torch.ones_like(ids)
     types[:, 6:], mask[1, 9:] = 1, 0
     fast = mpgraph.convert(bert, ids, example_kwargs={"attention_mask": mask, "token_type_ids": types},
-                           dtype="fp16", target=GPU)
+                           dtype="fp16", target=GPU, dynamic=False)  # (called at this shape only)
     with torch.no_grad():
         want = bert(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
         got = fast(ids, token_type_ids=types, attention_mask=mask).last_hidden_state
@@ -414,8 +414,8 @@ def test_a_training_conversion_switches_dropout_with_train_and_eval():
 def test_a_loss_inside_the_model_in_an_inference_conversion():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    lm = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
-                                    bos_token_id=0, eos_token_id=0)).eval()
+    lm = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100, n_positions=32,
+                                    bos_token_id=0, eos_token_id=0)).eval()  # (the loss counts)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = mpgraph.convert(lm, example_kwargs={"input_ids": ids, "labels": ids}, dtype="fp16",
                            target=GPU)
@@ -511,7 +511,12 @@ def test_complex_calibration_batches_that_differ_in_their_imaginary_part_are_two
 
 # -- real architectures, as they are called ------------------------------------------------------
 
-def test_bert_flags_through_kwargs_hidden_states_attentions_and_tuples(bert):
+def test_bert_flags_through_kwargs_hidden_states_attentions_and_tuples():
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)  # (conftest's bert with one layer: the flags are the point, not depth)
+    bert = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=100,
+                                max_position_embeddings=64)).eval()
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     other = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(1))
     for flags in ({"output_hidden_states": True}, {"output_attentions": True},
@@ -537,8 +542,8 @@ def test_encoders_and_cnns_at_other_batch_sizes(name):
     import transformers as t
     torch.manual_seed(0)
     if name == "t5":
-        model = t.T5EncoderModel(t.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4,
-                                            d_kv=16, vocab_size=100))
+        model = t.T5EncoderModel(t.T5Config(d_model=64, d_ff=128, num_layers=1, num_heads=4,
+                                            d_kv=16, vocab_size=100))  # (one layer: batch counts)
         example = (torch.randint(0, 100, (2, 12)),)
         mask = torch.ones(3, 9, dtype=torch.long)
         mask[0, 5:] = 0
@@ -567,7 +572,7 @@ def test_a_fully_masked_row_computes_what_float32_does_after_an_all_ones_calibra
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     ones = torch.ones(4, 12, dtype=torch.long)
     fast = mpgraph.convert(model, example_kwargs={"input_ids": ids, "attention_mask": ones},
-                           dtype=dtype, target=GPU)
+                           dtype=dtype, target=GPU, dynamic=False)  # (called at this shape only)
     masked = ones.clone()
     masked[0] = 0
     masked[1, 6:] = 0
@@ -588,7 +593,7 @@ def test_hooks_on_the_model_at_conversion_say_they_ran_during_tracing(bert):
         ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
         with pytest.warns(UserWarning, match=r"hooks on encoder\.layer\.0 of BertModel ran while "
                                              r"it was traced.*happened at conversion only"):
-            mpgraph.convert(bert, ids, dtype="bf16", target=GPU)
+            mpgraph.convert(bert, ids, dtype="bf16", target=GPU, dynamic=False)
     finally:
         handle.remove()
 
@@ -609,7 +614,7 @@ def test_transformers_own_output_capturing_hooks_are_not_reported_as_the_user_s(
     assert any(m._forward_hooks for m in model.modules())  # (transformers' own, from that call)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fast = mpgraph.convert(model, x, dtype="bf16", target=GPU)
+        fast = mpgraph.convert(model, x, dtype="bf16", target=GPU, dynamic=False)  # (one shape)
     assert not [w for w in caught if "hooks on" in str(w.message)]
     with torch.no_grad():
         assert relative_l2(fast(x).logits, want) < TOL["bf16"]
@@ -638,9 +643,14 @@ def test_a_conversion_in_a_thread_while_another_runs_a_converted_module():
     assert not errors and results
 
 
-def test_onnx_with_masks_and_token_types_runs_at_other_shapes_in_a_default_session(bert, tmp_path):
+def test_onnx_with_masks_and_token_types_runs_at_other_shapes_in_a_default_session(tmp_path):
     pytest.importorskip("onnxruntime")
     import onnxruntime as ort
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)  # (conftest's bert with one layer: masks and shapes are the point)
+    bert = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=128, vocab_size=100,
+                                max_position_embeddings=64)).eval()
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     mask, types = torch.ones_like(ids), torch.zeros_like(ids)
     mpgraph.export_onnx(bert, (ids,), tmp_path / "b.onnx", dtype="fp16", target=GPU,
@@ -771,7 +781,7 @@ def test_a_captured_tensor_argument_left_out_and_an_attribute_set_later_are_said
                                                      vocab_size=100)).eval()
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     fast = mpgraph.convert(model, example_kwargs={"input_ids": ids, "labels": torch.tensor([0, 1, 0, 1])},
-                           dtype="fp16", target=GPU)
+                           dtype="fp16", target=GPU, dynamic=False)
     with pytest.raises(TypeError, match=r"argument 'labels' was a tensor when "
                                         r"BertForSequenceClassification was converted"):
         fast(input_ids=ids)
@@ -802,7 +812,7 @@ def test_a_classifier_converted_with_labels_carries_the_config_its_forward_set_w
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="(?s).*changes nothing")
         fast = mpgraph.convert(model, example_kwargs={"input_ids": ids, "labels": torch.tensor([1, 0])},
-                               dtype="bf16", target=GPU, mode="train")
+                               dtype="bf16", target=GPU, mode="train", dynamic=False)
         copied = copy.deepcopy(fast)
     # the config the graph computes with (its single-label loss); the user's model's is untouched
     assert fast.config.problem_type == copied.config.problem_type == "single_label_classification"
@@ -1063,7 +1073,7 @@ def test_transformer_encoder_s_nested_tensor_fast_path_is_said():
     padding[1, 6:] = True
     with pytest.warns(UserWarning, match=r"nested-tensor fast path .* gives 0 at padded positions"):
         mpgraph.convert(encoder, (_x(2, 10, 32),), example_kwargs={"src_key_padding_mask": padding},
-                        dtype="fp16", target=GPU, strategy="rules")
+                        dtype="fp16", target=GPU, strategy="rules", dynamic=False)
 
 
 def test_torch_nn_transformer_inside_a_users_model_is_converted_not_kept_whole():
@@ -1132,7 +1142,8 @@ def test_multihead_attention_exports_to_onnx_with_its_softmax_float32(tmp_path):
     padding = torch.zeros(2, 10, dtype=torch.bool)
     padding[1, 7:] = True
     result = mpgraph.export_onnx(Attend().eval(), (_x(2, 10, 64), padding), tmp_path / "m.onnx",
-                                 dtype="fp16", target=GPU, strategy="rules")
+                                 dtype="fp16", target=GPU, strategy="rules",
+                                 dynamic_shapes=None)  # (validated at the example's shapes)
     assert max(result.validation.err_vs_fp32) < 5e-3
     assert not result.validation.stats.low_fp32_ops
 
@@ -1153,8 +1164,8 @@ class FlipsLong(nn.Module):
 def test_guards_on_a_size_of_1_are_waived_only_where_the_model_agrees_at_size_1():
     import transformers as t
     torch.manual_seed(0)
-    gpt2 = t.GPT2Model(t.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
-                                    n_positions=64)).eval()
+    gpt2 = t.GPT2Model(t.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100,
+                                    n_positions=64)).eval()  # (one layer: its mask code counts)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = mpgraph.convert(gpt2, ids, dtype="fp16", target=GPU)
     convnext = t.ConvNextModel(t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
@@ -1252,8 +1263,9 @@ def test_attention_onnxruntime_cannot_run_at_opset_23_exports_at_opset_18(tmp_pa
     torch.manual_seed(0)
     model, padding = Attend().eval(), torch.zeros(2, 10, dtype=torch.bool)
     padding[1, 7:] = True
+    # (dynamic_shapes=None: the session runs at the example's shapes only)
     result = mpgraph.export_onnx(model, (_x(2, 10, 64), padding), tmp_path / "m.onnx",
-                                 dtype="fp16", target=GPU, strategy="rules")
+                                 dtype="fp16", target=GPU, strategy="rules", dynamic_shapes=None)
     assert result.opset == 18 and any("opset 18" in f and "Attention" in f for f in result.fallbacks)
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     x = _x(2, 10, 64, seed=1)
@@ -1929,7 +1941,8 @@ def test_falcon_stores_its_transposed_weights_low_and_keeps_the_models_state_dic
                                        num_attention_heads=4, use_cache=False)
     model, other = transformers.FalconModel(config).eval(), transformers.FalconModel(config).eval()
     ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
-    fast = mpgraph.convert(model, (ids,), dtype="bf16", target=GPU, strategy="rules")
+    fast = mpgraph.convert(model, (ids,), dtype="bf16", target=GPU, strategy="rules",
+                           dynamic=False)  # (called at the example's shape only)
     assert fast.plan.unknown_nodes == []
     assert len([w for w in fast.plan.weights if w.dtype == torch.bfloat16]) >= 8  # 4 a layer
     assert sorted(fast.state_dict()) == sorted(model.state_dict())

@@ -47,7 +47,8 @@ def test_the_check_reports_the_relative_l2_the_user_computes_on_the_same_inputs(
 
 def test_the_check_takes_the_worst_output_not_an_average_over_outputs(bert):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    fast = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, strategy="rules")
+    fast = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, strategy="rules",
+                           dynamic=False)  # (called at the example's shape only)
     with torch.no_grad():
         out, ref = fast(ids), bert(ids)
     each = [relative_l2(out.last_hidden_state, ref.last_hidden_state),
@@ -429,7 +430,8 @@ def test_hf_logits_to_keep_given_at_conversion_is_asked_for_again():
                                          num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1, vocab_size=64)).eval()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    fast = mpgraph.convert(model, ids, dtype="fp16", target=GPU,
+    # (dynamic=False throughout: every call is at the example's shape)
+    fast = mpgraph.convert(model, ids, dtype="fp16", target=GPU, dynamic=False,
                            example_kwargs={"logits_to_keep": 1})
     with pytest.raises(TypeError, match=r"argument 'logits_to_keep' was given \(1\) when "
                                         r"LlamaForCausalLM was converted.* its default 0\. Pass "
@@ -437,12 +439,13 @@ def test_hf_logits_to_keep_given_at_conversion_is_asked_for_again():
         fast(ids)
     for flags in ({"output_attentions": False}, {"return_dict": True}):  # (their config's
         with torch.no_grad():                                           # values: may be left out)
-            assert mpgraph.convert(model, ids, dtype="fp16", target=GPU,
+            assert mpgraph.convert(model, ids, dtype="fp16", target=GPU, dynamic=False,
                                    example_kwargs=flags)(ids).logits.shape == (2, 8, 64)
     with torch.no_grad():
         assert fast(ids, logits_to_keep=1).logits.shape == (2, 1, 64)
         assert fast(ids, use_cache=False, logits_to_keep=1).logits.shape == (2, 1, 64)
-        assert mpgraph.convert(model, ids, dtype="fp16", target=GPU)(ids).logits.shape == \
+        assert mpgraph.convert(model, ids, dtype="fp16", target=GPU,
+                               dynamic=False)(ids).logits.shape == \
             (2, 8, 64)  # (use_cache=False, added by convert, may be left out)
 
 
@@ -457,7 +460,8 @@ def test_converting_under_inference_mode_works_as_outside_it():
                                              num_hidden_layers=1, num_attention_heads=2,
                                              num_key_value_heads=1, vocab_size=64)).eval()
         ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
-        fast = mpgraph.convert(model, ids, dtype="fp16", target=GPU)
+        # (dynamic=False: every call is at the example's shape; inference mode is the point)
+        fast = mpgraph.convert(model, ids, dtype="fp16", target=GPU, dynamic=False)
         assert relative_l2(fast(ids).logits, model(ids).logits) < 4e-3
         assert not any(torch.is_inference(p) for p in fast.parameters())
         options = dict(max_cache_len=24, dtype="bf16", target="cpu", strategy="rules")
@@ -465,24 +469,38 @@ def test_converting_under_inference_mode_works_as_outside_it():
             ids, max_new_tokens=6, do_sample=False)
         assert torch.is_inference_mode_enabled()  # (stepped out and back)
         with pytest.warns(UserWarning, match="converted 0 of") as said:  # said where it is called
-            mpgraph.convert(model, ids, dtype="fp16", target=GPU, strategy="optimal")
+            mpgraph.convert(model, ids, dtype="fp16", target=GPU, strategy="optimal",
+                            dynamic=False)
         assert {w.filename for w in said} == {__file__}
     # the same as converting outside it
-    assert torch.equal(fast(ids).logits, mpgraph.convert(model, ids, dtype="fp16",
-                                                         target=GPU)(ids).logits)
+    assert torch.equal(fast(ids).logits, mpgraph.convert(model, ids, dtype="fp16", target=GPU,
+                                                         dynamic=False)(ids).logits)
     assert torch.equal(tokens, mpgraph.convert_decoder(model, ids, **options).generate(
         ids, max_new_tokens=6, do_sample=False))
 
 
+_BERT_FP16: dict = {}
+
+
+def bert_fp16(bert):
+    """(ids, converted): conftest's ``bert`` (the same weights in every test: seed 0) converted
+    once for the module with its defaults, fp16 for the GPU, on a (2, 16) batch. The tests
+    that take it only call it (none mutates it)."""
+    if not _BERT_FP16:
+        ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+        _BERT_FP16["ids"], _BERT_FP16["fast"] = ids, mpgraph.convert(bert, ids, dtype="fp16",
+                                                                      target=GPU)
+    return _BERT_FP16["ids"], _BERT_FP16["fast"]
+
+
 def test_hf_attention_mask_not_given_at_conversion_is_a_clear_error(bert):
-    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids, fast = bert_fp16(bert)  # (shared with test_a_model_without_branches_converted_at_...)
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[:, 10:] = 0
-    fast = mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
     with pytest.raises(TypeError, match=r"argument 'attention_mask' was not given \(None\) when "
                                         r"BertModel was converted"):
         fast(ids, attention_mask=mask)
-    masked = mpgraph.convert(bert, ids, dtype="fp16", target=GPU,
+    masked = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, dynamic=False,
                              example_kwargs={"attention_mask": mask})
     with torch.no_grad():
         got, want = masked(ids, attention_mask=mask), bert(ids, attention_mask=mask)
@@ -583,8 +601,7 @@ def test_an_input_of_another_rank_than_converted_is_named_with_its_rank():
 
 
 def test_a_model_without_branches_converted_at_batch_2_runs_at_batch_1(bert):
-    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    fast = mpgraph.convert(bert, ids, dtype="fp16", target=GPU)
+    ids, fast = bert_fp16(bert)  # (one conversion, shared with test_hf_attention_mask_not_...)
     one = ids[:1, :9]
     with torch.no_grad():
         assert relative_l2(fast(one).last_hidden_state, bert(one).last_hidden_state) < 4e-3
@@ -599,7 +616,8 @@ def test_state_dict_has_the_model_s_keys_and_loading_new_weights_updates_every_c
                                     n_positions=32, use_cache=False, bos_token_id=0,
                                     eos_token_id=0)).eval()
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    fast = mpgraph.convert(lm, ids, dtype="fp16", target=GPU, strategy="rules")
+    fast = mpgraph.convert(lm, ids, dtype="fp16", target=GPU, strategy="rules",
+                           dynamic=False)  # (called at the example's shape only)
     # the tied embedding is read in float32 (lookup) and float16 (the head): a copy beside it
     assert [w.shared for w in fast.plan.weights if w.source == "lm_head.weight"] == [True]
     assert set(fast.state_dict()) == set(lm.state_dict())
@@ -620,7 +638,7 @@ def test_state_dict_has_the_model_s_keys_and_loading_new_weights_updates_every_c
 
 def test_non_persistent_buffers_stay_out_of_the_state_dict(bert):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    fast = mpgraph.convert(bert, ids, dtype="bf16", target=GPU)
+    fast = mpgraph.convert(bert, ids, dtype="bf16", target=GPU, dynamic=False)  # (never called)
     assert set(fast.state_dict()) == set(bert.state_dict())  # no embeddings.position_ids
     fast.load_state_dict(bert.state_dict())
 
@@ -696,7 +714,8 @@ def test_train_on_an_inference_conversion_of_an_eval_model_warns():
 
 def test_hooks_on_submodules_the_graph_never_calls_are_refused_and_called_ones_fire(bert):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    fast = mpgraph.convert(bert, ids, dtype="bf16", target=GPU)  # torch.export: no module calls
+    fast = mpgraph.convert(bert, ids, dtype="bf16", target=GPU,  # torch.export: no module calls
+                           dynamic=False)  # (called at the example's shape only)
     layer = fast.get_submodule("encoder.layer.0.output.dense")
     with pytest.raises(RuntimeError, match=r"register_forward_hook on 'encoder\.layer\.0\.output"
                                            r"\.dense' of a converted module: the hook would never "
@@ -821,12 +840,13 @@ def test_no_grad_inside_forward_converts_for_training_with_the_model_s_gradients
 def test_gpt2_lm_with_labels_converts_for_training():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    lm = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+    lm = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100,
                                     n_positions=32, bos_token_id=0, eos_token_id=0)).train()
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     for dtype in ("fp16", "bf16"):
         fast = mpgraph.convert(lm, example_kwargs={"input_ids": ids, "labels": ids}, dtype=dtype,
-                               target=GPU, strategy="rules", mode="train")
+                               target=GPU, strategy="rules", mode="train",
+                               dynamic=False)  # (called at the example's shape only)
         fast.eval()
         lm.eval()
         with torch.no_grad():
@@ -840,11 +860,12 @@ def test_a_default_config_hf_decoder_converts_without_its_cache(name, caplog):
     import transformers
     torch.manual_seed(0)
     if name == "GPT2Model":
-        model = transformers.GPT2Model(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4,
+        # (default settings, use_cache among them, at one layer: the cache is the point)
+        model = transformers.GPT2Model(transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4,
                                                                vocab_size=100, n_positions=32))
     else:
         model = transformers.LlamaModel(transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=100))
     model.eval()
     assert model.config.use_cache  # the default of every HF decoder
@@ -939,7 +960,7 @@ def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warn
     for options in ({}, {"dtype": "fp16", "target": GPU}):
         with pytest.warns(UserWarning, match=rf"BertModel computes in {name}, not float32: .* "
                                              r"Convert model\.float\(\) to plan its mixed precision"):
-            fast = mpgraph.convert(low, ids, **options)
+            fast = mpgraph.convert(low, ids, dynamic=False, **options)  # (one shape)
         assert fast.plan.summary().startswith(f"warning: BertModel computes in {name}")
         assert "kept float32" not in fast.plan.summary()
         # (it said "converted 0/0 nodes" and "checked: error 0 vs float32 (all float32)")
@@ -955,7 +976,8 @@ def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warn
                                          num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1, vocab_size=100)).eval().to(dtype)
     with pytest.warns(UserWarning, match=rf"LlamaForCausalLM computes in {name}, not float32"):
-        summary = mpgraph.convert(llama, ids, dtype="fp16", target=GPU).plan.summary()
+        summary = mpgraph.convert(llama, ids, dtype="fp16", target=GPU,
+                                  dynamic=False).plan.summary()
     # (its float32 nodes, rotary and RMSNorm's upcast: "kept all 27 nodes in float32 ...
     # checked: error 0 vs float32 (all float32)", of a model whose every weight is low)
     assert re.search(rf"kept the model's own dtypes: it computes in {name}, its parameters' dtype "

@@ -443,7 +443,8 @@ def test_onnx_export_of_a_state_returned_whole_matches_its_plan_cast_for_cast(tm
     "extra Cast ... not in the plan", though the file was the plan)."""
     torch.manual_seed(0)
     result = mpgraph.export_onnx(LstmState().eval(), (torch.randn(2, 5, 32),),
-                                 tmp_path / "state.onnx", target=GPU, strategy="rules")
+                                 tmp_path / "state.onnx", target=GPU, strategy="rules",
+                                 dynamic_shapes=None)  # (validated at the example's shape)
     assert [(c.value, c.src, c.dst, c.items) for c in result.plan.casts] == [
         ("x", "float32", "float16", 1), ("getitem_1", "float16", "float32", 2)]
     assert (result.casts_in_file, result.casts_expected, result.cast_differences) == (3, 3, [])
@@ -465,7 +466,7 @@ def test_onnx_export_of_topk_compares_its_indices_as_indices(tmp_path):
     torch.manual_seed(0)
     model, x = Top4().eval(), torch.randn(2, 5, 32)
     result = mpgraph.export_onnx(model, (x,), tmp_path / "topk.onnx", target=GPU,
-                                 strategy="rules")
+                                 strategy="rules", dynamic_shapes=None)  # (one shape)
     values, indices = result.validation.err_vs_converted
     assert values < 1e-2 and 0 < indices < 0.1  # the tie: one index of 40 swapped
     assert result.validation.err_vs_fp32[1] == 0.0
@@ -679,7 +680,8 @@ def test_a_gpu_plans_recurrent_layer_is_checked_with_its_state_kept_low(kind):
     model = CellLoop(kind.split("-")[0], 30 if kind.endswith("fx") else None).eval() if cell \
         else Recurrent(kind.split("-")[0], counting=kind.endswith("export")).eval()
     x = torch.randn(2, 30 if cell else 16, 64)
-    fast = convert_rules(model, (x,), dtype=torch.bfloat16 if cell else None)
+    fast = convert_rules(model, (x,), dtype=torch.bfloat16 if cell else None,
+                         dynamic=False)  # (called at the example's shape only)
     assert fast.plan.capture.startswith("torch.fx") == \
         (kind in ("GRU", "LSTM") or kind.endswith("fx"))
     with torch.no_grad():
