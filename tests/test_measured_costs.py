@@ -37,14 +37,23 @@ def _mlp():
     return MLP().eval(), torch.randn(4, 16)
 
 
+_FP32 = {}  # (the model's repr, the input's shape) -> its measured float32 entries
+
+
 def _fp32_entries(model, x) -> dict:
     """The op keys of ``model``'s graph with their float32 seconds, measured here (the suite's
-    private cache emptied first: the table calibrate returns also holds other tests' ops)."""
-    path = CostTable.for_device(torch.device("cpu")).path
-    if os.path.exists(path):
-        os.remove(path)
-    table = mpgraph.calibrate(model, x)
-    return {k: v for k, v in table.entries.items() if k.endswith("|fp32") and v is not None}
+    private cache emptied first: the table calibrate returns also holds other tests' ops).
+    Measured once per model and shape in this module: the tests inject their own low-precision
+    times over them, and each gets a copy."""
+    key = (repr(model), tuple(x.shape))
+    if key not in _FP32:
+        path = CostTable.for_device(torch.device("cpu")).path
+        if os.path.exists(path):
+            os.remove(path)
+        table = mpgraph.calibrate(model, x)
+        _FP32[key] = {k: v for k, v in table.entries.items()
+                      if k.endswith("|fp32") and v is not None}
+    return dict(_FP32[key])
 
 
 def _injected(fp32: dict, factor: dict, cast_s: float = 1e-9) -> Measured:
