@@ -690,7 +690,8 @@ def test_a_converted_hf_model_carries_its_config_and_says_what_it_does_not_keep(
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=32, n_layer=1, n_head=4, vocab_size=100, n_positions=32)).eval()
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-    fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU, check=False)
+    # (the module's attributes are the point, not its shapes: static captures)
+    fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU, check=False, dynamic=False)
     assert fast.config.to_dict() == model.config.to_dict() and fast.config is not model.config
     # (the model's own object: a write through fast.config changed what the model computes)
     fast.config.output_hidden_states = True
@@ -706,7 +707,7 @@ def test_a_converted_hf_model_carries_its_config_and_says_what_it_does_not_keep(
     # trained, the model itself holds what it was converted with: following the advice saved
     # the untrained weights (probe pA 6)
     train = mpgraph.convert(model.train(), ids, dtype="bf16", target=GPU, check=False,
-                            mode="train")
+                            mode="train", dynamic=False)
     with pytest.raises(AttributeError, match=r"Use them on the GPT2LMHeadModel itself \(a "
                        r"training conversion trains its own copy of the weights: load them into "
                        r"it first, model\.load_state_dict\(converted\.state_dict\(\)\)\)"):
@@ -777,7 +778,8 @@ def test_parameters_and_state_dict_come_in_the_models_order():
     bert = BertModel(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
                                 num_attention_heads=4, intermediate_size=64)).eval()
     for model, args in ((block, (x,)), (bert, (torch.randint(0, 128, (2, 8)),))):
-        fast = mpgraph.convert(model, args, target="a100", strategy="rules")
+        # (the parameters' order is the point: static captures)
+        fast = mpgraph.convert(model, args, target="a100", strategy="rules", dynamic=False)
         assert [n for n, _ in fast.named_parameters()] == [n for n, _ in model.named_parameters()]
         assert list(fast.state_dict()) == list(model.state_dict())
     fast = mpgraph.convert(Block().eval(), x, target="a100", strategy="rules")  # other weights
@@ -827,7 +829,7 @@ def test_a_head_of_another_structure_is_refused_where_called_low_or_inlined():
         vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
         intermediate_size=64, num_labels=3)).eval()
     ids = torch.randint(0, 128, (2, 8))
-    fast = mpgraph.convert(bert, ids, target=GPU, strategy="rules")
+    fast = mpgraph.convert(bert, ids, target=GPU, strategy="rules", dynamic=False)  # (ids only)
     planned = fast.classifier.weight.dtype
     for new in (nn.Identity(), nn.Sequential(nn.Linear(32, 3))):
         with pytest.raises(TypeError, match=r"setting classifier to (Identity|Sequential)\(\.\.\.\), "
@@ -850,7 +852,8 @@ def test_converting_a_part_of_a_converted_module_is_refused_naming_the_models_pa
     torch.manual_seed(0)
     bert = BertModel(BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1,
                                 num_attention_heads=4, intermediate_size=64)).eval()
-    fast = mpgraph.convert(bert, torch.randint(0, 128, (2, 8)), target=GPU, strategy="rules")
+    fast = mpgraph.convert(bert, torch.randint(0, 128, (2, 8)), target=GPU, strategy="rules",
+                           dynamic=False)  # (never called: a static capture)
     with pytest.raises(TypeError, match=r"this module is part of a module mpgraph.convert "
                                         r"returned \(its 'encoder'\).*\(model\.encoder\)"):
         mpgraph.convert(fast.encoder, torch.randn(2, 8, 32))

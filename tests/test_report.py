@@ -432,8 +432,9 @@ def test_diff_of_two_targets_lists_every_changed_node():
     bert, ids = _small_bert()
     # a T4 run eagerly (host-bound at this size: little pays for its casts) against an A100
     # replayed from CUDA graphs (kernel time only: every matmul pays)
-    t4 = mpgraph.convert(bert, ids, dtype="fp16", target="t4")
-    a100 = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, runtime="graphs")
+    # (plans compared at the example's shapes: static captures)
+    t4 = mpgraph.convert(bert, ids, dtype="fp16", target="t4", dynamic=False)
+    a100 = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, runtime="graphs", dynamic=False)
     d = mpgraph.diff(t4, a100)
     changed = {c.name for c in d.changed}
     assert len(changed) > 10 and "linear_12" in changed, str(d)
@@ -529,7 +530,8 @@ def test_html_report_opens_the_sections_with_casts_and_groups_dropout_by_module(
     # module they stand for
     bert, ids = _small_bert()
     with pytest.warns(UserWarning, match="in training mode"):
-        trained = mpgraph.convert(bert.train(), ids, dtype="fp16", target=GPU)
+        trained = mpgraph.convert(bert.train(), ids, dtype="fp16", target=GPU,
+                                  dynamic=False)  # (its report only: a static capture)
     nodes = {n["name"]: n for n in json.loads(mpgraph.report(trained, "json"))["nodes"]}
     dropouts = {name for name in nodes if re.fullmatch(r"dropout(_\d+)?_mode", name)}
     assert dropouts == {"dropout_mode"} | {f"dropout_{i}_mode" for i in range(1, 5)}
