@@ -247,7 +247,7 @@ def test_model_is_untouched_by_capture_and_convert(bert, token_ids):
     before = {k: v.clone() for k, v in bert.state_dict().items()}
     hooks_before = dict(bert.encoder._forward_hooks)
     gm = mpgraph.convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype=torch.bfloat16,
-                         target=GPU)
+                         target=GPU, dynamic=False)  # (static: the model is the point)
     assert gm.plan.low_nodes  # a real conversion, with weights stored low
     after = bert.state_dict()
     assert before.keys() == after.keys()
@@ -502,7 +502,8 @@ def test_a_composite_hf_model_whose_decoder_caches_is_converted_without_its_cach
     torch.manual_seed(0)
     model, args, kwargs, key = build()
     assert getattr(model.config, "use_cache", None) is None
-    fast = mpgraph.convert(model, args, example_kwargs=kwargs, target=GPU, strategy="rules")
+    fast = mpgraph.convert(model, args, example_kwargs=kwargs, target=GPU, strategy="rules",
+                           dynamic=False)  # (called at the example's shapes only: static)
     with torch.no_grad():
         assert relative_l2(fast(*args, **kwargs)[key], model(*args, **kwargs)[key]) < 1e-2
 
