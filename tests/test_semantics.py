@@ -184,7 +184,18 @@ def test_deepcopy_keeps_the_plan_and_dtype_changes_are_refused():
         train.half()
 
 
-def test_two_threads_convert_export_route_models_at_once(bert, token_ids):
+def _one_layer_bert():
+    """conftest's ``bert`` (hidden 64, vocabulary 100) with one encoder layer: what the tests
+    below check (threads, ONNX names, axes and dtype) does not depend on the depth."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     intermediate_size=128, vocab_size=100, max_position_embeddings=64)
+    return BertModel(cfg).eval()
+
+
+def test_two_threads_convert_export_route_models_at_once(token_ids):
+    bert = _one_layer_bert()
     ids, mask = token_ids
     results, errors = [], []
 
@@ -204,8 +215,9 @@ def test_two_threads_convert_export_route_models_at_once(bert, token_ids):
     assert results[0].code == results[1].code
 
 
-def test_onnx_outputs_keep_their_names_axes_are_dynamic_and_dtype_is_the_plans(bert, token_ids,
+def test_onnx_outputs_keep_their_names_axes_are_dynamic_and_dtype_is_the_plans(token_ids,
                                                                               tmp_path):
+    bert = _one_layer_bert()
     ids, mask = token_ids
     path = tmp_path / "bert.onnx"
     mpgraph.export_onnx(bert, (ids,), path, example_kwargs={"attention_mask": mask}, target=GPU)
