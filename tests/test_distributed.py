@@ -1,4 +1,6 @@
 """Converted modules under torch.distributed (gloo, 2 processes on this CPU)."""
+import copy
+import functools
 import os
 import socket
 import sys
@@ -125,7 +127,8 @@ def _train(rank, wrap):
 def _sharded_inference(rank):
     """An inference conversion (bf16 weights stored once, float32 norms: a mix of dtypes, frozen)
     sharded by FSDP2: this rank's outputs against the same module run unsharded."""
-    gm, plain = _converted("inference"), _converted("inference")
+    gm = _converted("inference")
+    plain = copy.deepcopy(gm)  # (the same conversion, unsharded: one conversion, not two)
     from torch.distributed.fsdp import fully_shard
     model = fully_shard(gm)
     ids = batch(99)[0][rank::WORLD]
@@ -178,8 +181,8 @@ def _sharded_stacks():
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     model, x = QKV().eval(), torch.randn(1, 32)
-    gm, plain = (mpgraph.convert(model, x, dtype="bf16", strategy="rules", target="cpu")
-                 for _ in range(2))
+    gm = mpgraph.convert(model, x, dtype="bf16", strategy="rules", target="cpu")
+    plain = copy.deepcopy(gm)  # (the same conversion, unsharded: one conversion, not two)
     sharded = fully_shard(gm)
     with torch.no_grad():
         got, want = sharded(x), plain(x)
@@ -187,6 +190,7 @@ def _sharded_stacks():
             "max_abs": float((got.float() - want.float()).abs().max())}
 
 
+@functools.lru_cache(maxsize=None)  # the same for every wrapper: trained once a process
 def _single_process_losses():
     gm = _converted()
     opt = torch.optim.SGD(gm.parameters(), lr=LR)
