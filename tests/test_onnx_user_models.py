@@ -363,7 +363,7 @@ def test_a_model_the_opset_23_exporter_asserts_on_is_exported_at_opset_18(tmp_pa
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
     torch.manual_seed(0)
     model = WhisperEncoder(hf.WhisperConfig(
-        d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+        d_model=64, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=128,
         num_mel_bins=16, max_source_positions=32, vocab_size=128)).eval()
     x = torch.randn(2, 16, 64)
     # (by default its mel bins and frames, which its input guard fixes, are static: then
