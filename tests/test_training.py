@@ -70,8 +70,12 @@ def test_bf16_training_reaches_the_fp32_loss(make, batches, lr):
     reference, before = copy.deepcopy(model), copy.deepcopy(model.state_dict())
     gm = convert_rules(model, batches(0)[0], dtype=BF16, mode="train")
     assert gm.plan.mode == "train" and gm.plan.low_nodes and not gm.plan.weights
-    fp32_losses, _ = _train(reference, batches, 200, lr)
-    bf16_losses, opt = _train(gm, batches, 200, lr)
+    # SmallCNN (bf16 convolutions emulated on a CPU: 2/3 of the test) 100 steps: both have
+    # learned by then (the mean of the last 20 at 0.40 of the first loss, bf16's within 0.03% of
+    # fp32's; at 200 steps 0.48 and 0.9%)
+    steps = 100 if make is SmallCNN else 200
+    fp32_losses, _ = _train(reference, batches, steps, lr)
+    bf16_losses, opt = _train(gm, batches, steps, lr)
     # stated tolerance: the mean loss of the last 20 steps within 5% (and both learned)
     late32, late16 = sum(fp32_losses[-20:]) / 20, sum(bf16_losses[-20:]) / 20
     assert late32 < 0.8 * fp32_losses[0]
