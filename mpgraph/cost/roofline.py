@@ -368,10 +368,12 @@ def measure_calibration(spec: DeviceSpec, device: str = "cuda", size: int = 4096
             t = _timed(lambda: torch.mm(a, b), dev)
             points.append({"name": f"matmul {size} {key}", "seconds": t})
             efficiency[key] = min(1.0, 2.0 * size ** 3 / t / peak)
-        x = torch.empty(64 * 1024 * 1024, device=dev)
+        # 256 MB at the default size; a smaller size (a smoke run) copies less in proportion
+        # (21 copies and GELUs of 256 MB were ~7 s of a CPU run at size 64)
+        x = torch.empty(min(64 * 1024 * 1024, 4 * size * size), device=dev)
         y = torch.empty_like(x)
         t = _timed(lambda: y.copy_(x), dev)
-        points.append({"name": "copy 256 MB", "seconds": t})
+        points.append({"name": f"copy {x.numel() * 4 / 2 ** 20:g} MB", "seconds": t})
         efficiency["bandwidth"] = min(1.0, 2 * x.numel() * 4 / t / spec.bandwidth)
         t = _timed(lambda: torch.nn.functional.gelu(x), dev)
         efficiency["elementwise"] = min(1.0, VECTOR_FLOPS_PER_ELEMENT * x.numel() / t
