@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 import mpgraph
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+# (one decoder layer: a second adds the same nodes again, and no test here is about depth)
+CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=100, use_cache=False)
 OPTIONS = dict(dtype="bf16", target="a100", costs=kernels_only())  # (else launch-bound here)
 
@@ -25,6 +26,20 @@ def llama():
     real, meta = build(cfg, "cpu"), build(cfg, "meta")
     ids = torch.randint(0, CFG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     return real, meta, ids, mpgraph.convert(real, ids, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def meta_planned(llama):
+    """mpgraph.convert(meta, ids, **OPTIONS), converted once for the module: tests that load
+    into it (or may write to it) take a copy, ``fresh(meta_planned)``."""
+    _, meta, ids, _ = llama
+    return mpgraph.convert(meta, ids, **OPTIONS)
+
+
+def fresh(planned):
+    """A module planned on meta, as ``mpgraph.convert(meta, ids, **OPTIONS)`` returns it (a
+    copy of the module's shared one: the same conversion, not done again)."""
+    return copy.deepcopy(planned)
 
 
 def _records(plan):
@@ -42,9 +57,9 @@ def _same_module(a, b, ids):
         assert torch.equal(a(ids).last_hidden_state, b(ids).last_hidden_state)
 
 
-def test_meta_llama_plans_node_by_node_like_the_materialised_model(llama):
+def test_meta_llama_plans_node_by_node_like_the_materialised_model(llama, meta_planned):
     real, meta, ids, direct = llama
-    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    planned = meta_planned
     # the same graph (no device-dependent .contiguous() nodes, the same names) and decisions
     assert _records(planned.plan) == _records(direct.plan)
     assert planned.code == direct.code
@@ -57,9 +72,9 @@ def test_meta_llama_plans_node_by_node_like_the_materialised_model(llama):
     assert all(p.device.type == "meta" for p in meta.parameters())  # the model is untouched
 
 
-def test_plan_then_load_safetensors_equals_direct_convert(llama, tmp_path):
+def test_plan_then_load_safetensors_equals_direct_convert(llama, meta_planned, tmp_path):
     real, meta, ids, direct = llama
-    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    planned = fresh(meta_planned)
     index = save_checkpoint(real, tmp_path, shards=3)
     assert mpgraph.load_weights(planned, index) is planned
     _same_module(planned, direct, ids)
@@ -107,10 +122,10 @@ def test_training_conversion_planned_on_meta(llama):
                for n, p in planned.named_parameters() if "layers" in n)
 
 
-def test_load_weights_reports_what_is_wrong(llama, tmp_path):
+def test_load_weights_reports_what_is_wrong(llama, meta_planned, tmp_path):
     real, meta, ids, _ = llama
     state = {k: v.contiguous() for k, v in real.state_dict().items()}
-    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    planned = fresh(meta_planned)
     partial = dict(state)
     del partial["norm.weight"], partial["layers.0.mlp.up_proj.weight"]
     save_file(partial, tmp_path / "partial.safetensors")
@@ -118,7 +133,7 @@ def test_load_weights_reports_what_is_wrong(llama, tmp_path):
         mpgraph.load_weights(planned, tmp_path / "partial.safetensors")
     wrong = dict(state, **{"norm.weight": torch.ones(3)})
     with pytest.raises(ValueError, match=r"norm.weight: shape \(3,\).*\(64,\)"):
-        mpgraph.load_weights(mpgraph.convert(meta, ids, **OPTIONS), wrong)
+        mpgraph.load_weights(fresh(meta_planned), wrong)
     with pytest.raises(FileNotFoundError, match="nowhere.safetensors"):
         mpgraph.load_weights(planned, tmp_path / "nowhere.safetensors")
     (tmp_path / "empty").mkdir()
@@ -130,8 +145,8 @@ def test_load_weights_into_a_real_module_refuses_weights_under_other_names(llama
     """A checkpoint of the model under a head ('model.' before every key) loaded nothing into
     a materialised conversion, quietly: with strict (the default), that is an error naming the
     names on both sides; strict=False loads what matches, and says what it did not use."""
-    real, _, ids, _ = llama
-    fast = mpgraph.convert(real, ids, **OPTIONS)
+    real, _, ids, direct = llama
+    fast = copy.deepcopy(direct)  # (mpgraph.convert(real, ids, **OPTIONS), the fixture's)
     prefixed = {f"model.{k}": v for k, v in real.state_dict().items()}
     with pytest.raises(ValueError, match=r"no tensor of the weights has a name of the converted "
                        r"module \(the weights' first key: 'model\.embed_tokens\.weight'\).*"
@@ -146,12 +161,12 @@ def test_load_weights_into_a_real_module_refuses_weights_under_other_names(llama
         mpgraph.load_weights(fast, tmp_path / "w.pt")
 
 
-def test_load_weights_moves_device_constants_with_the_weights(llama):
+def test_load_weights_moves_device_constants_with_the_weights(llama, meta_planned):
     """Traced for the CPU, loaded elsewhere: ops that create tensors on the traced device (masks,
     positions, export's asserts) follow the weights. The meta device stands in for CUDA here: a
     CPU constant left behind would make the run fail on mixed devices."""
     real, meta, ids, _ = llama
-    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    planned = fresh(meta_planned)
     placed = [n for n in planned.graph.nodes if str(n.kwargs.get("device")) == "cpu"]
     assert placed  # arange(device=cpu) and friends
     mpgraph.load_weights(planned, real.state_dict(), device="meta")
@@ -161,12 +176,12 @@ def test_load_weights_moves_device_constants_with_the_weights(llama):
     assert out.device.type == "meta" and out.shape == (2, 16, CFG["hidden_size"])
 
 
-def test_a_device_named_another_way_is_the_one_the_plan_was_traced_for(llama):
+def test_a_device_named_another_way_is_the_one_the_plan_was_traced_for(llama, meta_planned):
     """load_weights(device="cuda") of a plan traced for cuda:0 (CUDA example inputs) moved each
     device constant from cuda:0 to cuda: the code differed from the materialised model's (and a
     decoder on cuda:0 refused device="cuda"). "cpu:0" names the CPU the same other way."""
     real, meta, ids, direct = llama
-    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    planned = fresh(meta_planned)
     mpgraph.load_weights(planned, real.state_dict(), device="cpu:0")
     assert planned.code == direct.code and planned.meta["mpgraph.traced_on"] == "cpu"
 
@@ -255,7 +270,7 @@ def test_a_tied_weight_loads_from_the_one_name_a_checkpoint_keeps_and_stays_tied
     module's head took its old values, silently, before."""
     def gpt2(seed):
         torch.manual_seed(seed)
-        return hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+        return hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100,
                                                 use_cache=False)).eval()
     model, other = gpt2(0), gpt2(1)
     assert other.lm_head.weight is other.transformer.wte.weight
@@ -275,12 +290,12 @@ def test_a_tied_weight_loads_from_the_one_name_a_checkpoint_keeps_and_stays_tied
             assert mpgraph.numerics.relative_l2(converted(ids).logits, ref) < 2e-2
 
 
-def test_calling_a_module_with_tensors_still_meta_is_an_error_naming_them(llama):
+def test_calling_a_module_with_tensors_still_meta_is_an_error_naming_them(llama, meta_planned):
     """A meta tensor read by a CPU kernel is uninitialised memory: a module planned on meta
     called before its weights were loaded, or after a strict=False load that missed some,
     returned garbage or NaN (or torch's device error) before."""
     real, meta, ids, direct = llama
-    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    planned = fresh(meta_planned)
     with pytest.raises(mpgraph.MissingWeightsError, match=r"have no value .*embed_tokens.weight"
                        r".*mpgraph\.load_weights"):
         planned(ids)
@@ -321,7 +336,8 @@ def test_a_tensor_the_forward_creates_on_meta_is_named_as_such():
         planned(torch.randn(4, 64))
 
 
-def test_a_name_in_two_files_is_an_error_and_an_index_decides_where_each_name_is(llama, tmp_path):
+def test_a_name_in_two_files_is_an_error_and_an_index_decides_where_each_name_is(llama, meta_planned,
+                                                                                tmp_path):
     """A directory holding two checkpoints (an old export beside the new one) gave every tensor
     from whichever file sorted last, silently; an index's weight_map was read only for its file
     names, so a stale copy of a name in a listed shard could win the same way."""
@@ -330,7 +346,7 @@ def test_a_name_in_two_files_is_an_error_and_an_index_decides_where_each_name_is
     stale = {k: torch.zeros_like(v) for k, v in state.items()}
     save_file(state, tmp_path / "model.safetensors")
     save_file(stale, tmp_path / "model_v0_backup.safetensors")
-    planned = mpgraph.convert(meta, ids, **OPTIONS)
+    planned = fresh(meta_planned)
     with pytest.raises(ValueError, match=r"weight \S+ is in two files, .*model\.safetensors and "
                                          r".*model_v0_backup\.safetensors"):
         mpgraph.load_weights(planned, tmp_path)
@@ -343,11 +359,11 @@ def test_a_name_in_two_files_is_an_error_and_an_index_decides_where_each_name_is
               sharded / "model-00002-of-00002.safetensors")  # a stale copy of it in the other shard
     save_file(stale, sharded / "zz_old.safetensors")  # an old export the index does not list
     for source in (index, sharded):
-        loaded = mpgraph.load_weights(mpgraph.convert(meta, ids, **OPTIONS), source)
+        loaded = mpgraph.load_weights(fresh(meta_planned), source)
         _same_module(loaded, direct, ids)
 
 
-def test_a_load_weights_error_writes_nothing(llama, tmp_path):
+def test_a_load_weights_error_writes_nothing(llama, meta_planned, tmp_path):
     """A wrong shape (or a tensor without a value, strict) found after some tensors were written
     left a loaded module holding two checkpoints' tensors (13 of 20 replaced): neither's answer."""
     real, _, ids, direct = llama
@@ -360,7 +376,7 @@ def test_a_load_weights_error_writes_nothing(llama, tmp_path):
         with pytest.raises(ValueError, match=rf"weight {last}: shape \(3, 3\).*nothing was loaded"):
             mpgraph.load_weights(fast, weights)
         assert all(torch.equal(v, before[k]) for k, v in fast.state_dict().items())
-    planned = mpgraph.convert(llama[1], ids, **OPTIONS)
+    planned = fresh(meta_planned)  # (mpgraph.convert(llama[1], ids, **OPTIONS))
     partial = {k: v for k, v in real.state_dict().items() if k != "norm.weight"}
     with pytest.raises(ValueError, match=r"1 tensors .* no value.*norm\.weight.*nothing was loaded"):
         mpgraph.load_weights(planned, partial)
@@ -424,11 +440,11 @@ def test_a_meta_model_reading_a_tensor_value_is_refused_at_capture():
         mpgraph.convert(meta, x, **OPTIONS)
 
 
-def test_a_size_1_guard_kept_by_a_meta_plan_says_why_and_the_way_out(llama):
+def test_a_size_1_guard_kept_by_a_meta_plan_says_why_and_the_way_out(llama, meta_planned):
     """A plan on meta cannot test the guards that exclude a size of 1 (no values), so it keeps
     them: batch 1 was refused with advice to convert at batch 1 (a graph for batch 1 only)."""
     real, meta, ids, direct = llama
-    planned = mpgraph.load_weights(mpgraph.convert(meta, ids, **OPTIONS), real.state_dict())
+    planned = mpgraph.load_weights(fresh(meta_planned), real.state_dict())
     with torch.no_grad():
         with pytest.raises(mpgraph.InputMismatchError, match=r"size\(\)\[0\] != 1\. It was planned "
                            r"on the meta device.*plan=module\.plan"):
