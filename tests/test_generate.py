@@ -525,7 +525,7 @@ def test_a_tolerance_converts_with_one_cache_dtype_for_both_graphs():
     """Each graph's tolerance search pinned the cache on its own: the prefill plan kept
     value_cache_0 float32, the decode plan bfloat16, and sharing it was a ValueError. A cache
     tensor either plan keeps float32 is float32 in both."""
-    model = llama()
+    model = llama(layers=1)
     example = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS, dtype="bf16",
                                       target=GPU, tolerance=1e-3)
@@ -1219,7 +1219,7 @@ def test_the_decode_graph_is_calibrated_with_the_prompt_in_its_cache():
     said "checked: error 0.00036". Calibrated with the prompt in its cache, it keeps what the
     prefill keeps, and its reported error is the measured one."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2,
                                       vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
                                       pad_token_id=0)
