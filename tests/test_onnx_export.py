@@ -783,14 +783,19 @@ def test_torch_onnx_s_registry_is_built_once_and_each_export_registers_into_its_
     with module._registry_built_once():
         first = _registration.ONNXRegistry.from_torchlib()
         first.register_op(twice, lambda x: x)
-    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is not own  # (a new classmethod)
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is own  # (put back)
     with module._registry_built_once():
         second = _registration.ONNXRegistry().from_torchlib(opset_version=first.opset_version)
     assert first.is_registered(twice) and not second.is_registered(twice)
     relu = torch.ops.aten.relu.default.name()
     assert second.functions[relu][0] is first.functions[relu][0]  # (built once)
     assert second.functions[relu] is not first.functions[relu]
-    assert _registration.ONNXRegistry.from_torchlib.__func__ is own.__func__  # torch's, put back
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is own  # torch's, put back
+    with module._registry_built_once():  # (two exports at once, in two threads: one patch,
+        with module._registry_built_once():  # put back when the last one ends)
+            pass
+        assert _registration.ONNXRegistry.__dict__["from_torchlib"] is not own
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is own
 
 
 class Whitens(nn.Module):

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
@@ -535,7 +536,9 @@ def _exporter_quiet():
         logger.setLevel(level)
 
 
-_REGISTRIES: dict = {}  # opset -> torch.onnx's op registry, built once a process
+_REGISTRIES: dict = {}  # from_torchlib's arguments -> torch.onnx's registry, built once a process
+_PATCHED = {"exports": 0, "torch": None}  # exports inside, torch's own from_torchlib meanwhile
+_PATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -543,15 +546,31 @@ def _registry_built_once():
     """torch.onnx.export builds its registry of ONNX functions anew on every call: onnxscript
     parses the source of ~500 torchlib functions, 2.2 s of a 3.5 s export of a two-layer MLP,
     paid again by each opset and fallback tried. Built once a process here; each export gets a
-    copy of its lists, so what it registers (a custom translation table) stays its own."""
+    copy of its lists, so what it registers (a custom translation table) stays its own. Exports
+    in several threads share one patch, put back when the last one ends."""
     try:
         from torch.onnx._internal.exporter import _registration
         owner = _registration.ONNXRegistry
-        build = owner.__dict__["from_torchlib"].__func__
+        owner.__dict__["from_torchlib"].__func__
     except (ImportError, AttributeError, KeyError):  # (another torch: built as it builds it)
         yield
         return
+    with _PATCH_LOCK:
+        if _PATCHED["exports"] == 0:
+            _PATCHED["torch"] = owner.__dict__["from_torchlib"]
+            owner.from_torchlib = classmethod(_built_once(_PATCHED["torch"].__func__))
+        _PATCHED["exports"] += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _PATCHED["exports"] -= 1
+            if _PATCHED["exports"] == 0:
+                owner.from_torchlib = _PATCHED["torch"]
 
+
+def _built_once(build):
+    """``build`` (torch's from_torchlib) run once for each set of its arguments; a copy each call."""
     signature = inspect.signature(build)
 
     def once(cls, *args, **kwargs):
@@ -564,12 +583,7 @@ def _registry_built_once():
         copy.__dict__.update(built.__dict__)
         copy.functions = {k: list(v) for k, v in built.functions.items()}
         return copy
-
-    owner.from_torchlib = classmethod(once)
-    try:
-        yield
-    finally:
-        owner.from_torchlib = classmethod(build)
+    return once
 
 
 @dataclass
