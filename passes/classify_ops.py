@@ -63,8 +63,8 @@ class ClassifyOps(Pass):
                 info = OpInfo(FP32_ONLY, f"the model's own torch.autocast({node.args[0]!r}, "
                                          f"{dtype_name(own)}) region: computes in {dtype_name(own)}"
                                          " inside, as the model does, kept whole", key)
-            elif entry is None and grad_region(node) is not None:  # (a region, not an op)
-                mode = "torch.enable_grad()" if grad_region(node) else "torch.no_grad()"
+            elif entry is None and (grad := grad_region(node)) is not None:  # (a region)
+                mode = "torch.enable_grad()" if grad else "torch.no_grad()"
                 info = OpInfo(FP32_ONLY, f"the model's own {mode} region, which torch.export "
                                          "keeps as one call: computes inside as the model does, "
                                          "kept whole", key)
