@@ -129,7 +129,9 @@ def test_no_gpu_plan_feeds_a_kernel_a_dtype_mix_it_rejects(target, low):
     for name, build in MODELS.items():
         model, x = _randomised(build()), torch.randn(2, 8, 6, 6)
         for strategy in ("rules", "optimal"):
-            gm = mpgraph.convert(model, x, dtype=low, target=target, strategy=strategy)
+            # (dynamic=False: called at the example's shape only; the kernels' dtypes are the point)
+            gm = mpgraph.convert(model, x, dtype=low, target=target, strategy=strategy,
+                                 dynamic=False)
             ops = kernel_inputs(gm, (x,))
             assert ops, name
             for key, node, x_dtype, params, contract in ops:
@@ -181,7 +183,7 @@ def _small_convnext():
 def test_convnext_planned_for_h100_gives_its_layer_norms_one_dtype():
     """Issue 17: CUDA's layer_norm rejected the plan's fp16 input with float32 weight."""
     model, x = _small_convnext()
-    gm = mpgraph.convert(model, x, dtype=FP16, target="h100")
+    gm = mpgraph.convert(model, x, dtype=FP16, target="h100", dynamic=False)
     ops = kernel_inputs(gm, (x,))
     low = [(node.name, params) for key, node, x_dtype, params, _ in ops if x_dtype == FP16]
     assert len(low) >= 4 and all(p == [FP16, FP16] for _, p in low), low
