@@ -104,7 +104,10 @@ def test_huggingface_models_export(arch, low, request, token_ids, tmp_path):
     model = request.getfixturevalue(arch)
     ids, mask = token_ids
     path = tmp_path / f"{arch}.onnx"
-    result = export_onnx(model, (ids,), path, example_kwargs={"attention_mask": mask}, dtype=low)
+    # (static shapes: the file runs at the example's shapes only; a BERT's dynamic axes are
+    # tested in test_semantics.py and test_dimensions_the_capture_fixed_stay_static_in_the_file)
+    result = export_onnx(model, (ids,), path, example_kwargs={"attention_mask": mask}, dtype=low,
+                         dynamic_shapes=None)
     _check_file(path, result, low)
     # the attention op computes its softmax in float32
     model_ir = load_with_types(str(path))
@@ -159,7 +162,8 @@ def test_opset_18_attention_gives_a_fully_masked_row_torchs_zero(tmp_path):
     mask[1, 4:] = False
     mask[2] = False  # a fully padded item
     path = tmp_path / "p.onnx"
-    result = export_onnx(model, (x, mask), path, dtype="fp16", opset=18)
+    # (static shapes: the file runs at the example's shapes only)
+    result = export_onnx(model, (x, mask), path, dtype="fp16", opset=18, dynamic_shapes=None)
     assert result.edits["decomposed attention's bool mask set to -inf (a fully masked row gives 0)"] == 1
     out = mpgraph.ort_session(str(path), device="cpu").run(None, {"x": x.numpy(),
                                                                  "mask": mask.numpy()})[0]
@@ -171,7 +175,8 @@ def test_opset_18_attention_gives_a_fully_masked_row_torchs_zero(tmp_path):
 def test_external_data_round_trip(tmp_path):
     model, x = MLP().eval(), torch.randn(4, 16)
     path = tmp_path / "mlp.onnx"
-    result = export_onnx(model, x, path, dtype="fp16", external_data_threshold=0)
+    result = export_onnx(model, x, path, dtype="fp16", external_data_threshold=0,
+                         dynamic_shapes=None)  # (static: the file runs at the example's shape)
     assert result.external_data == "mlp.onnx.data"
     assert sorted(os.listdir(tmp_path)) == ["mlp.onnx", "mlp.onnx.data"]
     proto = onnx.load(str(path), load_external_data=False)
@@ -204,7 +209,8 @@ def test_one_tensor_given_for_two_inputs_exports_a_file_with_both(tmp_path):
     torch.manual_seed(0)
     model, x, y = _Pair().eval(), torch.randn(4, 8), torch.randn(4, 8)
     path = tmp_path / "pair.onnx"
-    mpgraph.export_onnx(model, (x, x), path, dtype="fp16", target=GPU)
+    # (static shapes: the file runs at the example's shapes only)
+    mpgraph.export_onnx(model, (x, x), path, dtype="fp16", target=GPU, dynamic_shapes=None)
     session = mpgraph.ort_session(str(path))
     assert [i.name for i in session.get_inputs()] == ["a", "b"]
     out = session.run(None, {"a": x.numpy(), "b": y.numpy()})[0]
@@ -284,7 +290,7 @@ class NoOnnx(nn.Module):
 
 def test_model_that_fails_to_export_is_an_export_error_and_leaves_nothing(tmp_path):
     with pytest.raises(mpgraph.ExportError, match="could not be exported") as info:
-        export_onnx(NoOnnx(), torch.randn(3, 3), tmp_path / "x.onnx")
+        export_onnx(NoOnnx(), torch.randn(3, 3), tmp_path / "x.onnx", dynamic_shapes=None)
     assert "dynamo=True" in str(info.value) and "dynamo=False" in str(info.value)
     assert "linalg_inv" in str(info.value)
     assert os.listdir(tmp_path) == []
@@ -294,12 +300,13 @@ def test_a_model_in_training_mode_is_an_export_error_that_says_eval(tmp_path):
     """A model built and exported without .eval() (HF models start in training mode) failed
     in onnx's checker ('unsupported type: tensor(bool)') or in the validation of dropout."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1))  # training mode, as built
-    for module in (model, convert(model, torch.randn(4, 8), dtype=torch.float16)):
+    # (static shapes throughout: no file here is run at another shape)
+    for module in (model, convert(model, torch.randn(4, 8), dtype=torch.float16, dynamic=False)):
         with pytest.raises(mpgraph.ExportError, match=r"is in training mode .* Call \.eval\(\) "
                                                       r"on it before export_onnx"):
-            export_onnx(module, torch.randn(4, 8), tmp_path / "train.onnx")
+            export_onnx(module, torch.randn(4, 8), tmp_path / "train.onnx", dynamic_shapes=None)
     assert not os.listdir(tmp_path)
-    export_onnx(model.eval(), torch.randn(4, 8), tmp_path / "eval.onnx")
+    export_onnx(model.eval(), torch.randn(4, 8), tmp_path / "eval.onnx", dynamic_shapes=None)
 
 
 def test_a_meta_model_is_an_export_error_before_any_exporter_runs(tmp_path, caplog):
@@ -363,7 +370,7 @@ def test_numeric_mismatch_names_the_node(tmp_path):
 
 def test_ort_session_prefers_cpu_quietly_without_a_gpu(tmp_path, capfd):
     path = tmp_path / "m.onnx"
-    export_onnx(MLP(), torch.randn(2, 16), path, validate=False)
+    export_onnx(MLP(), torch.randn(2, 16), path, validate=False, dynamic_shapes=None)  # (static)
     capfd.readouterr()
     sess = mpgraph.ort_session(path, device=None if not torch.cuda.is_available() else "cpu")
     assert sess.get_providers() == ["CPUExecutionProvider"]
@@ -449,7 +456,7 @@ def test_a_bf16_file_on_the_cpu_provider_is_an_error_that_says_bf16(tmp_path):
     """export_onnx validates a bf16 file by emulating it (the CPU provider has no bf16 Gemm);
     ort_session on it then raised onnxruntime's raw NOT_IMPLEMENTED for 'node_linear'."""
     path = tmp_path / "mlp.onnx"
-    export_onnx(MLP().eval(), torch.randn(4, 16), path, dtype="bf16")
+    export_onnx(MLP().eval(), torch.randn(4, 16), path, dtype="bf16", dynamic_shapes=None)
     with pytest.raises(RuntimeError, match=r"computes in bfloat16, which onnxruntime's CPU "
                                            r"provider cannot run .* dtype='fp16'"):
         mpgraph.ort_session(path, device="cpu")
@@ -458,7 +465,8 @@ def test_a_bf16_file_on_the_cpu_provider_is_an_error_that_says_bf16(tmp_path):
 def test_a_model_given_in_fp16_is_compared_with_itself_and_says_so(tmp_path):
     """Its validation said "vs float32" of a comparison with the fp16 model itself, beside a
     plan summary that said "converted 0/0 nodes ... (all float32)"."""
-    result = export_onnx(MLP().half().eval(), torch.randn(4, 16).half(), tmp_path / "h.onnx")
+    result = export_onnx(MLP().half().eval(), torch.randn(4, 16).half(), tmp_path / "h.onnx",
+                         dynamic_shapes=None)  # (static: the file runs at the example's shape)
     assert "vs the model as given (float16)" in result.validation.summary()
     assert "vs float32" not in result.validation.summary()
     assert "kept the model's own dtypes: none of its" in result.plan.summary()
@@ -649,7 +657,8 @@ class _RecurrentHead(nn.Module):
         return self.fc(self.rnn(x)[0])
 
 
-# (LSTM alone: GRU takes the same path, RUNTIME_FP32_OPS's crash fallback, at ~1.3x the time)
+# (LSTM alone: GRU takes the same path, RUNTIME_FP32_OPS's crash fallback, at ~1.3x the time;
+# dynamic shapes, the default, throughout: onnxruntime 1.31 runs the static fp16 file)
 @pytest.mark.parametrize("kind", [nn.LSTM])
 def test_a_file_onnxruntime_crashes_on_keeps_the_op_float32_and_says_why(kind, tmp_path):
     """onnxruntime 1.31 segfaults running an fp16 GRU/LSTM followed by a Linear at its default
@@ -765,7 +774,7 @@ def test_a_custom_op_without_onnx_function_is_named_not_the_fallbacks_argument_r
     blocker named only inside the exporter's text."""
     with pytest.raises(mpgraph.ExportError, match=r"the graph calls mpgraph_test\.twice, which "
                                                   r"torch\.onnx has no ONNX function for") as info:
-        export_onnx(CustomOpModel().eval(), (), tmp_path / "x.onnx",
+        export_onnx(CustomOpModel().eval(), (), tmp_path / "x.onnx", dynamic_shapes=None,
                     example_kwargs={"x": torch.randn(2, 16), "twice": True})
     assert "cannot call the converted module" in str(info.value)
     assert "Convert with it" not in str(info.value) and "'mask'" not in str(info.value)
@@ -814,7 +823,8 @@ def test_torchs_own_op_without_onnx_function_is_not_called_a_custom_op(tmp_path)
     with pytest.raises(mpgraph.ExportError, match=r"the graph calls aten\.linalg_cholesky_ex, "
                                                   r".* \(torch's own op: keep it out of the "
                                                   r"exported part") as info:
-        export_onnx(Whitens().eval(), torch.randn(16, 8), tmp_path / "w.onnx")
+        export_onnx(Whitens().eval(), torch.randn(16, 8), tmp_path / "w.onnx",
+                    dynamic_shapes=None)  # (static: the refusal does not depend on shapes)
     assert "a custom op" not in str(info.value)
 
 
@@ -834,7 +844,7 @@ def test_each_file_cast_is_labelled_with_the_plan_cast_it_was_traced_from(tmp_pa
     torch.manual_seed(0)
     path = tmp_path / "rt.onnx"
     result = export_onnx(CastRoundTrip().eval(), torch.randn(4, 16), path, dtype="fp16",
-                         target=GPU, validate=False)
+                         target=GPU, validate=False, dynamic_shapes=None)  # (static)
     plan = {c.name: c for c in result.plan.cast_sequence()}
     folded = [name for name, c in plan.items() if c.value == "fc1" or c.value.startswith("float")]
     assert len(folded) == 2 and result.casts_expected == result.casts_in_file + 2
