@@ -43,6 +43,11 @@ def assert_right(model, example, calls, dtype="fp16", example_kwargs=None, **opt
     options.setdefault("strategy", "rules")
     fast = mpgraph.convert(model, example, example_kwargs=example_kwargs, dtype=dtype,
                            target=GPU, **options)
+    return assert_calls_right(model, fast, calls, dtype)
+
+
+def assert_calls_right(model, fast, calls, dtype="fp16"):
+    """``assert_right``'s checks of the calls, on a module converted already; returns it."""
     for args, kwargs in calls:
         with torch.no_grad():
             want, got = model(*args, **kwargs), fast(*args, **kwargs)
@@ -50,6 +55,18 @@ def assert_right(model, example, calls, dtype="fp16", example_kwargs=None, **opt
         errors = output_errors(got, want)
         assert max(errors, default=0.0) <= TOL[dtype], errors
     return fast
+
+
+@functools.lru_cache(maxsize=None)
+def _convnext():
+    """(ConvNeXt, its fp16 conversion on a (2, 3, 32, 32) example): one conversion for the two
+    tests that call it at other shapes (neither changes the module)."""
+    import transformers as t
+    torch.manual_seed(0)
+    model = t.ConvNextModel(t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
+                                             num_stages=2)).eval()
+    return model, mpgraph.convert(model, (_x(2, 3, 32, 32),), dtype="fp16", target=GPU,
+                                  strategy="optimal")
 
 
 def _x(*shape, seed=0):
@@ -71,7 +88,8 @@ def test_multihead_attention_key_padding_masks_are_honoured():
     torch.manual_seed(0)
     x, a, b = _x(2, 10, 32), torch.zeros(2, 10, dtype=torch.bool), torch.zeros(2, 10, dtype=torch.bool)
     a[1, 7:], b[0, 3:] = True, True
-    assert_right(KeyPaddingAttention().eval(), (x, a), [((x, a), {}), ((x, b), {})])
+    assert_right(KeyPaddingAttention().eval(), (x, a), [((x, a), {}), ((x, b), {})],
+                 dynamic=False)  # (called at the example's shapes only)
 
 
 class MaskedSDPA(nn.Module):
@@ -176,6 +194,17 @@ def test_integer_bool_and_float64_inputs_beside_float32_ones():
         return (torch.randint(0, 50, (n, 5), generator=g), torch.rand(n, 5, generator=g) > 0.3,
                 torch.rand(n, 1, 1, generator=g, dtype=torch.float64), torch.randn(n, 5, 16, generator=g))
     assert_right(MixedInputs().eval(), batch(2), [(batch(2), {}), (batch(4), {})])
+
+
+@pytest.fixture
+def bert():
+    """conftest's bert with one layer, for this module's tests (keywords, a static capture,
+    calibration at other lengths, hooks on a layer): depth is not their point."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     intermediate_size=128, vocab_size=100, max_position_embeddings=64)
+    return BertModel(cfg).eval()
 
 
 def test_keywords_in_another_order_and_positional_for_keyword_are_accepted(bert):
@@ -528,7 +557,8 @@ def test_bert_flags_through_kwargs_hidden_states_attentions_and_tuples():
 def test_vit_at_other_batch_sizes_and_other_image_sizes_say_why():
     from transformers import ViTConfig, ViTModel
     torch.manual_seed(0)
-    vit = ViTModel(ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    # (one layer: batch and image sizes are the point, not depth)
+    vit = ViTModel(ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                              num_attention_heads=4, image_size=32, patch_size=8)).eval()
     fast = assert_right(vit, (_x(2, 3, 32, 32),), [((_x(5, 3, 32, 32, seed=1),), {})],
                         strategy="optimal")
@@ -550,10 +580,11 @@ def test_encoders_and_cnns_at_other_batch_sizes(name):
         calls = [((torch.randint(0, 100, (3, 9)),), {"attention_mask": mask})]
         kwargs = {"attention_mask": torch.ones(2, 12, dtype=torch.long)}
     else:
-        model = (t.ConvNextModel(t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
-                                                  num_stages=2)) if name == "convnext" else
-                 t.ResNetModel(t.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])))
         example, calls, kwargs = (_x(2, 3, 32, 32),), [((_x(3, 3, 32, 32, seed=1),), {})], None
+        if name == "convnext":  # (its conversion on this example, shared)
+            assert_calls_right(*_convnext(), calls)
+            return
+        model = t.ResNetModel(t.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]))
     assert_right(model.eval(), example, calls, example_kwargs=kwargs, strategy="optimal")
 
 
@@ -604,9 +635,9 @@ def test_transformers_own_output_capturing_hooks_are_not_reported_as_the_user_s(
     about hooks the user never added."""
     import transformers as t
     torch.manual_seed(0)
-    model = t.SegformerForSemanticSegmentation(t.SegformerConfig(
-        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-        num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], decoder_hidden_size=32,
+    model = t.SegformerForSemanticSegmentation(t.SegformerConfig(  # (one block: the hooks count)
+        num_encoder_blocks=1, depths=[1], sr_ratios=[2], hidden_sizes=[16],
+        num_attention_heads=[1], patch_sizes=[7], strides=[4], decoder_hidden_size=32,
         num_labels=5)).eval()
     x = _x(2, 3, 64, 64)
     with torch.no_grad():
@@ -1168,9 +1199,7 @@ def test_guards_on_a_size_of_1_are_waived_only_where_the_model_agrees_at_size_1(
                                     n_positions=64)).eval()  # (one layer: its mask code counts)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = mpgraph.convert(gpt2, ids, dtype="fp16", target=GPU)
-    convnext = t.ConvNextModel(t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1],
-                                                num_stages=2)).eval()
-    conv = mpgraph.convert(convnext, _x(2, 3, 32, 32), dtype="fp16", target=GPU)
+    convnext, conv = _convnext()  # (converted on _x(2, 3, 32, 32), fp16, as here before)
     with torch.no_grad():  # transformers' mask code and the conv's memory format: harmless at 1
         for one in (ids[:1], ids[:1, :1], ids[1:, :5]):
             want = gpt2(one, use_cache=False).last_hidden_state
