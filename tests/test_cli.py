@@ -57,29 +57,49 @@ def test_console_script_reports_bad_dtype():
 
 FACTORY = '''import logging, warnings
 import torch, torch.nn as nn
+try:
+    from transformers import GPT2Config
+except ImportError:  # (test_cli_keeps_transformers_logs_for_verbose is skipped then)
+    GPT2Config = None
 
 def build(batch: int = 16, seq: int = 64):
     warnings.warn("a third-party deprecation", FutureWarning)
     logging.getLogger("torch.export").error("torch narrating something")
+    if GPT2Config is not None:
+        GPT2Config(vocab_size=1000)  # transformers logs that bos/eos_token_id 50256 lie outside it
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(seq, 64), nn.ReLU(), nn.Linear(64, 8))
     return model, torch.randn(batch, seq)
 '''
 
 
-def test_cli_shows_stage_progress_and_keeps_third_party_noise_for_verbose(tmp_path):
-    """Run as a user would (a real stderr, torch's own log handlers included)."""
-    factory = tmp_path / "factory.py"
+@pytest.fixture(scope="module")
+def noisy_factory_runs(tmp_path_factory):
+    """`mpgraph` run as a user would (a real stderr, torch's own log handlers included) on a
+    factory whose model warns, logs through torch's logger and builds a transformers config:
+    once with --progress and no -v, once with -v --no-progress. The two tests below (next to
+    each other: one worker runs both) read the same two launches (each launch pays ~5 s of
+    imports; they were four)."""
+    factory = tmp_path_factory.mktemp("cli") / "factory.py"
     factory.write_text(FACTORY)
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"}
 
     def cli_run(*argv):
         proc = subprocess.run([sys.executable, "-m", "mpgraph", *argv], capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout, proc.stderr
 
-    out, err = cli_run("--progress", "inspect", f"{factory}:build", "--dtype", "fp16",
-                       "--target", "a100", "--runtime", "graphs", "--batch", "4", "--seq", "32")
+    quiet = cli_run("--progress", "inspect", f"{factory}:build", "--dtype", "fp16",
+                    "--target", "a100", "--runtime", "graphs", "--batch", "4", "--seq", "32")
+    verbose = cli_run("-v", "--no-progress", "inspect", f"{factory}:build", "--dtype", "fp16",
+                      "--target", "a100")
+    return quiet, verbose
+
+
+def test_cli_shows_stage_progress_and_keeps_third_party_noise_for_verbose(noisy_factory_runs):
+    """Run as a user would (a real stderr, torch's own log handlers included)."""
+    (out, err), (_, verbose_err) = noisy_factory_runs
     lines = err.splitlines()
     stages = [line.split(" ...")[0] for line in lines[:6]]
     assert stages == ["mpgraph: capture", "mpgraph: prepare", "mpgraph: calibrate",
@@ -91,10 +111,34 @@ def test_cli_shows_stage_progress_and_keeps_third_party_noise_for_verbose(tmp_pa
     # the factory got --batch and --seq: the input cast moves 4 x 32 values, M is 4
     assert re.search(r"float32 -> float16\s+128\s", out) and "pad M 4->8" in out
     # -v: the third-party warning and log record are shown; no progress when not asked for
-    _, err = cli_run("-v", "--no-progress", "inspect", f"{factory}:build", "--dtype", "fp16",
-                     "--target", "a100")
+    err = verbose_err
     assert "third-party deprecation" in err and "torch narrating something" in err
     assert "mpgraph: capture" not in err
+
+
+HF_FACTORY = '''import torch, torch.nn as nn
+from transformers import GPT2Config
+
+def build():
+    GPT2Config(vocab_size=1000)  # transformers logs that bos/eos_token_id 50256 lie outside it
+    return nn.Linear(8, 8), torch.randn(2, 8)
+'''
+
+
+def test_cli_keeps_transformers_logs_for_verbose(noisy_factory_runs, tmp_path, monkeypatch):
+    """transformers set its logger's level itself when the factory imported it, over the CLI's:
+    its config warnings reached stderr without -v. (The launches: the noisy factory's above,
+    which builds a GPT2Config as HF_FACTORY does.)"""
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    (_, err), (_, verbose_err) = noisy_factory_runs
+    assert "bos_token_id must be" not in err
+    assert "[transformers] Model config: bos_token_id must be" in verbose_err
+    # in a library user's process, the CLI leaves transformers' settings as they were
+    factory = tmp_path / "hf.py"
+    factory.write_text(HF_FACTORY)
+    assert cli.main(["inspect", f"{factory}:build", "--target", "a100", "--check", "off"]) == 0
+    assert "TRANSFORMERS_VERBOSITY" not in os.environ
 
 
 def test_cli_passes_sizes_only_to_factories_that_take_them(tmp_path, capsys):
@@ -351,37 +395,6 @@ def test_cli_names_a_report_file_that_is_not_text(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"mpgraph: error: cannot read {tmp_path / 'bin.csv'}: not a text "
                           "file"), err
-
-
-HF_FACTORY = '''import torch, torch.nn as nn
-from transformers import GPT2Config
-
-def build():
-    GPT2Config(vocab_size=1000)  # transformers logs that bos/eos_token_id 50256 lie outside it
-    return nn.Linear(8, 8), torch.randn(2, 8)
-'''
-
-
-def test_cli_keeps_transformers_logs_for_verbose(tmp_path, monkeypatch):
-    """transformers set its logger's level itself when the factory imported it, over the CLI's:
-    its config warnings reached stderr without -v."""
-    pytest.importorskip("transformers")
-    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
-    factory = tmp_path / "hf.py"
-    factory.write_text(HF_FACTORY)
-
-    def stderr(*argv):
-        proc = subprocess.run([sys.executable, "-m", "mpgraph", *argv, "inspect",
-                               f"{factory}:build", "--target", "a100", "--check", "off"],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stderr
-
-    assert "bos_token_id must be" not in stderr()
-    assert "[transformers] Model config: bos_token_id must be" in stderr("-v")
-    # in a library user's process, the CLI leaves transformers' settings as they were
-    assert cli.main(["inspect", f"{factory}:build", "--target", "a100", "--check", "off"]) == 0
-    assert "TRANSFORMERS_VERBOSITY" not in os.environ
 
 
 def test_cli_factories_import_modules_beside_them_and_from_the_current_folder(tmp_path, capsys,
