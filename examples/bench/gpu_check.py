@@ -183,7 +183,7 @@ def _classifier(name: str, tiny: bool):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if name == "bert":
-        cfg = hf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        cfg = hf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                             intermediate_size=64, vocab_size=100) if tiny else hf.BertConfig()
         batch, seq = (2, 8) if tiny else (8, 128)
         return hf.BertForSequenceClassification(cfg).train(), {
@@ -232,9 +232,9 @@ def training_rows(name: str, steps: int, tiny: bool = False) -> list[str]:
 
 def bert_tensor_cores(tiny: bool = False) -> list[str]:
     model, x = build_model("bert", 8, tiny)
-    if tiny:  # (--tiny: two of the tiny BERT's 12 layers, profiled once: the lines come out)
-        model.encoder.layer = model.encoder.layer[:2]
-        model.config.num_hidden_layers = 2
+    if tiny:  # (--tiny: one of the tiny BERT's 12 layers, profiled once: the lines come out)
+        model.encoder.layer = model.encoder.layer[:1]
+        model.config.num_hidden_layers = 1
     device = "cpu" if tiny else "cuda"
     model, x = model.to(device), x.to(device)
     converted = mpgraph.convert(model, (x,), dtype=FP16, target="h100" if tiny else None)
