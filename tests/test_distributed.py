@@ -44,12 +44,19 @@ def batch(step):
     return ids, ((ids == 0).sum(1) > (ids == 1).sum(1)).long()
 
 
-def _converted(mode="train"):
+@functools.lru_cache(maxsize=None)
+def _conversion(mode):
     torch.manual_seed(0)
     model = Net().train(mode == "train")
     # planned for a named target: no CPU measurement in the worker processes
     return mpgraph.convert(model, batch(0)[0], dtype=torch.bfloat16, mode=mode,
                            strategy="rules", target="a100")
+
+
+def _converted(mode="train"):
+    """A fresh copy of the process's one conversion in that mode (each wrapper trains or shards
+    its own; one conversion, not one a wrapper)."""
+    return copy.deepcopy(_conversion(mode))
 
 
 def _free_port() -> int:
