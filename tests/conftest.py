@@ -34,6 +34,14 @@ atexit.register(shutil.rmtree, _CACHE, True)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``slow`` run first. pytest-xdist's worksteal gives each worker a
+    contiguous share and an idle worker steals from the end of another's queue: a long test
+    near the end of the order keeps one worker busy while the other waits for it."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable otherwise)
+
+
 # The GPU that tests about low precision plan for: what is low there does not depend on the CPU
 # the suite lands on (an AVX2-only CPU keeps everything float32 for itself, one with AMX almost
 # nothing). The plans still run here: the CPU computes fp16/bf16, slowly where it emulates them.

@@ -674,6 +674,7 @@ def test_a_conversion_in_a_thread_while_another_runs_a_converted_module():
     assert not errors and results
 
 
+@pytest.mark.slow
 def test_onnx_with_masks_and_token_types_runs_at_other_shapes_in_a_default_session(tmp_path):
     pytest.importorskip("onnxruntime")
     import onnxruntime as ort

@@ -220,6 +220,7 @@ def _single_process_losses():
 WRAPS = ("ddp", "fsdp2", "fsdp2-bf16-reduce")
 
 
+@pytest.mark.slow
 def test_converted_module_under_torch_distributed_matches_single_process(tmp_path):
     """Every wrapper (DDP, FSDP2, FSDP2 reducing in bf16) in one launch of the two workers, one
     after the other in the same process group (it was a launch a wrapper: ~5 s of imports and a

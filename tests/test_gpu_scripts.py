@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "examples" / "bench"
 
 
@@ -25,6 +27,7 @@ def _rows(text: str, first: str) -> list[list[str]]:
             if line.startswith(f"| {first} |")]
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_every_variant_and_the_training_table_on_the_cpu():
     # (--rounds 1: one call a variant per block; the table is checked for finite numbers only)
     out = _run("gpu_check.py", "--tiny", "--rounds", "1", "--models", "t5",
@@ -46,6 +49,7 @@ def test_gpu_check_runs_every_variant_and_the_training_table_on_the_cpu():
     assert pathlib.Path(calibration[2]).exists()
 
 
+@pytest.mark.slow
 def test_bench_generate_runs_on_the_cpu():
     # (8 prompt + 4 new tokens, not --tiny's 16 + 16: each variant generates three times, and the
     # rows check that the columns come out, finite, not what the length would measure)

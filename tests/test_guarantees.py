@@ -449,6 +449,7 @@ def test_hf_logits_to_keep_given_at_conversion_is_asked_for_again():
             (2, 8, 64)  # (use_cache=False, added by convert, may be left out)
 
 
+@pytest.mark.slow
 def test_converting_under_inference_mode_works_as_outside_it():
     """A server that builds and runs its model under torch.inference_mode(): conversion steps
     out of it (before: "Inference tensors do not track version counter" from NumericSafety, or

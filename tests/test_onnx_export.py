@@ -392,6 +392,7 @@ def test_dynamic_shapes_pass_through_to_the_exporter(tmp_path):
         assert relative_l2(out, model(x)) < 1e-2
 
 
+@pytest.mark.slow
 def test_dimensions_the_capture_fixed_stay_static_in_the_file(tmp_path):
     """The converted graph's own export saw no guard on what the first capture fixed: a ViT's
     file declared channels and image size free (['s99', 's59', 's100', 's4']), ran 36x36
@@ -660,6 +661,7 @@ class _RecurrentHead(nn.Module):
 # (LSTM alone: GRU takes the same path, RUNTIME_FP32_OPS's crash fallback, at ~1.3x the time;
 # dynamic shapes, the default, throughout: onnxruntime 1.31 runs the static fp16 file)
 @pytest.mark.parametrize("kind", [nn.LSTM])
+@pytest.mark.slow
 def test_a_file_onnxruntime_crashes_on_keeps_the_op_float32_and_says_why(kind, tmp_path):
     """onnxruntime 1.31 segfaults running an fp16 GRU/LSTM followed by a Linear at its default
     optimisation level (issue 25.11): validation runs the file as users do, in a process of its
@@ -681,6 +683,7 @@ def test_a_file_onnxruntime_crashes_on_keeps_the_op_float32_and_says_why(kind, t
     assert not (tmp_path / "given.onnx").exists()
 
 
+@pytest.mark.slow
 def test_a_rotary_decoder_exports_with_the_optimiser_and_runs_at_other_batch_sizes(tmp_path):
     """A Llama-family decoder takes the optimiser's path (no near-identity constants) and its
     opset-23 RotaryEmbedding fusion, which onnxruntime 1.31 rejects with a dynamic batch (issue
@@ -722,6 +725,7 @@ def test_a_batch_1_example_says_the_file_takes_batch_1_only(tmp_path):
         export_onnx(model, torch.randn(2, 4, 16), tmp_path / "two.onnx")
 
 
+@pytest.mark.slow
 def test_moe_experts_export_with_transformers_own_onnx_translation(tmp_path):
     """transformers' MoE experts run as its custom op grouped_mm_fallback, which torch.onnx has
     no ONNX function for ('No ONNX function found for transformers.grouped_mm_fallback': nothing

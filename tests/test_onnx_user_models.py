@@ -305,6 +305,7 @@ def test_a_forward_that_takes_a_dict_batch_exports(dynamic, tmp_path):
         assert relative_l2(out, model(batch)) < tolerance_of(result.plan)
 
 
+@pytest.mark.slow
 def test_a_dynamic_shapes_spec_by_argument_name_is_taken_for_a_huggingface_model(
         bert, token_ids, tmp_path):
     """mpgraph passes use_cache=False to the exporter, which wants a spec for every argument
@@ -378,6 +379,7 @@ def test_an_export_only_branch_is_what_the_file_holds_as_torch_onnx_export_write
     assert not torch.onnx.is_in_onnx_export()  # (not left set)
 
 
+@pytest.mark.slow
 def test_a_model_the_opset_23_exporter_asserts_on_is_exported_at_opset_18(tmp_path):
     """Whisper's encoder: the dynamo exporter asserts in its opset-23 Attention ("SDPA (MHA)
     requires q_num_heads = kv_num_heads"), and the TorchScript fallback's file failed mpgraph's
@@ -489,6 +491,7 @@ def test_the_torchscript_fallback_declares_no_dynamic_axis_where_the_graph_compu
     assert _legacy_inputs(fast, (x,), {}, auto=True) == (["src"], None)
 
 
+@pytest.mark.slow
 def test_the_torchscript_fallback_names_inputs_by_argument_and_keeps_them_dynamic(tmp_path):
     """The TorchScript exporter's file took 'input', 'onnx::LSTM_1' at the example's shapes
     only, and the result's fallbacks did not say which exporter wrote it (probe pB F2)."""
@@ -539,6 +542,7 @@ class _PaddedMHA(nn.Module):
         return self.out(self.mha(x, x, x, key_padding_mask=pad, need_weights=False)[0])
 
 
+@pytest.mark.slow
 def test_a_file_onnxruntime_crashes_on_names_the_static_export_that_it_runs(tmp_path):
     """onnxruntime 1.31 crashes (SIGSEGV) on the dynamic-shape file of nn.MultiheadAttention
     given a key_padding_mask, at opset 23 and 18: the error said only "crashed; nothing is

@@ -4,6 +4,7 @@ Random weights have no outliers; CREPE-full has one: conv2_BN.running_var holds 
 fp16's 65504. A plain ``.half()`` turns it into inf, that channel's BatchNorm outputs zeros and
 the pitch probabilities are 55% off, with no inf/NaN anywhere to warn anyone.
 """
+import pytest
 import torch
 
 import mpgraph
@@ -17,6 +18,7 @@ FP16, BF16 = torch.float16, torch.bfloat16
 _rel = relative_l2
 
 
+@pytest.mark.slow
 def test_crepe_full_half_is_silently_wrong_mpgraph_fp16_is_not():
     model, x = crepe("full"), frames(2, seed=1, clicks=2)  # fp16 on an AVX2 CPU: ~4 s a frame
     with torch.no_grad():

@@ -215,6 +215,7 @@ def test_two_threads_convert_export_route_models_at_once(token_ids):
     assert results[0].code == results[1].code
 
 
+@pytest.mark.slow
 def test_onnx_outputs_keep_their_names_axes_are_dynamic_and_dtype_is_the_plans(token_ids,
                                                                               tmp_path):
     bert = _one_layer_bert()
