@@ -530,8 +530,9 @@ def test_each_converted_module_compiles_on_its_own_dynamo_budget():
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     x = _x(4, 16)
+    # (nine: the ninth is the first past the limit of eight)
     fasts = [mpgraph.convert(MLP().eval(), x, target=GPU, strategy="rules", check=False)
-             for _ in range(10)]
+             for _ in range(9)]
     with torch.no_grad():
         for i, fast in enumerate(fasts):
             before = counters["stats"]["unique_graphs"]
@@ -674,7 +675,8 @@ def test_forward_and_torch_export_of_a_converted_hf_model_find_use_cache_fixed_a
         hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
         vocab_size=100)).eval()
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-    fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU, check=False)
+    # (called at the example's shapes only, the signature is the point: a static capture)
+    fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU, check=False, dynamic=False)
     assert str(inspect.signature(fast.forward)) == "(input_ids, use_cache=False)"
     with torch.no_grad():
         want = fast(ids).last_hidden_state
