@@ -213,7 +213,7 @@ def test_capture_error_for_a_kv_cache_output_names_convert_decoder(gpt2):
     gpt2.config.use_cache = True
     with pytest.raises(mpgraph.CaptureError, match=r"(?s)DynamicCache.*fix: .*for generation "
                        r"with a KV cache use mpgraph\.convert_decoder.*use_cache=False"):
-        mpgraph.capture(gpt2, torch.randint(0, 100, (2, 8)))
+        mpgraph.capture(gpt2, torch.randint(0, 100, (2, 8)), dynamic=False)  # (the error: static)
 
 
 def test_capture_error_for_a_kv_cache_input_names_convert_decoder_not_an_adapter(gpt2):
@@ -717,7 +717,7 @@ def test_the_grad_mode_check_reads_helpers_and_blames_no_torch_fast_path():
     seq, pad = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the nested-tensor fast path's warning: said elsewhere)
-        gm = mpgraph.capture(model, (seq, pad))
+        gm = mpgraph.capture(model, (seq, pad), dynamic=False)  # (these shapes only: static)
         with torch.no_grad():
             real = ~pad
             torch.testing.assert_close(gm(seq, pad)[real], model(seq, pad)[real])
