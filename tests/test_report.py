@@ -433,8 +433,10 @@ def test_diff_of_two_targets_lists_every_changed_node():
     # a T4 run eagerly (host-bound at this size: little pays for its casts) against an A100
     # replayed from CUDA graphs (kernel time only: every matmul pays)
     # (plans compared at the example's shapes: static captures)
-    t4 = mpgraph.convert(bert, ids, dtype="fp16", target="t4", dynamic=False)
-    a100 = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, runtime="graphs", dynamic=False)
+    # (the plans' dtypes are the point, not the value check's figures: check="dtypes")
+    t4 = mpgraph.convert(bert, ids, dtype="fp16", target="t4", dynamic=False, check="dtypes")
+    a100 = mpgraph.convert(bert, ids, dtype="fp16", target=GPU, runtime="graphs", dynamic=False,
+                           check="dtypes")
     d = mpgraph.diff(t4, a100)
     changed = {c.name for c in d.changed}
     assert len(changed) > 10 and "linear_12" in changed, str(d)

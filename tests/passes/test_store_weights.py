@@ -14,8 +14,9 @@ BF16 = torch.bfloat16
 
 def test_weights_of_low_nodes_are_stored_low_and_others_stay_fp32(bert, token_ids):
     ids, mask = token_ids
-    # (never called: a static capture)
-    gm = convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype=BF16, dynamic=False)
+    # (never called, the stored dtypes are the point: a static capture, check="dtypes")
+    gm = convert(bert, (ids,), example_kwargs={"attention_mask": mask}, dtype=BF16, dynamic=False,
+                 check="dtypes")
     state = dict(gm.named_parameters())
     assert state["encoder.layer.0.attention.self.query.weight"].dtype == BF16
     assert state["encoder.layer.0.output.dense.bias"].dtype == BF16
