@@ -60,15 +60,23 @@ def gpt2(layers=2):
 
 MODELS = {"llama": llama, "gpt2": gpt2}
 _BUILT: dict = {}
+# dynamic=False where a test runs its decoder only at its example prompt's length (8 tokens; a
+# batch of 1 is padded to the cache's 2), or not at all, and dynamic shapes are not what it is
+# about: a static capture costs a third to a half of a dynamic one. The prefill graph's dynamic
+# length stays tested where it is the subject: built("llama", "fp16") (run at other prompt
+# lengths by test_prompt_lengths_other_than_the_example) and the tests calibrating on prompts of
+# other lengths keep convert_decoder's default.
+STATIC = dict(dynamic=False)
 
 
 def built(kind: str, dtype: str):
-    """(model, decoder): one conversion per model and dtype for the whole module (batch 2)."""
+    """(model, decoder): one conversion per model and dtype for the whole module (batch 2);
+    static (STATIC) but for llama fp16, the one the tests run at other prompt lengths."""
     if (kind, dtype) not in _BUILT:
         model = MODELS[kind]()
         example = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
         decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS, dtype=dtype,
-                                          target=GPU)
+                                          target=GPU, dynamic=(kind, dtype) == ("llama", "fp16"))
         _BUILT[kind, dtype] = model, decoder
     return _BUILT[kind, dtype]
 
@@ -398,7 +406,7 @@ def test_max_cache_len_must_be_an_int():
             mpgraph.convert_decoder(model, prompt(), max_cache_len=bad)
     np = pytest.importorskip("numpy")
     decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=np.int64(12), dtype="bf16",
-                                      target=GPU)
+                                      target=GPU, **STATIC)
     assert type(decoder.max_cache_len) is int and decoder.max_cache_len == 12
 
 
@@ -435,7 +443,8 @@ def _fp32_decoder():
         model = llama()
         example = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
         _BUILT["llama", "fp32"] = model, mpgraph.convert_decoder(
-            model, example, max_cache_len=SLOTS, dtype="fp16", target=GPU, overrides={"*": "fp32"})
+            model, example, max_cache_len=SLOTS, dtype="fp16", target=GPU, overrides={"*": "fp32"},
+            **STATIC)
     return _BUILT["llama", "fp32"]
 
 
@@ -514,7 +523,7 @@ def test_an_override_to_float32_of_the_cache_or_its_writes_keeps_the_cache_float
     one_layer = llama(layers=1)  # (the overrides name layer 0's cache and its writes)
     for overrides in ({"op:aten.index_copy*": "fp32"}, {"key_cache_0": "fp32"}):
         converted = mpgraph.convert_decoder(one_layer, prompt(), max_cache_len=SLOTS, dtype="fp16",
-                                            target=GPU, overrides=overrides)
+                                            target=GPU, overrides=overrides, **STATIC)
         kinds = {c.name: c.dtype for c in converted.cache_plan}
         assert kinds["key_cache_0"] == "float32"
         if "key_cache_0" in overrides:  # (that one buffer; the others as planned)
@@ -528,7 +537,7 @@ def test_a_tolerance_converts_with_one_cache_dtype_for_both_graphs():
     model = llama(layers=1)
     example = torch.randint(3, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     decoder = mpgraph.convert_decoder(model, example, max_cache_len=SLOTS, dtype="bf16",
-                                      target=GPU, tolerance=1e-3)
+                                      target=GPU, tolerance=1e-3, **STATIC)
     ours, theirs = ({n: fetch_attr(gm, n) for n in cache_names(gm)}
                     for gm in (decoder.prefill, decoder.decode))
     assert all(ours[n] is theirs[n] for n in ours)  # one cache, in one dtype
@@ -550,7 +559,7 @@ def test_overrides_take_the_causal_lm_s_own_module_paths(caplog):
         with caplog.at_level("WARNING"):
             decoder = mpgraph.convert_decoder(
                 model, prompt(), max_cache_len=SLOTS, dtype="bf16", target=GPU,
-                overrides={key: "fp32", "lm_head": "fp32", "layers.9": "fp32"})
+                overrides={key: "fp32", "lm_head": "fp32", "layers.9": "fp32"}, **STATIC)
         assert not low(decoder, "model.model.layers.0.", "model.lm_head"), key
         assert low(decoder, "model.model.layers.1.")
         unmatched = [r.getMessage() for r in caplog.records if "matched no node" in r.message]
@@ -659,7 +668,7 @@ def test_sliding_window_attention_within_its_window_converts_and_beyond_it_is_re
         num_key_value_heads=1, vocab_size=VOCAB, sliding_window=SLOTS)).eval()
     full = copy.deepcopy(model)
     full.config.sliding_window = None
-    options = dict(max_cache_len=SLOTS, dtype="bf16", target="cpu", strategy="rules")
+    options = dict(max_cache_len=SLOTS, dtype="bf16", target="cpu", strategy="rules", **STATIC)
     new = SLOTS - PROMPT
     tokens = mpgraph.convert_decoder(model, prompt(), **options).generate(
         prompt(), max_new_tokens=new, eos_token_id=[])
@@ -691,7 +700,7 @@ def test_gpt_neo_local_attention_within_its_window_converts_and_beyond_it_is_ref
                                          r"Convert with max_cache_len <= 16"):
         mpgraph.convert_decoder(model, ids, max_cache_len=17, dtype="bf16", target="cpu")
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=16, dtype="bf16", target="cpu",
-                                      overrides={"*": "fp32"})
+                                      overrides={"*": "fp32"}, **STATIC)
     assert_tokens_equal_hf(model, decoder, ids)
 
 
@@ -713,7 +722,7 @@ def test_a_graph_whose_automatic_fp16_falls_back_takes_the_other_graph_to_bf16_w
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=12, target=GPU,
                                       costs=kernels_only(),
-                                      calibration=[torch.tensor([[5] * 5]), ids])
+                                      calibration=[torch.tensor([[5] * 5]), ids], **STATIC)
     assert decoder.prefill.plan.dtype_choice["fallback"].startswith("float16's plan failed")
     assert "fallback" not in (decoder.decode.plan.dtype_choice or {})
     assert decoder.prefill.plan.dtype == decoder.decode.plan.dtype == torch.bfloat16
@@ -753,7 +762,8 @@ def test_greedy_tokens_equal_hf_bf16_generate_on_a_trained_model():
     model, loss = _trained_llama()
     assert loss < 2.0, f"training did not take (loss {loss:.2f})"
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(7))
-    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=8 + 64, dtype="bf16", target=GPU)
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=8 + 64, dtype="bf16", target=GPU,
+                                      **STATIC)
     import copy
     with torch.no_grad():
         hf = copy.deepcopy(model).to(torch.bfloat16).generate(
@@ -795,9 +805,9 @@ def test_a_calibration_batch_larger_than_the_cache_s_is_calibrated_row_by_row():
 
 
 def test_a_decoder_whose_plans_keep_float32_says_float32():
-    """repr named the candidate low dtype (bfloat16) of plans that kept every node float32."""
-    decoder = mpgraph.convert_decoder(llama(layers=1), prompt(), max_cache_len=SLOTS,
-                                      dtype="bf16", target=GPU, overrides={"*": "fp32"})
+    """repr named the candidate low dtype (bfloat16) of plans that kept every node float32.
+    (The module's float32 decoder: dtype="fp16", overrides={"*": "fp32"}, the same case.)"""
+    decoder = _fp32_decoder()[1]
     assert not decoder.prefill.plan.low_nodes
     assert repr(decoder).endswith("dtype=float32, cache=float32)")
 
@@ -810,7 +820,7 @@ def test_decode_calibration_stays_within_the_model_s_positions():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=64, n_layer=1, n_head=4, vocab_size=VOCAB, n_positions=30)).eval()
     ids = prompt(rows=1)
-    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, **STATIC)
     assert decoder.decode.plan.calibration_batches == 2
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -835,7 +845,7 @@ def test_the_position_table_counts_real_tokens_and_bad_ids_are_named():
     mask[0, :5] = 0  # row 0: 5 real tokens; row 1: 10
     # (every node float32 whatever this CPU runs natively: HF's tokens exactly)
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, dtype="bf16", target=GPU,
-                                      overrides={"*": "fp32"})
+                                      overrides={"*": "fp32"}, **STATIC)
     new = 30 - 10  # the longest row's real tokens and these fill the table exactly
     with torch.no_grad():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
@@ -971,7 +981,7 @@ def test_longrope_past_its_original_positions_is_refused_and_within_them_gives_h
     where HF's generate recomputes the whole cache; the static cache kept the short-factor keys
     and gave other logits from there, silently."""
     model = _phi3_longrope()
-    options = dict(dtype="fp16", target=GPU, overrides={"*": "fp32"})
+    options = dict(dtype="fp16", target=GPU, overrides={"*": "fp32"}, **STATIC)
     with pytest.raises(ValueError) as refused:
         mpgraph.convert_decoder(model, prompt(), max_cache_len=25, **options)
     assert str(refused.value) == (
@@ -1011,7 +1021,7 @@ def test_multi_query_falcon_converts_with_the_one_key_value_head_it_writes():
         eos_token_id=2, pad_token_id=0, bos_token_id=1)).eval()
     assert model.config.multi_query and not model.config.new_decoder_architecture
     decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="fp16",
-                                      target=GPU, overrides={"*": "fp32"})
+                                      target=GPU, overrides={"*": "fp32"}, **STATIC)
     assert {c.shape for c in decoder.cache_plan} == {(2, 1, SLOTS, 16)}
     with torch.no_grad():
         hf = model.generate(prompt(), max_new_tokens=NEW, do_sample=False)
@@ -1130,7 +1140,7 @@ def test_a_fixed_position_table_in_a_buffer_bounds_generation_with_a_clear_error
     model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
         n_embd=64, n_layer=1, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=30)).eval()
     ids = prompt(rows=1)
-    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, **STATIC)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(decoder.generate(ids, max_new_tokens=6), want)
@@ -1146,7 +1156,7 @@ def test_generate_inside_a_generate_on_one_decoder_is_refused_and_a_compiled_lm_
     torch.compile'd LM was refused as 'not a transformers causal LM'."""
     model = gpt2(layers=1)
     ids = prompt(rows=1)
-    decoder = mpgraph.convert_decoder(torch.compile(model), ids, max_cache_len=SLOTS)
+    decoder = mpgraph.convert_decoder(torch.compile(model), ids, max_cache_len=SLOTS, **STATIC)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(decoder.generate(ids, max_new_tokens=6), want)
@@ -1173,10 +1183,10 @@ def test_a_decoder_of_a_model_given_in_bf16_says_bf16():
     """Its repr said dtype=float32 where every weight is bfloat16 (the warning said bf16)."""
     model = copy.deepcopy(gpt2(layers=1)).to(torch.bfloat16)
     with pytest.warns(UserWarning, match="computes in bfloat16"):
-        decoder = mpgraph.convert_decoder(model, prompt(rows=1), max_cache_len=SLOTS)
+        decoder = mpgraph.convert_decoder(model, prompt(rows=1), max_cache_len=SLOTS, **STATIC)
     assert "dtype=bfloat16" in repr(decoder)
     assert "dtype=float32" in repr(mpgraph.convert_decoder(gpt2(layers=1), prompt(rows=1),
-                                                           max_cache_len=SLOTS))
+                                                           max_cache_len=SLOTS, **STATIC))
 
 
 class PeftLike(torch.nn.Module):
@@ -1204,7 +1214,7 @@ def test_a_peft_wrapped_lm_converts_without_its_cache_and_convert_decoder_names_
     not a transformers 5 causal LM", with no way out."""
     model = gpt2(layers=1)
     wrapped, ids = PeftLike(model).eval(), prompt()
-    fast = mpgraph.convert(wrapped, (ids,))
+    fast = mpgraph.convert(wrapped, (ids,), dynamic=False)  # (run at the example's shapes)
     with torch.no_grad():
         assert torch.allclose(fast(ids).logits, model(ids).logits, atol=1e-5)
     with pytest.raises(TypeError, match=r"PeftLike is a peft wrapper: .* "
@@ -1262,7 +1272,7 @@ def test_the_decoder_s_settings_are_its_own_and_converting_keeps_the_caller_s_rn
     torch.manual_seed(123)
     with pytest.warns(UserWarning, match="training mode"):
         decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="bf16",
-                                          target="cpu")
+                                          target="cpu", **STATIC)
     after = torch.rand(4)
     torch.manual_seed(123)
     assert torch.equal(after, torch.rand(4))  # the caller's stream, where it was
@@ -1284,7 +1294,7 @@ def test_llama4_chunked_attention_within_its_chunk_converts_and_t5_is_refused_by
         attention_chunk_size=24, vocab_size=VOCAB, pad_token_id=0)).eval()
     ids = prompt()
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=24, dtype="bf16", target="cpu",
-                                      overrides={"*": "fp32"})
+                                      overrides={"*": "fp32"}, **STATIC)
     assert_tokens_equal_hf(model, decoder, ids)
     with pytest.raises(ValueError, match=r"\(window 24\) .* max_cache_len=25 outgrows the window"
                                          r": .* Convert with max_cache_len <= 24 "):
@@ -1307,7 +1317,7 @@ def test_a_causal_lm_whose_config_counts_encoder_layers_builds_its_decoder_s_cac
         vocab_size=VOCAB, pad_token_id=0, eos_token_id=2)).eval()
     ids = prompt()
     decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, dtype="bf16",
-                                      target="cpu", overrides={"*": "fp32"})
+                                      target="cpu", overrides={"*": "fp32"}, **STATIC)
     assert len(cache_names(decoder.prefill)) == 2 * 2  # (keys and values of 2 layers)
     assert_tokens_equal_hf(model, decoder, ids)
 
@@ -1323,7 +1333,7 @@ def test_convert_decoder_s_warnings_name_the_lm_and_its_paths_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         decoder = mpgraph.convert_decoder(model, prompt(), max_cache_len=SLOTS, dtype="bf16",
-                                          target="cpu")
+                                          target="cpu", **STATIC)
     told = [str(w.message) for w in caught]
     assert not any("StaticCacheStep" in t or "model.model." in t or "starts in training mode"
                    in t for t in told), told
@@ -1370,7 +1380,7 @@ def test_an_lm_taking_past_key_values_converts_and_others_are_refused_with_the_r
     model = PastKeyValuesLlama(reference.config).eval()
     model.load_state_dict(reference.state_dict())
     ids = prompt(rows=1)
-    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS)
+    decoder = mpgraph.convert_decoder(model, ids, max_cache_len=SLOTS, **STATIC)
     assert_tokens_equal_hf(reference, decoder, ids, n=6)
 
     class NoCache(nn.Module):
