@@ -662,10 +662,13 @@ def test_sliding_window_attention_within_its_window_converts_and_beyond_it_is_re
     ones, and the tokens are those of the same model without the window."""
     import copy
     from transformers import MistralConfig, MistralForCausalLM
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=VOCAB, sliding_window=SLOTS)).eval()
+
+    def mistral(layers):
+        torch.manual_seed(0)
+        return MistralForCausalLM(MistralConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=VOCAB, sliding_window=SLOTS)).eval()
+    model = mistral(1)  # (converted twice: one layer; the refusal below counts the layers of 2)
     full = copy.deepcopy(model)
     full.config.sliding_window = None
     options = dict(max_cache_len=SLOTS, dtype="bf16", target="cpu", strategy="rules", **STATIC)
@@ -682,7 +685,7 @@ def test_sliding_window_attention_within_its_window_converts_and_beyond_it_is_re
     with pytest.raises(ValueError, match=rf"sliding-window attention \(window {SLOTS}\) in 2 "
                        rf"layers, and max_cache_len={SLOTS + 1} outgrows the window: .* Convert "
                        rf"with max_cache_len <= {SLOTS}"):
-        mpgraph.convert_decoder(model, prompt(), **{**options, "max_cache_len": SLOTS + 1})
+        mpgraph.convert_decoder(mistral(2), prompt(), **{**options, "max_cache_len": SLOTS + 1})
 
 
 def test_gpt_neo_local_attention_within_its_window_converts_and_beyond_it_is_refused():
@@ -797,10 +800,11 @@ def test_convert_decoder_is_quiet_and_calibrates_decode_at_both_ends_of_the_cach
 
 def test_a_calibration_batch_larger_than_the_cache_s_is_calibrated_row_by_row():
     """Prompts were repeated or cut to the cache's batch: a (5, 12) batch for a batch-2 decoder
-    calibrated its first 2 rows, silently. It is taken in slices of 2: 2, 2 and 1 rows."""
-    decoder = mpgraph.convert_decoder(llama(layers=1), prompt(), max_cache_len=SLOTS,
+    calibrated its first 2 rows, silently. It is taken in slices of 2: 2, 2 and 1 rows.
+    (An example prompt of the calibration's length: every slice runs the static capture.)"""
+    decoder = mpgraph.convert_decoder(llama(layers=1), prompt(length=12), max_cache_len=SLOTS,
                                       dtype="fp16", target=GPU,
-                                      calibration=[prompt(rows=5, length=12)])
+                                      calibration=[prompt(rows=5, length=12)], **STATIC)
     assert decoder.batch_size == 2 and decoder.prefill.plan.calibration_batches == 3
 
 
