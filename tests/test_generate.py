@@ -1154,13 +1154,22 @@ def test_a_fixed_position_table_in_a_buffer_bounds_generation_with_a_clear_error
         decoder.generate(ids, max_new_tokens=30 - PROMPT + 1)
 
 
+def _compiled_gpt2():
+    """(model, decoder): a one-layer GPT-2 converted under torch.compile (convert_decoder takes
+    the LM it compiles: the plain float32 model's decoder), once for the module."""
+    if ("gpt2", "compiled") not in _BUILT:
+        model = gpt2(layers=1)
+        _BUILT["gpt2", "compiled"] = model, mpgraph.convert_decoder(
+            torch.compile(model), prompt(rows=1), max_cache_len=SLOTS, **STATIC)
+    return _BUILT["gpt2", "compiled"]
+
+
 def test_generate_inside_a_generate_on_one_decoder_is_refused_and_a_compiled_lm_converts():
     """One decoder has one static cache: a streamer (or another thread) calling generate during
     a generate overwrote it under the first call, whose tokens came out wrong, silently. And a
     torch.compile'd LM was refused as 'not a transformers causal LM'."""
-    model = gpt2(layers=1)
+    model, decoder = _compiled_gpt2()
     ids = prompt(rows=1)
-    decoder = mpgraph.convert_decoder(torch.compile(model), ids, max_cache_len=SLOTS, **STATIC)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(decoder.generate(ids, max_new_tokens=6), want)
@@ -1189,8 +1198,9 @@ def test_a_decoder_of_a_model_given_in_bf16_says_bf16():
     with pytest.warns(UserWarning, match="computes in bfloat16"):
         decoder = mpgraph.convert_decoder(model, prompt(rows=1), max_cache_len=SLOTS, **STATIC)
     assert "dtype=bfloat16" in repr(decoder)
-    assert "dtype=float32" in repr(mpgraph.convert_decoder(gpt2(layers=1), prompt(rows=1),
-                                                           max_cache_len=SLOTS, **STATIC))
+    # the same float32 model's decoder (gpt2(layers=1), prompt(rows=1), max_cache_len=SLOTS),
+    # converted once for the module (given under torch.compile, which convert_decoder unwraps)
+    assert "dtype=float32" in repr(_compiled_gpt2()[1])
 
 
 class PeftLike(torch.nn.Module):
