@@ -996,3 +996,17 @@ def test_a_one_element_parameter_read_as_a_constant_gives_no_torch_warning():
         fast = mpgraph.convert(model, x, target="a100", strategy="rules")
     assert not [str(w.message) for w in caught if "requires_grad" in str(w.message)]
     assert rel_err(fast(x), model(x)) < 1e-2
+
+
+def test_a_weight_whose_values_underflow_fp16_is_counted_exactly_and_kept_float32():
+    """A weight's values below fp16's half-subnormal are counted, zeros apart (a 0 stays a 0):
+    100 at 1e-9 and one at -2e-8 of 4093 non-zero values (2.5%, over the 1% that keeps it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    with torch.no_grad():
+        w = model[0].weight.view(-1)
+        w[:100], w[100:103], w[103] = 1e-9, 0.0, -2e-8
+    fast = mpgraph.convert(model, torch.randn(4, 64), dtype="fp16", target=GPU, dynamic=False)
+    found = {r.name: (r.dtype, r.safety) for r in fast.plan.nodes if r.safety}
+    assert found == {"_0": ("float32", ("weight: 0.weight: 101 of 4093 non-zero values (smallest "
+                                        "1e-09) underflow float16 to zero",))}
