@@ -311,7 +311,7 @@ def _tensor_findings(name: str, t: torch.Tensor, low: torch.dtype,
     zeros = flushed = 0
     for chunk in t.detach().reshape(-1).split(1 << 22):  # 16 MB temporaries, however big t is
         a = chunk.abs().float()
-        # counted, not selected (a boolean-mask gather cost a third of the scan)
+        # counted, not gathered with a boolean mask (0.9 -> 0.6-0.7 s for 134M values)
         flushed += int(torch.count_nonzero(a < tiny / 2))  # zeros and what rounds to zero
         zeros += int(torch.count_nonzero(a == 0))
     flushed -= zeros  # the values that round to zero in the low dtype
