@@ -145,13 +145,18 @@ def small_bert():
     return BertModel(cfg).eval()
 
 
-@pytest.fixture
-def bert():
+def tiny_bert(layers: int = 2):
+    """The ``bert`` fixture's model, seeded; ``layers=1`` where depth is not a test's point."""
     from transformers import BertConfig, BertModel
     torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                      intermediate_size=128, vocab_size=100, max_position_embeddings=64)
     return BertModel(cfg).eval()
+
+
+@pytest.fixture
+def bert():
+    return tiny_bert()
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import mpgraph
 from mpgraph.numerics import leaves, output_errors, relative_l2
 
-from conftest import GPU
+from conftest import GPU, tiny_bert
 
 TOL = {"fp16": 5e-3, "bf16": 3e-2}
 
@@ -200,11 +200,7 @@ def test_integer_bool_and_float64_inputs_beside_float32_ones():
 def bert():
     """conftest's bert with one layer, for this module's tests (keywords, a static capture,
     calibration at other lengths, hooks on a layer): depth is not their point."""
-    from transformers import BertConfig, BertModel
-    torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                     intermediate_size=128, vocab_size=100, max_position_embeddings=64)
-    return BertModel(cfg).eval()
+    return tiny_bert(layers=1)
 
 
 def test_keywords_in_another_order_and_positional_for_keyword_are_accepted(bert):
