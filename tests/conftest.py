@@ -42,6 +42,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable otherwise)
 
 
+@pytest.fixture(autouse=True)
+def _this_cpu_emulates_fp16_and_bf16(request, monkeypatch):
+    """A plan for this machine (no target) plans float32 and the low dtypes this CPU runs
+    natively, by its measured op times: on an AVX2-only CPU float32 alone, on one with AMX bf16
+    wherever its timings say so, which varies with the sizes and the machine's load. So a test's
+    plan for this machine treats fp16 and bf16 as emulated here, as on an AVX2-only CPU, whatever
+    the CPU (on an AMX Xeon a one-layer GPT-2's default decoder was bf16, and a 32x256 linear's
+    default plan bf16 under load, float32 when quiet). A test about low precision plans for
+    conftest.GPU or gives a cost table; one about this CPU's own choice is marked ``this_cpu``."""
+    if request.node.get_closest_marker("this_cpu") is None:
+        monkeypatch.setattr(mpgraph.api, "emulated", lambda dtype, spec: True)
+
+
 # The GPU that tests about low precision plan for: what is low there does not depend on the CPU
 # the suite lands on (an AVX2-only CPU keeps everything float32 for itself, one with AMX almost
 # nothing). The plans still run here: the CPU computes fp16/bf16, slowly where it emulates them.

@@ -111,6 +111,7 @@ def test_cpu_micro_benchmark_times_cpu_float32_whatever_the_caller_s_defaults(mo
     assert not path.exists()
 
 
+@pytest.mark.this_cpu
 def test_cpu_measurement_here_and_the_dtype_the_plan_picks_from_it():
     """About this machine, whatever CPU the suite lands on (AVX2 only: bf16 ~1% of fp32;
     AVX512-BF16/AMX: several times fp32): the default dtype is picked from this CPU's own

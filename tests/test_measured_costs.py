@@ -137,6 +137,7 @@ def test_a_named_dtype_is_used_where_the_table_says_it_pays():
     assert plan.dtype == FP16 and {r.dtype for r in plan.compute_nodes} == {"float32"}
 
 
+@pytest.mark.this_cpu
 def test_measurement_covers_each_op_in_each_native_dtype_and_a_second_conversion_reads_the_cache(
         caplog, monkeypatch):
     torch.manual_seed(0)
