@@ -7,7 +7,7 @@ import mpgraph
 from mpgraph.ir.meta import PRECISION
 from mpgraph.passes import CheckConversion
 
-from conftest import convert_rules, MLP
+from conftest import convert_rules, ConvBnReluPool, MLP
 
 convert = convert_rules  # these tests pin the rules, planned for conftest.GPU
 
@@ -178,3 +178,76 @@ def test_the_simulation_refuses_what_torch_refuses_in_the_low_dtype(fill):
         gm(x, m)
     with pytest.raises(RuntimeError, match="c10::Half without overflow"):
         run_simulated(gm, (x, m), {}, lambda node, value: None)
+
+
+class _DataDependent(torch.nn.Module):
+    """Sizes from values (boolean indexing, nonzero): no meta kernel can run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):  # (F.linear over parameters: no submodule, whose weights stop a meta run)
+        y = torch.nn.functional.linear(x, self.w, self.b)
+        return y[y > 0].sum() + y.nonzero().shape[0]
+
+
+class _OwnBf16Region(torch.nn.Module):
+    """A region under the model's own torch.autocast: its dtypes come from autocast's rules."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.a(x)
+        return self.b(h.float())
+
+
+def _fake_only(monkeypatch, gm, args):
+    """fake_dtypes as it ran before its meta-tensor run: on fake tensors only."""
+    from mpgraph.ir import simulate
+
+    def no_meta(*a, **k):
+        raise RuntimeError("no meta run")
+    with monkeypatch.context() as m:
+        m.setattr(simulate, "_meta_dtypes", no_meta)
+        return simulate.fake_dtypes(gm, args, {})
+
+
+@pytest.mark.parametrize("name, refused", [
+    ("bert", None), ("cnn", "call_module"), ("autocast", "autocast"),
+    ("data-dependent", "nonzero")])
+def test_the_check_s_dtypes_from_meta_tensors_are_those_fake_tensors_give(name, refused,
+                                                                         monkeypatch):
+    """The check reads every node's dtype from a run without arithmetic: on meta tensors, 2-3x
+    faster than on fake tensors, which run the same kernels. Where a meta run could differ or
+    fail, the fake run gives them: an autocast region (autocast's rules are by device, and a
+    meta tensor is on none: the region's bf16 linear said float32, and the check failed a right
+    conversion), a submodule holding weights (fx's Conv2d: it would run with its own, on the
+    CPU; swapping meta weights into it was a change to a module under two names, whose swap
+    back left meta weights in the converted module), an op whose sizes come from values. The
+    same dtype for every node either way, and the graph's weights untouched."""
+    from conftest import tiny_bert
+    from mpgraph.ir import simulate
+    from mpgraph.ir.graph import flat_inputs
+    torch.manual_seed(0)
+    model, x = {"bert": lambda: (tiny_bert(1), torch.randint(0, 100, (2, 12))),
+                "cnn": lambda: (ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16)),
+                "autocast": lambda: (_OwnBf16Region().eval(), torch.randn(2, 16)),
+                "data-dependent": lambda: (_DataDependent().eval(), torch.randn(4, 8))}[name]()
+    gm = convert(model, x, dtype=torch.float16, dynamic=False)
+    weights = dict(gm.state_dict(keep_vars=True))
+    fake = _fake_only(monkeypatch, gm, (x,))
+    low = [n.name for n, d in fake.items() if d in (torch.float16, torch.bfloat16)]
+    assert len(low) >= 2  # (a plan with low nodes: their dtypes are the test's point)
+    if refused:
+        with pytest.raises(NotImplementedError, match=refused):
+            simulate._meta_dtypes(gm, flat_inputs(gm, (x,), {}))
+    else:
+        assert simulate._meta_dtypes(gm, flat_inputs(gm, (x,), {})) == fake
+    assert simulate.fake_dtypes(gm, (x,), {}) == fake
+    after = gm.state_dict(keep_vars=True)
+    assert after.keys() == weights.keys()
+    assert all(after[k] is v and v.device.type == "cpu" for k, v in weights.items())
