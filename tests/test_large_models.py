@@ -110,8 +110,9 @@ def test_training_conversion_planned_on_meta(llama):
     """mode="train" from meta: the same plan and code, float32 masters loaded, gradients flow."""
     real, meta, ids, _ = llama
     real, meta = copy.deepcopy(real).train(), copy.deepcopy(meta).train()
-    direct = mpgraph.convert(real, ids, mode="train", **OPTIONS)
-    planned = mpgraph.convert(meta, ids, mode="train", **OPTIONS)
+    # (both static: each is run only at ids, and compared with the other, not the fixture's)
+    direct = mpgraph.convert(real, ids, mode="train", dynamic=False, **OPTIONS)
+    planned = mpgraph.convert(meta, ids, mode="train", dynamic=False, **OPTIONS)
     assert _records(planned.plan) == _records(direct.plan) and planned.code == direct.code
     mpgraph.load_weights(planned, real.state_dict())
     assert {p.dtype for p in planned.parameters()} == {torch.float32}
@@ -281,7 +282,7 @@ def test_a_tied_weight_loads_from_the_one_name_a_checkpoint_keeps_and_stays_tied
     save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"},
               tmp_path / "model.safetensors")
     for source in (model, meta):  # a real model, and one planned on meta (two fakes before)
-        converted = mpgraph.convert(source, ids, **OPTIONS)
+        converted = mpgraph.convert(source, ids, dynamic=False, **OPTIONS)  # (run at ids alone)
         mpgraph.load_weights(converted, tmp_path / "model.safetensors")
         params = dict(converted.named_parameters(remove_duplicate=False))
         assert params["lm_head.weight"] is params["transformer.wte.weight"]
@@ -407,7 +408,7 @@ def test_a_plan_on_meta_says_it_is_not_calibrated(llama):
     """A run on fakes measures nothing: the plan said "calibrated on 1 batch" and warned that an
     fp16 plan calibrated on one batch should be given calibration=, which a meta model refuses."""
     real, meta, ids, _ = llama
-    options = dict(OPTIONS, dtype="fp16")
+    options = dict(OPTIONS, dtype="fp16", dynamic=False)  # (neither is run)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (no warning at all)
         plan = mpgraph.convert(meta, ids, **options).plan
