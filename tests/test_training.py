@@ -13,6 +13,10 @@ from conftest import convert_rules, rel_err
 from mpgraph.errors import CaptureError
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+# Every conversion here is called only at its example's shapes (the training loops' batches
+# are all of one shape) and none is about dynamic shapes: a static capture costs about a third
+# of a dynamic one (a plan= conversion takes the saved plan's, static too)
+STATIC = dict(dynamic=False)
 
 
 class SmallCNN(nn.Module):
@@ -68,7 +72,7 @@ def test_bf16_training_reaches_the_fp32_loss(make, batches, lr):
     torch.manual_seed(0)
     model = make().train()
     reference, before = copy.deepcopy(model), copy.deepcopy(model.state_dict())
-    gm = convert_rules(model, batches(0)[0], dtype=BF16, mode="train")
+    gm = convert_rules(model, batches(0)[0], dtype=BF16, mode="train", **STATIC)
     assert gm.plan.mode == "train" and gm.plan.low_nodes and not gm.plan.weights
     # 60 steps each (SmallCNN's bf16 convolutions are emulated on a CPU): both have learned by
     # then. Measured: SmallCNN's mean of the last 20 at 0.44 of the first loss, bf16's within
@@ -95,7 +99,7 @@ def test_first_step_gradients_match_fp32_as_closely_as_autocast_and_arrive_in_fp
     model = SmallCNN().train()
     reference, autocast = copy.deepcopy(model), copy.deepcopy(model)
     x, y = images(0)
-    gm = convert_rules(model, x, dtype=BF16, mode="train")
+    gm = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     F.cross_entropy(reference(x), y).backward()
     F.cross_entropy(gm(x), y).backward()
     with torch.autocast("cpu", dtype=BF16):
@@ -116,7 +120,7 @@ def test_batch_norm_statistics_update_like_fp32_and_conversion_leaves_them_alone
     model = SmallCNN().train()
     reference = copy.deepcopy(model)
     gm = convert_rules(model, images(0)[0], dtype=BF16, mode="train",
-                         calibration=[images(s)[0] for s in range(3)])
+                         calibration=[images(s)[0] for s in range(3)], **STATIC)
     buffers = dict(gm.named_buffers())
     for name, b in model.named_buffers():  # conversion's own runs were undone
         assert torch.equal(buffers[name], b), name
@@ -149,7 +153,7 @@ def test_batch_norm_captured_in_eval_by_export_trains_its_statistics_as_the_mode
 
     torch.manual_seed(0)
     model = Counted().eval()
-    fast = convert_rules(model, torch.randn(8, 16), dtype=BF16)
+    fast = convert_rules(model, torch.randn(8, 16), dtype=BF16, **STATIC)
     assert fast.plan.capture.startswith("torch.export")
     fast.train()
     model.train()
@@ -168,7 +172,7 @@ def test_train_and_eval_switch_dropout_like_the_model():
     torch.manual_seed(0)
     model = SmallTransformer(dropout=0.5).train()
     ids, _ = tokens(0)
-    gm = convert_rules(model, ids, dtype=BF16, mode="train")
+    gm = convert_rules(model, ids, dtype=BF16, mode="train", **STATIC)
     assert not torch.equal(gm(ids), gm(ids))  # dropout active
     gm.eval()
     with torch.no_grad():
@@ -210,7 +214,7 @@ def test_eval_switches_off_the_training_behaviour_of_every_layer_that_has_one(ki
     torch.manual_seed(0)
     model = Stochastic(kind).train()
     x = torch.randn(4, 6, 16)
-    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    fast = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     fast.eval()
     model.eval()
     with torch.no_grad():
@@ -242,7 +246,7 @@ def test_a_flag_the_model_fixed_itself_is_kept_not_followed():
     model.backbone.eval()
     x = torch.randn(4, 3, 8, 8) * 3 + 2
     frozen = model.backbone[1].running_mean.clone()
-    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    fast = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     with torch.no_grad():
         out = fast(x)
         assert torch.equal(fast.state_dict()["backbone.1.running_mean"], frozen)
@@ -269,11 +273,12 @@ def test_a_dropout_module_the_model_keeps_training_in_eval_keeps_dropping():
     model = MC().eval()
     model.d.train()
     x = torch.randn(8, 64)
-    fast = convert_rules(model, x, dtype=BF16)
+    fast = convert_rules(model, x, dtype=BF16, **STATIC)
     with torch.no_grad():
         assert not torch.equal(fast(x), fast(x))  # (as the model: a new mask each call)
     from mpgraph.ir.modules import TrainingFlag
-    gru = convert_rules(nn.GRU(16, 16, batch_first=True).eval(), torch.randn(2, 5, 16), dtype=BF16)
+    gru = convert_rules(nn.GRU(16, 16, batch_first=True).eval(), torch.randn(2, 5, 16), dtype=BF16,
+                        **STATIC)
     assert not any(isinstance(m, TrainingFlag) for m in gru.modules())
 
 
@@ -293,7 +298,7 @@ def test_a_scalar_parameter_gain_trains():
 
     torch.manual_seed(0)
     model, x = Gain().train(), torch.randn(16, 64)
-    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    fast = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     fast(x).sum().backward()
     model(x).sum().backward()
     assert relative_l2(fast.scale.grad, model.scale.grad) < 3e-2
@@ -308,7 +313,7 @@ def test_a_training_conversion_with_a_saved_plan_updates_batch_norm_statistics()
     model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(),
                           nn.Linear(128, 10)).train()
     x = torch.randn(32, 64)
-    first = convert_rules(model, x, dtype=BF16, mode="train")
+    first = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     again = mpgraph.convert(model, x, mode="train", plan=first.plan)
     assert len(again.plan.casts) == len(first.plan.casts)
     batch = torch.randn(32, 64) * 2 + 1
@@ -330,7 +335,7 @@ def test_loss_inside_the_model_stays_fp32():
 
     torch.manual_seed(0)
     x, y = images(0)
-    gm = convert_rules(WithLoss().train(), (x, y), dtype=BF16, mode="train")
+    gm = convert_rules(WithLoss().train(), (x, y), dtype=BF16, mode="train", **STATIC)
     loss = [r for r in gm.plan.compute_nodes if "cross_entropy" in (r.kind or r.target)]
     assert loss and all(r.dtype == "float32" for r in loss)
     out = gm(x, y)
@@ -346,7 +351,7 @@ def test_fp16_training_with_grad_scaler():
     torch.manual_seed(0)
     model = SmallTransformer().train()
     ids, y = tokens(0)
-    gm = convert_rules(model, ids, dtype=FP16, mode="train")
+    gm = convert_rules(model, ids, dtype=FP16, mode="train", **STATIC)
     opt = torch.optim.SGD(gm.parameters(), lr=0.05)
     losses = []
     for step in range(15):  # (the last 5 at 0.60 of the first loss, as at 30 steps: 0.61)
@@ -371,7 +376,7 @@ def test_residual_adds_read_low_inputs_without_a_cast_kernel():
     torch.manual_seed(0)
     model = SmallTransformer().train()
     ids, y = tokens(0)
-    gm = convert_rules(model, ids, dtype=BF16, mode="train")
+    gm = convert_rules(model, ids, dtype=BF16, mode="train", **STATIC)
     promoting = [r for r in gm.plan.compute_nodes if "type promotion" in r.reason]
     assert promoting and all(r.dtype == "float32" for r in promoting)
     names = {n.name for n in gm.plan.nodes}
@@ -408,7 +413,7 @@ def test_an_eval_model_with_a_training_branch_converted_to_train_says_eval_diffe
     model, x = _NoisyInTraining(noisy).eval(), torch.randn(16, 64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fast = convert_rules(model, (x,), dtype=torch.bfloat16, mode="train")
+        fast = convert_rules(model, (x,), dtype=torch.bfloat16, mode="train", **STATIC)
     said = [str(w.message) for w in caught if "converted with mode='train'" in str(w.message)]
     with torch.no_grad():
         error = relative_l2(fast(x), model(x))
@@ -441,7 +446,7 @@ def test_a_padded_transformer_encoder_in_eval_mode_is_not_taken_for_a_training_b
     x, mask = torch.randn(2, 6, 32), torch.tensor([[False] * 6, [False] * 3 + [True] * 3])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        convert_rules(Encoder().eval(), (x, mask), dtype=torch.bfloat16, mode="train")
+        convert_rules(Encoder().eval(), (x, mask), dtype=torch.bfloat16, mode="train", **STATIC)
     assert not [w for w in caught if "converted with mode='train'" in str(w.message)]
 
 
@@ -462,10 +467,10 @@ def test_a_backward_hook_a_training_conversion_would_drop_is_an_error_the_models
     handle = model[2].register_full_backward_hook(scale)
     with pytest.raises(CaptureError, match=r"backward hook scale on '2' \(Linear\) of "
                                            r"Sequential is not in the converted graph"):
-        convert_rules(model, x, dtype=BF16, mode="train")
+        convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     handle.remove()
     model.register_full_backward_hook(scale)
-    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    fast = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     model(xa).sum().backward()
     fast(xb).sum().backward()
@@ -487,7 +492,7 @@ def test_hooks_on_the_model_s_parameters_run_on_the_converted_module_s():
     clipped = []
     for p in model.parameters():
         p.register_hook(lambda g, p=p: clipped.append(p) or g.clamp(-1e-3, 1e-3))
-    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    fast = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     assert fast.plan.low_nodes and not clipped  # (none ran converting)
     F.cross_entropy(fast(x), y).backward()
     mine = list(fast.parameters())
@@ -504,13 +509,13 @@ def test_hooks_on_the_model_s_parameters_run_on_the_converted_module_s():
         p.register_post_accumulate_grad_hook(lambda p: steps[p].step())
     with pytest.warns(UserWarning, match=r"4 of Sequential's parameters \(0\.weight, 0\.bias, "
                       r"2\.weight, \.\.\.\) have register_post_accumulate_grad_hook hooks"):
-        stepped = convert_rules(model, x, dtype=BF16, mode="train")
+        stepped = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     F.cross_entropy(stepped(x), y).backward()
     model[0].weight.requires_grad_(False)  # frozen after its hook: converts, both modes
     for mode in ("train", "inference"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            assert convert_rules(model, x, dtype=BF16, mode=mode).plan.low_nodes
+            assert convert_rules(model, x, dtype=BF16, mode=mode, **STATIC).plan.low_nodes
 
 
 def test_pruning_a_converted_submodule_is_refused_and_leaves_it_as_it_was():
@@ -522,7 +527,7 @@ def test_pruning_a_converted_submodule_is_refused_and_leaves_it_as_it_was():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).train()
     x = torch.randn(8, 16)
-    fast = convert_rules(model, x, dtype=BF16, mode="train")
+    fast = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     keys, out = list(fast.state_dict()), fast(x).detach()
     with pytest.raises(RuntimeError, match=r"^torch\.nn\.utils\.prune on '0' of a converted "
                                            r"module: its mask would never be applied .* Prune "
@@ -533,7 +538,7 @@ def test_pruning_a_converted_submodule_is_refused_and_leaves_it_as_it_was():
     assert torch.equal(fast(x).detach(), out)
     # pruned before converting: the mask is in the graph, and training keeps pruned weights 0
     prune.l1_unstructured(model[0], "weight", 0.5)
-    pruned = convert_rules(model, x, dtype=BF16, mode="train")
+    pruned = convert_rules(model, x, dtype=BF16, mode="train", **STATIC)
     assert rel_err(pruned(x).detach(), model(x).detach()) < 2e-2
     pruned(x).sum().backward()
     assert pruned.get_buffer("0.weight_mask").eq(0).sum() == 256
@@ -555,7 +560,7 @@ def test_a_call_inside_torch_autocast_runs_the_plan_with_autocast_off_and_says_s
     x = torch.randn(4, 16)
     for mode, dtype in (("train", "bf16"), ("inference", "fp16")):
         fast = mpgraph.convert(Normed().train(mode == "train"), (x,), dtype=dtype, target="a100",
-                               mode=mode, strategy="rules")
+                               mode=mode, strategy="rules", **STATIC)
         assert fast.plan.low_nodes
         planned = fast(x)
         with warnings.catch_warnings(record=True) as said:
@@ -571,7 +576,8 @@ def test_a_call_inside_torch_autocast_runs_the_plan_with_autocast_off_and_says_s
         assert said[0].filename == __file__
     # autocast on for another device than the module's changes nothing there: no warning
     # (review rG f5; torch.set_autocast_enabled stands in for torch.autocast("cuda"))
-    fast = mpgraph.convert(Normed().eval(), (x,), dtype="fp16", target="a100", strategy="rules")
+    fast = mpgraph.convert(Normed().eval(), (x,), dtype="fp16", target="a100", strategy="rules",
+                           **STATIC)
     planned = fast(x)
     was = torch.is_autocast_enabled("cuda")
     torch.set_autocast_enabled("cuda", True)
