@@ -87,8 +87,8 @@ def test_loaded_weights_keep_the_planned_memory_layout(tmp_path):
     with torch.device("meta"):
         meta = ConvBnReluPool().eval()
     x = torch.randn(2, 3, 16, 16)
-    direct = mpgraph.convert(real, x, **OPTIONS)
-    planned = mpgraph.convert(meta, x, **OPTIONS)
+    direct = mpgraph.convert(real, x, dynamic=False, **OPTIONS)  # (both run at x alone)
+    planned = mpgraph.convert(meta, x, dynamic=False, **OPTIONS)
     mpgraph.load_weights(planned, save_checkpoint(real, tmp_path))
     weight = planned.get_parameter("conv.weight")
     assert weight.dtype == torch.bfloat16 and weight.is_contiguous(memory_format=torch.channels_last)
@@ -391,7 +391,7 @@ def test_a_shared_load_checks_the_second_module_before_writing_the_first():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     x = torch.randn(4, 16)
-    options = dict(dtype="fp16", target="a100", strategy="rules")
+    options = dict(dtype="fp16", target="a100", strategy="rules", dynamic=False)  # (never run)
     first = mpgraph.convert(model, x, overrides={"2": "fp32"}, **options)
     second = mpgraph.convert(model, x, **options)
     assert dict(first.named_parameters())["2.weight"].dtype == torch.float32
