@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import mpgraph
 from mpgraph.numerics import output_errors, relative_l2
 
-from conftest import GPU, rel_err
+from conftest import GPU, rel_err, tiny_bert
 
 
 class ResidualMLP(nn.Module):
@@ -316,8 +316,12 @@ class Masked(nn.Module):
         return y
 
 
-def test_a_kv_cache_argument_the_model_was_not_converted_with_points_to_convert_decoder(gpt2):
+def test_a_kv_cache_argument_the_model_was_not_converted_with_points_to_convert_decoder():
     """past_key_values= was told 'Convert with it: example_kwargs=...', which no capture takes."""
+    from transformers import GPT2Config, GPT2Model
+    torch.manual_seed(0)  # (conftest's gpt2 with one layer: the depth is not the point)
+    gpt2 = GPT2Model(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100, n_positions=64,
+                                use_cache=False, bos_token_id=0, eos_token_id=0)).eval()
     ids = torch.randint(0, 100, (2, 8))
     fast = mpgraph.convert(gpt2, (ids,), dtype="bf16", target=GPU)
     with torch.no_grad():
@@ -483,19 +487,21 @@ def test_converting_under_inference_mode_works_as_outside_it():
 _BERT_FP16: dict = {}
 
 
-def bert_fp16(bert):
-    """(ids, converted): conftest's ``bert`` (the same weights in every test: seed 0) converted
-    once for the module with its defaults, fp16 for the GPU, on a (2, 16) batch. The tests
-    that take it only call it (none mutates it)."""
+def bert_fp16():
+    """(bert, ids, converted): conftest's ``bert`` with one layer (seed 0; what the tests that
+    take it check does not depend on the depth) converted once for the module with its
+    defaults, fp16 for the GPU, on a (2, 16) batch. The tests that take it only call them
+    (none mutates them)."""
     if not _BERT_FP16:
+        bert = tiny_bert(layers=1)
         ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-        _BERT_FP16["ids"], _BERT_FP16["fast"] = ids, mpgraph.convert(bert, ids, dtype="fp16",
-                                                                      target=GPU)
-    return _BERT_FP16["ids"], _BERT_FP16["fast"]
+        _BERT_FP16.update(bert=bert, ids=ids, fast=mpgraph.convert(bert, ids, dtype="fp16",
+                                                                   target=GPU))
+    return _BERT_FP16["bert"], _BERT_FP16["ids"], _BERT_FP16["fast"]
 
 
-def test_hf_attention_mask_not_given_at_conversion_is_a_clear_error(bert):
-    ids, fast = bert_fp16(bert)  # (shared with test_a_model_without_branches_converted_at_...)
+def test_hf_attention_mask_not_given_at_conversion_is_a_clear_error():
+    bert, ids, fast = bert_fp16()  # (shared with test_a_model_without_branches_converted_at_...)
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[:, 10:] = 0
     with pytest.raises(TypeError, match=r"argument 'attention_mask' was not given \(None\) when "
@@ -601,8 +607,8 @@ def test_an_input_of_another_rank_than_converted_is_named_with_its_rank():
         fast(batched, {"x": one})
 
 
-def test_a_model_without_branches_converted_at_batch_2_runs_at_batch_1(bert):
-    ids, fast = bert_fp16(bert)  # (one conversion, shared with test_hf_attention_mask_not_...)
+def test_a_model_without_branches_converted_at_batch_2_runs_at_batch_1():
+    bert, ids, fast = bert_fp16()  # (one conversion, shared with test_hf_attention_mask_not_...)
     one = ids[:1, :9]
     with torch.no_grad():
         assert relative_l2(fast(one).last_hidden_state, bert(one).last_hidden_state) < 4e-3
@@ -872,7 +878,8 @@ def test_a_default_config_hf_decoder_converts_without_its_cache(name, caplog):
     assert model.config.use_cache  # the default of every HF decoder
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     with caplog.at_level("INFO", logger="mpgraph.api"):
-        fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU)
+        fast = mpgraph.convert(model, ids, dtype="bf16", target=GPU,
+                               dynamic=False)  # (called at the example's shape only)
     assert f"{name}: converted with use_cache=False" in caplog.text
     assert "mpgraph.convert_decoder" in caplog.text
     with torch.no_grad():
@@ -952,10 +959,10 @@ def test_threads_convert_at_once_under_a_short_switch_interval_and_others_keep_r
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warning(bert, dtype):
+def test_a_model_already_in_low_precision_is_returned_as_it_computes_with_a_warning(dtype):
     """A model loaded in bf16 (torch_dtype=...) has no float32 node to decide: the summary said
     'converted 0/0 nodes' (or 'kept float32: no node is faster ...'), and nothing more."""
-    low = copy.deepcopy(bert).to(dtype)
+    low = tiny_bert(layers=1).to(dtype)  # (conftest's bert, one layer: depth is not the point)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     for options in ({}, {"dtype": "fp16", "target": GPU}):
@@ -1108,7 +1115,9 @@ def test_one_tensor_given_for_several_arguments_converts_a_graph_that_takes_them
                                  (QueryKeyValue(), (x, x, x), (x, y, z)),
                                  (QueryKeyValue(), (x, x[:], x), (x, y, y))):  # (a view: one storage)
         model.eval()
-        fast = mpgraph.convert(model, example, dtype="fp16", target=GPU, strategy="rules")
+        # (static: every call is at the example's shapes; the aliasing is the point)
+        fast = mpgraph.convert(model, example, dtype="fp16", target=GPU, strategy="rules",
+                               dynamic=False)
         with torch.no_grad():
             assert relative_l2(fast(*call), model(*call)) < 4e-3
             assert relative_l2(fast(*example), model(*example)) < 4e-3
