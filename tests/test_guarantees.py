@@ -643,7 +643,8 @@ def test_state_dict_has_the_model_s_keys_and_loading_new_weights_updates_every_c
     fast.load_state_dict(fast.state_dict())  # round-trips
 
 
-def test_non_persistent_buffers_stay_out_of_the_state_dict(bert):
+def test_non_persistent_buffers_stay_out_of_the_state_dict():
+    bert = tiny_bert(layers=1)  # (conftest's bert, one layer: depth is not the point)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = mpgraph.convert(bert, ids, dtype="bf16", target=GPU, dynamic=False)  # (never called)
     assert set(fast.state_dict()) == set(bert.state_dict())  # no embeddings.position_ids
@@ -719,7 +720,8 @@ def test_train_on_an_inference_conversion_of_an_eval_model_warns():
 
 # -- hooks (issue 25.8) ---------------------------------------------------------------------
 
-def test_hooks_on_submodules_the_graph_never_calls_are_refused_and_called_ones_fire(bert):
+def test_hooks_on_submodules_the_graph_never_calls_are_refused_and_called_ones_fire():
+    bert = tiny_bert(layers=1)  # (conftest's bert, one layer: depth is not the point)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     fast = mpgraph.convert(bert, ids, dtype="bf16", target=GPU,  # torch.export: no module calls
                            dynamic=False)  # (called at the example's shape only)
