@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import GPU, ConvBnReluPool, small_bert
+from conftest import GPU, ConvBnReluPool, small_bert, tiny_bert
 
 import mpgraph
 from mpgraph.cli import main as cli
@@ -457,7 +457,7 @@ def test_summary_says_the_dtype_choice_s_estimates_came_before_the_tolerance_pin
     batches = [torch.randn(64, 256, generator=g) for _ in range(3)]
     # (all float16: error 6.2e-4; the search pins a matmul to meet 5e-4)
     plan = mpgraph.convert(m, batches[0], target=GPU, runtime="graphs", calibration=batches,
-                           tolerance=5e-4).plan
+                           tolerance=5e-4, dynamic=False).plan  # (never called: static capture)
     assert plan.tolerance["pinned"] and plan.low_nodes
     chosen = plan.dtype_choice["estimates_s"]
     assert plan.estimate["plan_s"] > chosen["float16"] * 1.5
@@ -969,9 +969,10 @@ def test_the_summary_counts_one_node_in_the_singular():
     assert "; 1 float32 node with numeric-safety findings (calibrated on 1 batch)" in summary
 
 
-def test_a_plan_saved_from_a_static_capture_applies_with_its_capture(bert, token_ids, tmp_path):
+def test_a_plan_saved_from_a_static_capture_applies_with_its_capture(token_ids, tmp_path):
     # was: a PlanMismatchError listing nodes ("node add_4: shape (16,), the plan has (2, 16,
     # 32)") that never named dynamic; the plan says how it was captured, and that is applied
+    bert = tiny_bert(layers=1)  # (the bert fixture's model, one layer: depth is not the point)
     ids, _ = token_ids
     fast = mpgraph.convert(bert, (ids,), dtype="fp16", target="a100", dynamic=False)
     assert fast.plan.capture == "torch.export at the example's shapes"
