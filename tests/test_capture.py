@@ -15,7 +15,7 @@ from mpgraph.errors import VALUE_AS_NUMBER_FIX, VALUE_BRANCH_FIX
 from mpgraph.ir.meta import CAPTURE, TENSOR, TensorInfo
 from mpgraph.numerics import relative_l2
 
-from conftest import GPU, MLP
+from conftest import GPU, MLP, tiny_bert
 
 
 def test_symbolic_trace_route_records_shapes_and_dtypes():
@@ -240,8 +240,9 @@ def test_capture_rejects_non_modules():
         mpgraph.capture(lambda x: x, torch.randn(2))
 
 
-def test_model_is_untouched_by_capture_and_convert(bert, token_ids):
+def test_model_is_untouched_by_capture_and_convert(token_ids):
     ids, mask = token_ids
+    bert = tiny_bert(layers=1)  # (the bert fixture's model, one layer: depth is not the point)
     bert.train()  # a flag we must not flip
     calls = []
     handle = bert.encoder.register_forward_hook(lambda *a: calls.append(1))
