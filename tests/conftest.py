@@ -172,13 +172,18 @@ def bert():
     return tiny_bert()
 
 
-@pytest.fixture
-def gpt2():
+def tiny_gpt2(layers: int = 2):
+    """The ``gpt2`` fixture's model, seeded; ``layers=1`` where depth is not a test's point."""
     from transformers import GPT2Config, GPT2Model
     torch.manual_seed(0)
-    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=64,
+    cfg = GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=100, n_positions=64,
                      use_cache=False, bos_token_id=0, eos_token_id=0)
     return GPT2Model(cfg).eval()
+
+
+@pytest.fixture
+def gpt2():
+    return tiny_gpt2()
 
 
 @pytest.fixture

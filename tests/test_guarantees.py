@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import mpgraph
 from mpgraph.numerics import output_errors, relative_l2
 
-from conftest import GPU, rel_err, tiny_bert
+from conftest import GPU, rel_err, tiny_bert, tiny_gpt2
 
 
 class ResidualMLP(nn.Module):
@@ -318,10 +318,7 @@ class Masked(nn.Module):
 
 def test_a_kv_cache_argument_the_model_was_not_converted_with_points_to_convert_decoder():
     """past_key_values= was told 'Convert with it: example_kwargs=...', which no capture takes."""
-    from transformers import GPT2Config, GPT2Model
-    torch.manual_seed(0)  # (conftest's gpt2 with one layer: the depth is not the point)
-    gpt2 = GPT2Model(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100, n_positions=64,
-                                use_cache=False, bos_token_id=0, eos_token_id=0)).eval()
+    gpt2 = tiny_gpt2(layers=1)  # (conftest's gpt2, one layer: the depth is not the point)
     ids = torch.randint(0, 100, (2, 8))
     fast = mpgraph.convert(gpt2, (ids,), dtype="bf16", target=GPU)
     with torch.no_grad():

@@ -162,6 +162,9 @@ def test_measurement_covers_each_op_in_each_native_dtype_and_a_second_conversion
         raise AssertionError("a fully cached table ran the graph")
 
     monkeypatch.setattr(measured._Timer, "run", no_run)
+    # (the cache alone: a machine found quieter than when it measured would measure again,
+    # which test_costs_measured_on_a_busy_machine_... tests; a loaded machine did here)
+    monkeypatch.setattr(measured, "RELIEF", math.inf)
     with caplog.at_level(logging.INFO, logger="mpgraph"):
         plan = mpgraph.convert(model, (x,)).plan
     assert not [r for r in caplog.records if r.getMessage().startswith("measured ")]
