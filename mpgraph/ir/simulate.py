@@ -269,19 +269,27 @@ def fake_dtypes(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> dict:
 
 
 _META = torch.device("meta")
+# ops whose meta kernels give CUDA's dtypes where the CPU's differ (torch's meta kernels take a
+# meta tensor for a CUDA one): these norms' mean and rstd outputs are float32 on meta, the
+# input's fp16/bf16 on the CPU (native_layer_norm, native_batch_norm,
+# _native_batch_norm_legit*, _batch_norm_with_update*)
+_CUDA_RULED = ("native_layer_norm", "native_batch_norm", "batch_norm_with_update",
+               "batch_norm_no_update")
 
 
 def _meta_dtypes(gm: torch.fx.GraphModule, flat: list) -> dict:
     """``fake_dtypes`` from a run on meta tensors: the inputs, weights and constants as meta
     tensors of their shapes, strides and dtypes, every device an op is given the meta device;
     nothing of the graph is changed. Not for a graph with an autocast region (autocast rules by
-    device: a meta tensor is on none), a linear over a packed weight (an opaque CPU tensor) or a
+    device: a meta tensor is on none), an op of ``_CUDA_RULED``, a linear over a packed weight
+    (an opaque CPU tensor) or a
     submodule holding weights (it would run with its own, and swapping them in place is a change
     to a module the user may hold): those raise, and the fake run takes them."""
     for g in _graphs(gm):
         for n in g.graph.nodes:
             if "autocast" in str(n.target).lower() or n.meta.get(PACKED) or (
-                    n.op == "call_module" and _holds_weights(g.get_submodule(n.target))):
+                    n.op == "call_module" and _holds_weights(g.get_submodule(n.target))) or (
+                    getattr(n.target, "__name__", "").lstrip("_").startswith(_CUDA_RULED)):
                 raise NotImplementedError(f"no meta run for {n.format_node()}")
 
     memo = {}

@@ -205,6 +205,20 @@ class _OwnBf16Region(torch.nn.Module):
         return self.b(h.float())
 
 
+class _NormStatistics(torch.nn.Module):
+    """A norm's mean and rstd read: float32 from torch's meta kernel, fp16 on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = (torch.nn.Parameter(torch.randn(16, 16) / 4) for _ in range(2))
+        self.g, self.b = torch.nn.Parameter(torch.ones(16)), torch.nn.Parameter(torch.zeros(16))
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(x, self.w1)
+        out, mean, rstd = torch.native_layer_norm(h, [16], self.g, self.b, 1e-5)
+        return torch.nn.functional.linear(out, self.w2) * rstd + mean
+
+
 def _fake_only(monkeypatch, gm, args):
     """fake_dtypes as it ran before its meta-tensor run: on fake tensors only."""
     from mpgraph.ir import simulate
@@ -218,14 +232,15 @@ def _fake_only(monkeypatch, gm, args):
 
 @pytest.mark.parametrize("name, refused", [
     ("bert", None), ("cnn", "call_module"), ("autocast", "autocast"),
-    ("data-dependent", "nonzero")])
+    ("norm statistics", "native_layer_norm"), ("data-dependent", "nonzero")])
 def test_the_check_s_dtypes_from_meta_tensors_are_those_fake_tensors_give(name, refused,
                                                                          monkeypatch):
     """The check reads every node's dtype from a run without arithmetic: on meta tensors, 2-3x
     faster than on fake tensors, which run the same kernels. Where a meta run could differ or
     fail, the fake run gives them: an autocast region (autocast's rules are by device, and a
     meta tensor is on none: the region's bf16 linear said float32, and the check failed a right
-    conversion), a submodule holding weights (fx's Conv2d: it would run with its own, on the
+    conversion), a norm whose statistics torch's meta kernel types as on CUDA (float32 where
+    the CPU's are fp16: the check failed a right conversion), a submodule holding weights (fx's Conv2d: it would run with its own, on the
     CPU; swapping meta weights into it was a change to a module under two names, whose swap
     back left meta weights in the converted module), an op whose sizes come from values. The
     same dtype for every node either way, and the graph's weights untouched."""
@@ -236,8 +251,10 @@ def test_the_check_s_dtypes_from_meta_tensors_are_those_fake_tensors_give(name, 
     model, x = {"bert": lambda: (tiny_bert(1), torch.randint(0, 100, (2, 12))),
                 "cnn": lambda: (ConvBnReluPool().eval(), torch.randn(2, 3, 16, 16)),
                 "autocast": lambda: (_OwnBf16Region().eval(), torch.randn(2, 16)),
+                "norm statistics": lambda: (_NormStatistics().eval(), torch.randn(4, 16)),
                 "data-dependent": lambda: (_DataDependent().eval(), torch.randn(4, 8))}[name]()
-    gm = convert(model, x, dtype=torch.float16, dynamic=False)
+    gm = convert(model, x, dtype=torch.float16, dynamic=False,  # (the norm planned fp16 too)
+                 overrides={"native_layer_norm": "fp16"} if name == "norm statistics" else None)
     weights = dict(gm.state_dict(keep_vars=True))
     fake = _fake_only(monkeypatch, gm, (x,))
     low = [n.name for n, d in fake.items() if d in (torch.float16, torch.bfloat16)]
