@@ -235,15 +235,16 @@ def _fake_only(monkeypatch, gm, args):
     ("norm statistics", "native_layer_norm"), ("data-dependent", "nonzero")])
 def test_the_check_s_dtypes_from_meta_tensors_are_those_fake_tensors_give(name, refused,
                                                                          monkeypatch):
-    """The check reads every node's dtype from a run without arithmetic: on meta tensors, 2-3x
+    """The check reads every node's dtype from a run without arithmetic: on meta tensors, 2-2.5x
     faster than on fake tensors, which run the same kernels. Where a meta run could differ or
     fail, the fake run gives them: an autocast region (autocast's rules are by device, and a
     meta tensor is on none: the region's bf16 linear said float32, and the check failed a right
     conversion), a norm whose statistics torch's meta kernel types as on CUDA (float32 where
-    the CPU's are fp16: the check failed a right conversion), a submodule holding weights (fx's Conv2d: it would run with its own, on the
-    CPU; swapping meta weights into it was a change to a module under two names, whose swap
-    back left meta weights in the converted module), an op whose sizes come from values. The
-    same dtype for every node either way, and the graph's weights untouched."""
+    the CPU's are fp16: the check failed a right conversion), a submodule holding weights (fx's
+    Conv2d: it would run with its own, on the CPU; swapping meta weights into it was a change
+    to a module under two names, whose swap back left meta weights in the converted module), an
+    op whose sizes come from values. The same dtype for every node either way, and the graph's
+    weights untouched."""
     from conftest import tiny_bert
     from mpgraph.ir import simulate
     from mpgraph.ir.graph import flat_inputs
